@@ -1,0 +1,312 @@
+"""Run N real ranks from Python, a notebook or a test — and keep them warm.
+
+Starting a rank costs seconds (each process imports torch, then the ranks rendezvous), so
+:class:`Ranks` starts N processes once and then runs many *tasks* on them::
+
+    with Ranks(4) as ranks:
+        out = ranks.run(minishard.demo.train, strategy="ddp", steps=3)   # one result per rank
+        out = ranks.run(minishard.demo.train, strategy="ddp", steps=5)   # same warm processes
+
+A task is any importable function ``fn(rank: RankContext, *args, **kwargs)``; it runs on every
+rank at once and returns a picklable result. ``RankContext`` carries the rank, the world size,
+the device and a :class:`~minishard.trace.Tracer` whose events come back with the results, or
+live through ``on_event`` while the task runs.
+
+How the plumbing works, and why:
+
+* The parent owns a ``TCPStore`` on port 0 (the OS picks a free port: no races between parallel
+  notebooks or tests); ranks join it as clients. gloo on CPU, NCCL when CUDA is present.
+* Processes come from a *forkserver* that has already imported torch, so a new pool is up in a
+  couple of seconds rather than ten.
+* A rank that raises reports its own traceback on the result queue *before* anything else; its
+  peers then die of "connection closed", but the caller gets the first failure, as
+  :class:`RankError`. A failed or timed-out pool is torn down (no orphans) and must be
+  recreated: its process group may be stuck mid-collective.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import queue as queue_mod
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .trace import Tracer
+
+INIT_TIMEOUT_S = 60.0
+
+
+class RankError(RuntimeError):
+    """A rank raised; carries the rank, its exception text and its own traceback."""
+
+    def __init__(self, rank: int, error: str, tb: str):
+        super().__init__(f"rank {rank} failed first: {error}\n\n--- traceback on rank {rank} ---\n{tb}")
+        self.rank, self.error, self.rank_traceback = rank, error, tb
+
+
+@dataclass
+class RankContext:
+    """What a task function receives on each rank."""
+    rank: int
+    world_size: int
+    device: torch.device
+    tracer: Tracer
+    backend: str
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _resolve(fn_ref: str) -> Callable:
+    module, _, name = fn_ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _fn_ref(fn: Callable | str) -> str:
+    if isinstance(fn, str):
+        return fn
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module in (None, "__main__") or "<locals>" in name:
+        raise ValueError(
+            f"task {fn!r} must be a module-level function of an importable module (rank "
+            f"processes import it by name); define it in a .py file, not in a notebook or a closure")
+    return f"{module}:{name}"
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, sys_path: list,
+            tasks, results) -> None:
+    sys.path[:] = sys_path
+    torch.set_num_threads(threads)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=timedelta(seconds=INIT_TIMEOUT_S))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=INIT_TIMEOUT_S))
+        device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" \
+            else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        results.put(("ready", rank, None))
+    except BaseException as e:
+        results.put(("error", rank, (-1, repr(e), traceback.format_exc(), time.time())))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn_ref, args, kwargs, stream, origin = task
+        sink = (lambda ev: results.put(("event", rank, ev))) if stream else None
+        tracer = Tracer(rank, world_size, origin=origin, sink=sink, keep=not stream)
+        try:
+            out = _resolve(fn_ref)(RankContext(rank, world_size, device, tracer, backend),
+                                   *args, **kwargs)
+            results.put(("result", rank, (task_id, out, tracer.events)))
+        except BaseException as e:
+            # report first: the peers are about to fail with "connection closed" and the caller
+            # must see this rank's error, not theirs
+            results.put(("error", rank, (task_id, repr(e), traceback.format_exc(), time.time())))
+            break
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class Ranks:
+    """A warm pool of ``world_size`` rank processes that runs tasks (see the module docstring)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, world_size: int, *, backend: str | None = None, threads: int = 1,
+                 timeout: float = 120.0, start_method: str = "forkserver"):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        self.world_size, self.timeout = world_size, timeout
+        self.backend = backend or default_backend()
+        if self.backend == "nccl" and torch.cuda.device_count() < 1:
+            raise ValueError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            # the forkserver imports these once; every rank forked from it starts warm
+            ctx.set_forkserver_preload(["torch", "torch.distributed", "minishard"])
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                    wait_for_workers=False, timeout=timedelta(seconds=INIT_TIMEOUT_S))
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_worker, daemon=True, name=f"minishard-rank{r}",
+                                   args=(r, world_size, self._store.port, self.backend, threads,
+                                         list(sys.path), self._tasks[r], self._results))
+                       for r in range(world_size)]
+        self.broken: str | None = None
+        for p in self._procs:
+            p.start()
+        ready = set()
+        deadline = time.monotonic() + INIT_TIMEOUT_S
+        while len(ready) < world_size:
+            kind, rank, payload = self._get(deadline, "starting the ranks")
+            if kind == "ready":
+                ready.add(rank)
+            elif kind == "error":
+                self.close()
+                raise RankError(rank, payload[1], payload[2])
+
+    # ---- running tasks
+    def run(self, fn: Callable | str, *args, on_event: Callable[[dict], None] | None = None,
+            timeout: float | None = None, **kwargs) -> list:
+        """Run ``fn(rank_ctx, *args, **kwargs)`` on every rank; return the results by rank.
+
+        The events each rank traced are in :attr:`last_events` (merged, time-ordered);
+        with ``on_event`` they are also delivered one by one while the task runs.
+        """
+        if self.broken:
+            raise RuntimeError(f"this pool of ranks is closed ({self.broken}); start a new Ranks")
+        task_id = next(self._ids)
+        origin = time.time()
+        for q in self._tasks:
+            q.put((task_id, _fn_ref(fn), args, kwargs, on_event is not None, origin))
+        results: dict[int, Any] = {}
+        events: list[dict] = []
+        deadline = time.monotonic() + (timeout or self.timeout)
+        errors = []
+        while len(results) < self.world_size:
+            try:
+                kind, rank, payload = self._get(deadline, f"task {_fn_ref(fn)}",
+                                                pending=set(range(self.world_size)) - set(results))
+            except BaseException:
+                self.close(reason="timed out or interrupted")
+                raise
+            if kind == "event":
+                events.append(payload)
+                if on_event is not None:
+                    on_event(payload)
+            elif kind == "result":
+                _, out, evs = payload
+                results[rank] = out
+                events.extend(evs)
+            elif kind == "error":
+                errors.append((payload[3], rank, payload[1], payload[2]))
+                # give the other ranks a moment: if one failed *earlier*, report that one
+                self._collect_errors(errors, 1.0)
+                self.close(reason="a rank failed")
+                t, r, err, tb = min(errors)
+                raise RankError(r, err, tb)
+        from .trace import merge
+        self.last_events = merge(events)
+        return [results[r] for r in range(self.world_size)]
+
+    def _collect_errors(self, errors: list, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                kind, rank, payload = self._results.get(timeout=0.05)
+            except queue_mod.Empty:
+                continue
+            if kind == "error":
+                errors.append((payload[3], rank, payload[1], payload[2]))
+
+    def _get(self, deadline: float, what: str, pending: set | None = None):
+        while True:
+            try:
+                return self._results.get(timeout=0.1)
+            except queue_mod.Empty:
+                pass
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
+                    if p.exitcode is not None and (pending is None or r in pending)]
+            if dead:
+                # a rank that died without reporting (killed, segfault): nothing will come
+                self._collect_errors(errs := [], 0.5)
+                self.close(reason="a rank died")
+                if errs:
+                    t, r, err, tb = min(errs)
+                    raise RankError(r, err, tb)
+                r, code = dead[0]
+                raise RankError(r, f"process exited with code {code} without reporting", "")
+            if time.monotonic() > deadline:
+                self.close(reason="timeout")
+                raise TimeoutError(f"{what}: no answer from ranks "
+                                   f"{sorted(pending) if pending else 'all'} in time")
+
+    # ---- teardown
+    def close(self, reason: str = "closed") -> None:
+        if self.broken:
+            return
+        self.broken = reason
+        if reason == "closed":
+            for q in self._tasks:
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+            for p in self._procs:
+                p.join(timeout=5)
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for q in [self._results, *self._tasks]:
+            q.close()
+            q.cancel_join_thread()
+
+    @property
+    def alive(self) -> bool:
+        return not self.broken and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def run(fn: Callable | str, world_size: int, *args, on_event=None, timeout: float | None = None,
+        **kwargs) -> list:
+    """Start ``world_size`` ranks, run one task on them, shut them down."""
+    with Ranks(world_size) as ranks:
+        return ranks.run(fn, *args, on_event=on_event, timeout=timeout, **kwargs)
+
+
+# --------------------------------------------------------------------------- torchrun
+
+def context_from_env(trace_sink=None) -> RankContext:
+    """Inside ``torchrun``: join the process group from the environment and build the context."""
+    backend = default_backend()
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=INIT_TIMEOUT_S))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # agree on one time origin so the ranks' timelines line up
+    from .comm import Comm
+    origin = torch.tensor([time.time()], dtype=torch.float64, device=device)
+    Comm().broadcast(origin, 0)
+    return RankContext(rank, world_size, device, Tracer(rank, world_size, origin=origin.item(),
+                                                        sink=trace_sink), backend)

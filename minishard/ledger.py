@@ -1,0 +1,422 @@
+"""The memory ledger: where a training step's bytes live, predicted and measured.
+
+Two halves, one vocabulary of categories:
+
+* :func:`estimate` — the *analytic* ledger. Given a parameter count (or a model), a world size, a
+  strategy, a precision policy and an optimizer, it returns per-rank bytes for each category.
+  Mixed-precision AdamW keeps 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter; ZeRO shards some of
+  those categories across the N ranks.
+* :class:`LiveLedger` — the *measured* ledger. Every tensor a strategy allocates is entered here by
+  category (and freed again); activations are counted as autograd saves them for backward.
+  Every entry is an ``alloc``/``free`` event in the rank's trace.
+
+Categories: ``params`` (working weights), ``grads``, ``grad_accum`` (an fp32 gradient accumulator
+kept next to bf16 grads), ``master`` (fp32 master weights), ``exp_avg`` / ``exp_avg_sq`` (Adam
+moments), ``momentum`` (SGD), ``activations``, ``unsharded`` (a unit's temporarily gathered
+parameters), ``comm_buffers``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from .trace import Tracer
+
+CATEGORIES = ("params", "grads", "grad_accum", "master", "exp_avg", "exp_avg_sq", "momentum",
+              "activations", "unsharded", "comm_buffers")
+STATE_CATEGORIES = ("params", "grads", "grad_accum", "master", "exp_avg", "exp_avg_sq", "momentum")
+
+# --------------------------------------------------------------------------- the rules
+
+# The ZeRO stage is a threshold (llm.c's idea): each kind of state names the stage from which it
+# is sharded across ranks. Stages 1..3 are then one code path, and DDP is stage 0.
+SHARDED_FROM_STAGE = {
+    "master": 1, "exp_avg": 1, "exp_avg_sq": 1, "momentum": 1,   # optimizer state: ZeRO-1
+    "grads": 2, "grad_accum": 2,                                 # gradients:       ZeRO-2
+    "params": 3,                                                 # parameters:      ZeRO-3 / FSDP
+}
+STRATEGY_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each precision-dependent category."""
+    name: str
+    params: int        # working weights used by forward/backward
+    grads: int         # gradients produced by backward (and reduced)
+    master: int        # fp32 master copy the optimizer updates (0: the params are the master)
+    grad_accum: int    # a separate fp32 gradient accumulator (0: none)
+    state: int         # bytes of each optimizer moment element
+    about: str
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", 4, 4, 0, 0, 4,
+                      "everything fp32; the weights are their own master copy"),
+    "bf16_mixed": Precision("bf16_mixed", 2, 2, 4, 0, 4,
+                            "bf16 weights and grads, fp32 master weights and Adam moments"),
+    "bf16_mixed_fp32_grads": Precision(
+        "bf16_mixed_fp32_grads", 2, 4, 4, 0, 4,
+        "bf16 compute, gradients reduced and kept in fp32 (FSDP's reduce_dtype=float32)"),
+    "bf16_mixed_fp32_accum": Precision(
+        "bf16_mixed_fp32_accum", 2, 2, 4, 4, 4,
+        "bf16 grads plus a separate fp32 accumulation buffer (Megatron's main_grad)"),
+}
+
+OPTIMIZERS = {
+    # optimizer name -> (state categories, bytes per element override or None = precision.state)
+    "adamw": (("exp_avg", "exp_avg_sq"), None),
+    "adamw_8bit": (("exp_avg", "exp_avg_sq"), 1),
+    "sgd": ((), None),
+    "sgd_momentum": (("momentum",), None),
+}
+
+
+def conventions() -> list[tuple[int, str, str]]:
+    """The bytes-per-parameter figures people quote, each as the setting that produces it."""
+    rows = []
+    for prec, opt, why in [
+        ("bf16_mixed", "adamw", "the standard figure: 2 + 2 + 4 + 4 + 4"),
+        ("fp32", "adamw", "plain fp32 AdamW: 4 + 4 + 4 + 4 — also 16, with no separate master"),
+        ("bf16_mixed", "adamw_8bit", "8-bit Adam moments: 2 + 2 + 4 + 1 + 1"),
+        ("bf16_mixed_fp32_grads", "adamw", "gradients kept in fp32: 2 + 4 + 4 + 4 + 4"),
+        ("bf16_mixed_fp32_accum", "adamw", "bf16 grads and an fp32 accumulator: 2 + 2 + 4 + 4 + 4 + 4"),
+        ("fp32", "sgd_momentum", "fp32 SGD with momentum: 4 + 4 + 4"),
+        ("fp32", "sgd", "fp32 SGD without momentum: 4 + 4"),
+    ]:
+        b = estimate(n_params=1, precision=prec, optimizer=opt).bytes_per_param
+        rows.append((int(b), f"precision={prec}, optimizer={opt}", why))
+    return rows
+
+
+# --------------------------------------------------------------------------- the analytic ledger
+
+@dataclass
+class Estimate:
+    """Per-rank bytes by category, with how they were derived."""
+    n_params: int
+    world_size: int
+    strategy: str
+    precision: str
+    optimizer: str
+    per_rank: dict[str, int]                       # category -> bytes on each rank
+    sharded: dict[str, bool]                       # category -> sharded across ranks?
+    full: dict[str, int] = field(default_factory=dict)   # category -> bytes if unsharded
+
+    @property
+    def state_bytes(self) -> int:
+        """Model state on one rank: everything but activations and temporary buffers."""
+        return sum(v for k, v in self.per_rank.items() if k in STATE_CATEGORIES)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_rank.values())
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Model-state bytes per parameter on one rank (16.0 for bf16-mixed AdamW under DDP)."""
+        return self.state_bytes / self.n_params
+
+    def table(self, unit: float = 2**30, unit_name: str = "GiB") -> str:
+        lines = [f"{'category':<14}{'per rank':>14}  sharded"]
+        for k, v in self.per_rank.items():
+            lines.append(f"{k:<14}{v / unit:>10.3f} {unit_name}  {'yes' if self.sharded.get(k) else 'no'}")
+        lines.append(f"{'total':<14}{self.total / unit:>10.3f} {unit_name}")
+        return "\n".join(lines)
+
+
+def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Parameters of a module, each shared tensor once. Works on the meta device."""
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        n += p.numel()
+    return n
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements each rank stores of a flat buffer of ``numel`` split N ways (last rank padded)."""
+    return math.ceil(numel / world_size)
+
+
+def estimate(model: torch.nn.Module | None = None, *, n_params: int | None = None,
+             world_size: int = 1, strategy: str = "ddp", precision: str = "bf16_mixed",
+             optimizer: str = "adamw", activation_bytes: int = 0) -> Estimate:
+    """Analytic per-rank memory of the training state.
+
+    Pass a model (any device, meta included) or ``n_params``. ``activation_bytes`` (per rank) can
+    come from :func:`gpt_activation_bytes`. Sharded categories hold ``ceil(n/N)`` elements per rank
+    (a flat buffer split N ways, padded), so the figures are exact for minishard's layouts.
+    """
+    if (model is None) == (n_params is None):
+        raise ValueError("pass exactly one of model= or n_params=")
+    if model is not None:
+        n_params = count_params(model, trainable_only=True)
+        if n_params == 0:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters to account for")
+    if not isinstance(n_params, int) or n_params < 1:
+        raise ValueError(f"n_params must be a positive integer, got {n_params!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if strategy not in STRATEGY_STAGE:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGY_STAGE)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZERS)}")
+
+    prec, stage = PRECISIONS[precision], STRATEGY_STAGE[strategy]
+    state_cats, state_bytes = OPTIMIZERS[optimizer]
+    bpp = {"params": prec.params, "grads": prec.grads}
+    if prec.grad_accum:
+        bpp["grad_accum"] = prec.grad_accum
+    if prec.master:
+        bpp["master"] = prec.master
+    for c in state_cats:
+        bpp[c] = state_bytes or prec.state
+
+    per_rank, sharded, full = {}, {}, {}
+    for cat, b in bpp.items():
+        is_sharded = stage >= SHARDED_FROM_STAGE[cat] and world_size > 1
+        elems = shard_numel(n_params, world_size) if is_sharded else n_params
+        per_rank[cat], sharded[cat], full[cat] = elems * b, is_sharded, n_params * b
+    if activation_bytes:
+        per_rank["activations"], sharded["activations"] = int(activation_bytes), False
+    return Estimate(n_params, world_size, strategy, precision, optimizer, per_rank, sharded, full)
+
+
+def gpt_activation_bytes(cfg, micro_batch: int, seq_len: int | None = None,
+                         dtype_bytes: int = 4) -> int:
+    """Bytes autograd saves for backward in one forward of :class:`minishard.model.GPT`.
+
+    Derived op by op from what each autograd node keeps; the measured ledger (saved-tensor
+    hooks) checks it exactly. B = micro_batch, T = seq_len, C = d_model, H = heads, F = MLP
+    hidden, V = vocab, L = layers, x = bytes of the compute dtype. Parameters are not counted
+    (they are already in the ledger), and a tensor saved by two ops is counted once.
+    """
+    B, T = micro_batch, seq_len or cfg.seq_len
+    C, H, F, V, L = cfg.d_model, cfg.n_head, cfg.ffn_hidden, cfg.vocab_size, cfg.n_layer
+    x, BT = dtype_bytes, B * T
+    if cfg.norm == "layernorm":                    # one fused op: input, mean and rstd (fp32)
+        norm = BT * C * x + 2 * BT * 4
+    else:                                          # rms_norm is composite on CPU: input, rstd,
+        norm = 2 * BT * C * x + BT * 4             # and the normalised input (for the weight)
+    per_block = (
+        norm                                       # ln1
+        + BT * C * x                               # qkv projection: its input (ln1's output)
+        + 3 * BT * C * x                           # q, k, v: contiguous copies made by the two
+                                                   # batched matmuls (k, v after GQA repeat)
+        + T * T                                    # the causal mask (bool) kept by masked_fill
+        + B * H * T * T * x                        # softmax output: kept by softmax and by att @ v
+        + BT * C * x                               # out projection: its input
+        + norm                                     # ln2
+        + BT * C * x                               # MLP up projection(s): their input
+        + (3 if cfg.mlp == "swiglu" else 1) * BT * F * x   # gelu input | silu input, silu out, up out
+        + BT * F * x                               # down projection: its input
+    )
+    embed = BT * 8                                 # token ids (int64) for the embedding backward
+    head = (norm                                   # final norm
+            + BT * C * x                           # head: its input
+            + BT * V * x                           # log-softmax of the logits, for the loss
+            + BT * 8 + 4)                          # targets (int64) and the loss's total weight
+    return L * per_block + embed + head
+
+
+# --------------------------------------------------------------------------- the live ledger
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class LiveLedger:
+    """Measured per-rank memory: strategies enter what they allocate and free, by category.
+
+    ``alloc``/``free`` are keyed by a tag (unique while alive). ``track(category, tensor, tag)``
+    enters a tensor's storage. ``activations()`` is a context manager that counts what autograd
+    saves for backward (freed again when backward releases it). Peaks are kept overall and per
+    phase, and every change is an event in the tracer.
+    """
+
+    def __init__(self, tracer: Tracer | None = None, device: str = "device"):
+        self.tracer = tracer
+        self.device = device
+        self._live: dict[str, tuple[str, int, str]] = {}          # tag -> (category, bytes, device)
+        self._by_cat: dict[tuple[str, str], int] = {}              # (category, device) -> bytes
+        self._storages: dict[int, str] = {}                        # data_ptr -> tag (tracked tensors)
+        self.total = 0
+        self.peak = 0
+        self.peak_snapshot: dict[str, int] = {}
+        self._phase_peaks: dict[str, int] = {}
+        self._phase: str | None = None
+        self._act_seq = 0
+
+    # ---- entering bytes
+    def alloc(self, category: str, nbytes: int, tag: str, device: str | None = None) -> None:
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown ledger category {category!r}; expected one of {CATEGORIES}")
+        if tag in self._live:
+            raise KeyError(f"ledger tag {tag!r} is already live; free it first")
+        device = device or self.device
+        nbytes = int(nbytes)
+        self._live[tag] = (category, nbytes, device)
+        key = (category, device)
+        self._by_cat[key] = self._by_cat.get(key, 0) + nbytes
+        if device == self.device:
+            self.total += nbytes
+            if self.total > self.peak:
+                self.peak = self.total
+                self.peak_snapshot = self.current()
+            if self._phase is not None:
+                self._phase_peaks[self._phase] = max(self._phase_peaks.get(self._phase, 0), self.total)
+        if self.tracer is not None:
+            self.tracer.emit("alloc", category=category, bytes=nbytes, tag=tag, device=device)
+
+    def free(self, tag: str) -> None:
+        if tag not in self._live:
+            raise KeyError(f"ledger tag {tag!r} is not live")
+        category, nbytes, device = self._live.pop(tag)
+        self._by_cat[(category, device)] -= nbytes
+        if device == self.device:
+            self.total -= nbytes
+        if self.tracer is not None:
+            self.tracer.emit("free", category=category, bytes=nbytes, tag=tag, device=device)
+
+    def track(self, category: str, tensor: torch.Tensor, tag: str, device: str | None = None) -> None:
+        """Enter a tensor's whole storage (what it really occupies, padding included)."""
+        self.alloc(category, storage_nbytes(tensor), tag, device)
+        self._storages[tensor.untyped_storage().data_ptr()] = tag
+
+    def untrack(self, tag: str) -> None:
+        self._storages = {p: t for p, t in self._storages.items() if t != tag}
+        self.free(tag)
+
+    def is_live(self, tag: str) -> bool:
+        return tag in self._live
+
+    # ---- reading
+    def current(self, device: str | None = None) -> dict[str, int]:
+        device = device or self.device
+        return {c: b for (c, d), b in self._by_cat.items() if d == device and b}
+
+    def by_device(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (c, d), b in self._by_cat.items():
+            if b:
+                out.setdefault(d, {})[c] = b
+        return out
+
+    def reset_peak(self) -> None:
+        self.peak = self.total
+        self.peak_snapshot = self.current()
+        self._phase_peaks = {}
+
+    @property
+    def phase_peaks(self) -> dict[str, int]:
+        return dict(self._phase_peaks)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute peaks to a phase (forward/backward/optimizer), and trace the phase."""
+        prev, self._phase = self._phase, name
+        self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), self.total)
+        ctx = self.tracer.phase(name) if self.tracer is not None else contextlib.nullcontext()
+        try:
+            with ctx:
+                yield
+        finally:
+            self._phase = prev
+
+    # ---- activations, measured as autograd saves them
+    @contextlib.contextmanager
+    def activations(self) -> Iterator[None]:
+        """Count every tensor autograd saves for backward (once per storage) as ``activations``.
+
+        Storages already in the ledger (parameters, gathered units) are not activations and are
+        skipped. The bytes are freed when autograd releases the saved tensor after its backward.
+        """
+        ledger = self
+        refs: dict[int, list] = {}      # storage ptr -> [count, tag]
+
+        def release(ptr: int) -> None:
+            entry = refs.get(ptr)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                del refs[ptr]
+                ledger.free(entry[1])
+
+        def pack(t: torch.Tensor):
+            if t.device.type == "meta":
+                return t
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in ledger._storages or ptr == 0:
+                return t
+            if ptr in refs:
+                refs[ptr][0] += 1
+            else:
+                ledger._act_seq += 1
+                tag = f"act{ledger._act_seq}"
+                refs[ptr] = [1, tag]
+                ledger.alloc("activations", storage_nbytes(t), tag)
+            box = _Saved(t)
+            weakref.finalize(box, release, ptr)
+            return box
+
+        def unpack(obj):
+            return obj.t if isinstance(obj, _Saved) else obj
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+
+class _Saved:
+    """A saved-for-backward tensor; when autograd drops it, the ledger frees its bytes."""
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+OPTIMIZER_STATE_CATEGORY = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
+                            "momentum_buffer": "momentum"}
+
+
+def track_optimizer_state(ledger: LiveLedger, optimizer: torch.optim.Optimizer,
+                          module: torch.nn.Module | None = None, prefix: str = "") -> None:
+    """Enter a torch optimizer's state tensors (created lazily at its first step) by category.
+
+    Idempotent: only states not yet in the ledger are added. The per-parameter ``step``
+    counters (one scalar each) are not model-sized state and are left out.
+    """
+    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            for key, value in optimizer.state.get(p, {}).items():
+                cat = OPTIMIZER_STATE_CATEGORY.get(key)
+                if cat is None or not torch.is_tensor(value):
+                    continue
+                tag = f"{prefix}{key}:{names.get(id(p), i)}"
+                if not ledger.is_live(tag):
+                    ledger.track(cat, value, tag)
+
+
+def check_cuda(ledger: LiveLedger, tolerance: float = 0.02) -> tuple[int, int]:
+    """On CUDA: the live ledger's device total against ``torch.cuda.memory_allocated``."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("check_cuda needs a CUDA device; on CPU the ledger is the only count")
+    allocated = torch.cuda.memory_allocated()
+    if abs(allocated - ledger.total) > tolerance * max(allocated, 1):
+        raise AssertionError(f"ledger says {ledger.total} bytes, CUDA allocator {allocated}")
+    return ledger.total, allocated
+
+
+def sum_categories(snap: dict[str, int], cats: Iterable[str]) -> int:
+    return sum(snap.get(c, 0) for c in cats)
