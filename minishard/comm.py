@@ -144,7 +144,7 @@ class Comm:
         ev = self._begin("all_gather", output, output.numel() * output.element_size(), tag)
         if self.world_size == 1:
             output.copy_(input.view_as(output))
-        return self._run(ev, lambda: dist.all_gather_into_tensor(
+        return self._run(ev, lambda: dist.all_gather_single(
             output, input, group=self.group, async_op=True), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
@@ -159,7 +159,7 @@ class Comm:
             output.copy_(input.view_as(output))
             return self._run(ev, None, async_op)
         if self.backend == "nccl":
-            return self._run(ev, lambda: dist.reduce_scatter_tensor(
+            return self._run(ev, lambda: dist.reduce_scatter_single(
                 output, input, group=self.group, async_op=True), async_op)
         # gloo: all_to_all delivers the N slices meant for this rank; sum them locally
         recv = torch.empty_like(input)

@@ -1,0 +1,67 @@
+"""Small rank-side tasks the tests run on warm pools (importable by the rank processes)."""
+import os
+import time
+
+import torch
+
+from minishard.comm import Comm, bytes_written
+
+
+def collective_bytes(rank, numel: int, ops=("all_reduce", "all_gather", "reduce_scatter", "broadcast")):
+    """For each op: the wire bytes comm recorded, and the bytes the OS saw this process write."""
+    comm = Comm(rank.tracer)
+    N = comm.world_size
+    out = {}
+    for op in ops:
+        n = numel - numel % N if op == "reduce_scatter" else numel
+        x = torch.arange(n, dtype=torch.float32) + rank.rank
+        comm.barrier()
+        w0, c0 = bytes_written(), comm.totals["wire"]
+        if op == "all_reduce":
+            comm.all_reduce(x)
+        elif op == "all_gather":
+            comm.all_gather(torch.empty(n * N), x)
+        elif op == "reduce_scatter":
+            comm.reduce_scatter(torch.empty(n // N), x)
+        elif op == "broadcast":
+            comm.broadcast(x, 0)
+        out[op] = {"recorded": comm.totals["wire"] - c0, "os": bytes_written() - w0,
+                   "bytes": n * 4 * (N if op == "all_gather" else 1)}
+    return out
+
+
+def collective_results(rank, numel: int, async_op: bool = False):
+    """The values each collective produces, to check them against local arithmetic."""
+    comm = Comm(rank.tracer)
+    N, r = comm.world_size, rank.rank
+    n = numel - numel % N
+    base = torch.arange(n, dtype=torch.float32)
+    rs_out = torch.empty(n // N)
+    ag_out = torch.empty(n * N)
+    ar = base * (r + 1)
+    works = [comm.reduce_scatter(rs_out, base * (r + 1), async_op=async_op),
+             comm.all_gather(ag_out, base + r, async_op=async_op),
+             comm.all_reduce(ar, async_op=async_op)]
+    for w in works:
+        if w is not None:
+            w.wait()
+    return {"rs": rs_out, "ag": ag_out, "ar": ar}
+
+
+def raise_on(rank, bad_rank: int, delay: float = 0.0):
+    """Rank ``bad_rank`` raises; the others block in a collective, as in a real failure."""
+    comm = Comm(rank.tracer)
+    if rank.rank == bad_rank:
+        time.sleep(delay)
+        raise ValueError(f"boom on rank {bad_rank}")
+    comm.all_reduce(torch.ones(4))
+    return rank.rank
+
+
+def sleep(rank, seconds: float):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def whoami(rank):
+    return {"rank": rank.rank, "world_size": rank.world_size, "pid": os.getpid()}

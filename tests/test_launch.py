@@ -1,0 +1,54 @@
+"""Ranks start warm, run many tasks, and fail loudly: the failing rank's own error, fast."""
+import time
+
+import psutil
+import pytest
+
+from minishard.launch import RankError, Ranks, run
+
+import rank_tasks
+
+
+def test_pool_runs_many_tasks_on_the_same_processes(pools):
+    pool = pools(3)
+    first = pool.run(rank_tasks.whoami)
+    second = pool.run(rank_tasks.whoami)
+    assert [r["rank"] for r in first] == [0, 1, 2]
+    assert {r["world_size"] for r in first} == {3}
+    assert [r["pid"] for r in first] == [r["pid"] for r in second]
+
+
+def test_failing_rank_reports_its_own_traceback_fast_and_leaves_no_orphans():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    pool = Ranks(3)
+    pids = pool.pids
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        pool.run(rank_tasks.raise_on, 2)
+    assert time.monotonic() - t0 < 10
+    assert info.value.rank == 2
+    assert "boom on rank 2" in str(info.value)
+    assert "raise_on" in info.value.rank_traceback            # the rank's own frame, not a peer's
+    assert "Connection closed" not in str(info.value).split("---")[0]
+    assert not pool.alive
+    with pytest.raises(RuntimeError, match="closed .*a rank failed"):
+        pool.run(rank_tasks.whoami)
+    time.sleep(0.2)
+    alive = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not (alive & set(pids)), "rank processes left behind"
+
+
+def test_timeout_names_the_silent_ranks():
+    pool = Ranks(2)
+    with pytest.raises(TimeoutError, match=r"no answer from ranks \[0, 1\]"):
+        pool.run(rank_tasks.sleep, 30, timeout=1.5)
+    assert not pool.alive
+
+
+def test_one_shot_run_and_bad_input():
+    assert [r["rank"] for r in run(rank_tasks.whoami, 2)] == [0, 1]
+    with pytest.raises(ValueError, match="world_size"):
+        Ranks(0)
+    pool_fn = lambda rank: 1   # noqa: E731
+    with pytest.raises(ValueError, match="module-level function"):
+        run(pool_fn, 1)

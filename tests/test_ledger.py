@@ -1,0 +1,103 @@
+"""The analytic ledger reproduces the course's figures, and the live ledger measures them."""
+import pytest
+import torch
+
+from minishard.ledger import (LiveLedger, conventions, count_params, estimate,
+                              gpt_activation_bytes, track_optimizer_state)
+from minishard.model import GPT, batch, config
+
+PSI = 6_868_992      # the tiny GPT (REFERENCE_FIGURES.md)
+
+
+def test_bf16_mixed_adamw_keeps_16_bytes_per_param():
+    est = estimate(n_params=1000, precision="bf16_mixed", optimizer="adamw")
+    assert est.per_rank == {"params": 2000, "grads": 2000, "master": 4000,
+                            "exp_avg": 4000, "exp_avg_sq": 4000}
+    assert est.bytes_per_param == 16
+
+
+def test_8b_model_needs_128_gb_under_ddp():
+    net = GPT("llama3-8b", device="meta")
+    assert count_params(net) == 8_030_261_248           # Llama 3 8B's published count
+    est = estimate(net, world_size=8, strategy="ddp")
+    assert est.per_rank["params"] == 2 * 8_030_261_248   # the "16 GB" of bf16 weights
+    assert est.state_bytes == 16 * 8_030_261_248         # 128.5 GB on *every* rank
+    assert est.state_bytes > 80e9
+
+
+@pytest.mark.parametrize("N", [1, 2, 4, 8, 64, 1024])
+def test_zero_stage_formulas(N):
+    psi = 7_500_000_000   # the ZeRO paper's example
+    shard = -(-psi // N)  # ceil: the last rank's shard is padded when N does not divide psi
+    bpp = {s: estimate(n_params=psi, world_size=N, strategy=s).state_bytes for s in
+           ("ddp", "zero1", "zero2", "zero3")}
+    assert bpp["ddp"] == 16 * psi
+    assert bpp["zero1"] == 4 * psi + 12 * shard
+    assert bpp["zero2"] == 2 * psi + 14 * shard
+    assert bpp["zero3"] == 16 * shard
+
+
+def test_zero_paper_table_7_5b_on_64_gpus():
+    # ZeRO paper, Figure 1: 120 GB (DDP), 31.4 GB (Pos), 16.6 GB (Pos+g), 1.9 GB (Pos+g+p)
+    got = [estimate(n_params=7_500_000_000, world_size=64, strategy=s).state_bytes / 1e9
+           for s in ("ddp", "zero1", "zero2", "zero3")]
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_uneven_world_size_pads_the_last_shard():
+    est = estimate(n_params=10, world_size=3, strategy="zero3", precision="fp32")
+    assert est.per_rank["params"] == 4 * 4               # ceil(10/3) = 4 elements each
+
+
+def test_conventions_explain_10_16_18_20():
+    quoted = {b for b, _, _ in conventions()}
+    assert {10, 16, 18, 20} <= quoted
+
+
+@pytest.mark.parametrize("kw", [dict(strategy="zero4"), dict(precision="fp8"),
+                                dict(optimizer="lion"), dict(world_size=0), dict(world_size=1.5)])
+def test_bad_input_names_the_problem(kw):
+    with pytest.raises(ValueError, match=list(kw)[0].replace("_", ".?")):
+        estimate(n_params=100, **kw)
+
+
+def test_model_without_parameters_is_refused():
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        estimate(torch.nn.ReLU())
+
+
+@pytest.mark.parametrize("name,kw,mb", [
+    ("nano", {}, 3),
+    ("tiny", {"n_layer": 2}, 2),
+    ("tiny", dict(n_layer=2, mlp="swiglu", norm="rmsnorm", n_kv_head=2, bias=False,
+                  learned_pos=False), 2),
+])
+def test_activation_formula_equals_what_autograd_saves(name, kw, mb):
+    cfg = config(name, **kw)
+    net = GPT(cfg)
+    ledger = LiveLedger()
+    for n, p in net.named_parameters():
+        ledger.track("params", p, n)
+    with ledger.activations():
+        loss = net(*batch(cfg, 0, mb))
+    assert ledger.current()["activations"] == gpt_activation_bytes(cfg, mb)
+    loss.backward()                                      # backward releases every saved tensor
+    assert ledger.current().get("activations", 0) == 0
+
+
+def test_live_ledger_tracks_optimizer_state_and_peaks():
+    net = GPT("nano")
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    ledger = LiveLedger()
+    for n, p in net.named_parameters():
+        ledger.track("params", p, n)
+    net(*batch(net.cfg, 0, 1)).backward()
+    opt.step()
+    track_optimizer_state(ledger, opt, net)
+    track_optimizer_state(ledger, opt, net)              # idempotent
+    n = count_params(net)
+    assert ledger.current() == {"params": 4 * n, "exp_avg": 4 * n, "exp_avg_sq": 4 * n}
+    with pytest.raises(KeyError, match="already live"):
+        ledger.alloc("params", 1, "tok_emb.weight")
+    with pytest.raises(ValueError, match="unknown ledger category"):
+        ledger.alloc("weights", 1, "x")
