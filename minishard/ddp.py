@@ -68,6 +68,33 @@ class NaiveDDP(nn.Module):
                 self.comm.all_reduce(p.grad, tag=f"grad:{name}")
 
 
+def plan_buckets(module: nn.Module, cap_mb: float, first_mb: float = 1.0
+                 ) -> list[list[tuple[str, nn.Parameter]]]:
+    """Group trainable parameters into buckets, last layers first (the order backward produces
+    their gradients). The first bucket is small (at most ``first_mb``) so communication starts
+    early; a bucket closes once it reaches its size limit (PyTorch's rule, so layouts compare)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"{type(module).__name__} has no trainable parameters")
+    if cap_mb <= 0 or first_mb <= 0:
+        raise ValueError(f"bucket sizes must be positive (got cap {cap_mb} MiB, first {first_mb} MiB)")
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"parameters on mixed devices {sorted(map(str, devices))}; move the "
+                         f"model to one device before wrapping it")
+    groups, current, size = [], [], 0
+    limit = min(first_mb, cap_mb) * 2**20
+    for name, p in reversed(named):
+        current.append((name, p))
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            groups.append(current)
+            current, size, limit = [], 0, cap_mb * 2**20
+    if current:
+        groups.append(current)
+    return groups
+
+
 @dataclass
 class Bucket:
     """A flat gradient buffer: its parameters' ``.grad`` are views into it."""
@@ -111,19 +138,7 @@ class DDP(nn.Module):
 
     # ---- construction
     def _build_buckets(self, cap_mb: float, first_mb: float) -> list[Bucket]:
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(f"{type(self.module).__name__} has no trainable parameters to replicate")
-        groups, current, size = [], [], 0
-        limit = first_mb * 2**20
-        for name, p in reversed(named):                 # backward produces the last layers first
-            current.append((name, p))
-            size += p.numel() * p.element_size()
-            if size >= limit:
-                groups.append(current)
-                current, size, limit = [], 0, cap_mb * 2**20
-        if current:
-            groups.append(current)
+        groups = plan_buckets(self.module, cap_mb, first_mb)
         buckets = []
         for i, group in enumerate(groups):
             dtype = group[0][1].dtype

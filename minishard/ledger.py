@@ -250,6 +250,7 @@ class LiveLedger:
         self._live: dict[str, tuple[str, int, str]] = {}          # tag -> (category, bytes, device)
         self._by_cat: dict[tuple[str, str], int] = {}              # (category, device) -> bytes
         self._storages: dict[int, str] = {}                        # data_ptr -> tag (tracked tensors)
+        self._tag_ptr: dict[str, int] = {}
         self.total = 0
         self.peak = 0
         self.peak_snapshot: dict[str, int] = {}
@@ -282,6 +283,9 @@ class LiveLedger:
         if tag not in self._live:
             raise KeyError(f"ledger tag {tag!r} is not live")
         category, nbytes, device = self._live.pop(tag)
+        ptr = self._tag_ptr.pop(tag, None)
+        if ptr is not None and self._storages.get(ptr) == tag:
+            del self._storages[ptr]
         self._by_cat[(category, device)] -= nbytes
         if device == self.device:
             self.total -= nbytes
@@ -289,13 +293,12 @@ class LiveLedger:
             self.tracer.emit("free", category=category, bytes=nbytes, tag=tag, device=device)
 
     def track(self, category: str, tensor: torch.Tensor, tag: str, device: str | None = None) -> None:
-        """Enter a tensor's whole storage (what it really occupies, padding included)."""
+        """Enter a tensor's whole storage (what it really occupies, padding included); ``free``
+        releases it. Tracked storages are never counted again as activations."""
         self.alloc(category, storage_nbytes(tensor), tag, device)
-        self._storages[tensor.untyped_storage().data_ptr()] = tag
-
-    def untrack(self, tag: str) -> None:
-        self._storages = {p: t for p, t in self._storages.items() if t != tag}
-        self.free(tag)
+        ptr = tensor.untyped_storage().data_ptr()
+        self._storages[ptr] = tag
+        self._tag_ptr[tag] = ptr
 
     def is_live(self, tag: str) -> bool:
         return tag in self._live

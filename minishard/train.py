@@ -7,9 +7,11 @@ the course shows: losses, step times, the measured ledger (peak, per phase, by c
 bytes every collective moved — recorded by ``comm`` and counted by the OS — and, on request,
 the final parameters for the parity tests.
 
-Strategies: ``single`` (no communication: the reference), ``ddp_naive``, ``ddp`` and
-``torch_ddp`` (PyTorch's own DistributedDataParallel, the second oracle and the benchmark
-baseline).
+Strategies: ``single`` (no communication: the reference), ``ddp_naive``, ``ddp``,
+``zero1`` (reduce-scatter), ``zero1_allreduce`` (all-reduce, as the idea is first told), ``zero2``,
+and PyTorch's own ``torch_ddp`` and ``torch_zero1`` (DDP + ZeroRedundancyOptimizer): the second
+oracle and the benchmark baselines. ``precision="bf16_mixed"`` trains bf16 weights against an
+fp32 master copy.
 """
 from __future__ import annotations
 
@@ -23,73 +25,130 @@ import torch.nn as nn
 from . import model as model_mod
 from .comm import Comm, bytes_written
 from .ddp import DDP, NaiveDDP
+from .zero import ZeroOptimizer
 from .launch import RankContext
 from .ledger import LiveLedger, estimate, gpt_activation_bytes, track_optimizer_state
 from .trace import Tracer
 
-STRATEGIES = ("single", "ddp_naive", "ddp", "torch_ddp")
+STRATEGIES = ("single", "ddp_naive", "ddp", "torch_ddp", "zero1", "zero1_allreduce", "zero2",
+              "torch_zero1")
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
+PRECISIONS = ("fp32", "bf16_mixed")
+LEDGER_STRATEGY = {"single": "ddp", "ddp_naive": "ddp", "ddp": "ddp", "zero1": "zero1",
+                   "zero1_allreduce": "zero1", "zero2": "zero2"}
 
 
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+def optimizer_spec(name: str, lr: float) -> tuple[type, dict]:
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        return torch.optim.AdamW, dict(lr=lr, weight_decay=0.01)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD, dict(lr=lr)
     if name == "sgd_momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD, dict(lr=lr, momentum=0.9)
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
-def wrap(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None,
-         bucket_cap_mb: float = 25.0) -> nn.Module:
-    """Apply a strategy to a freshly built model (same weights on every rank)."""
-    if strategy == "single":
+class MasterWeights:
+    """Mixed precision without sharding: bf16 working weights, an fp32 master copy that the
+    optimizer updates, rounded back to bf16 after every step (what ZeRO then shards)."""
+
+    def __init__(self, net: nn.Module, optimizer_class, ledger=None, **kwargs):
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.master = [nn.Parameter(p.detach().float()) for p in self.params]
+        self.optimizer = optimizer_class(self.master, **kwargs)
+        if ledger is not None:
+            for i, m in enumerate(self.master):
+                ledger.track("master", m, f"master:{i}")
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = p.grad.float()
+        self.optimizer.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = False):
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+
+def build(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None, *,
+          optimizer: str = "adamw", lr: float = 1e-3, precision: str = "fp32",
+          bucket_cap_mb: float = 25.0) -> tuple[nn.Module, Any]:
+    """Apply a strategy to a freshly built model (same weights on every rank): returns the model
+    to call and the optimizer to step."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    opt_class, opt_kwargs = optimizer_spec(optimizer, lr)
+    mixed = precision == "bf16_mixed"
+    if mixed:
+        net.to(torch.bfloat16)
+    if strategy.startswith("zero"):
+        opt = ZeroOptimizer(net, opt_class, stage=int(strategy[4]), comm=comm, ledger=ledger,
+                            reduce="all_reduce" if strategy == "zero1_allreduce" else "reduce_scatter",
+                            master_dtype=torch.float32 if mixed else None,
+                            bucket_cap_mb=bucket_cap_mb, **opt_kwargs)
+        return net, opt
+    if strategy in ("torch_ddp", "torch_zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
+        if strategy == "torch_zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            return model, ZeroRedundancyOptimizer(net.parameters(), optimizer_class=opt_class,
+                                                  **opt_kwargs)
+        return model, opt_class(net.parameters(), **opt_kwargs)
+    if strategy == "ddp":
+        model = DDP(net, comm, ledger, bucket_cap_mb=bucket_cap_mb)
+    elif strategy == "ddp_naive":
+        model = NaiveDDP(net, comm, ledger)
+    else:
+        model = net
         if ledger is not None:
             for name, p in net.named_parameters():
                 ledger.track("params", p, f"param:{name}")
-                p.grad = torch.zeros_like(p)
-                ledger.track("grads", p.grad, f"grad:{name}")
-        return net
-    if strategy == "ddp_naive":
-        m = NaiveDDP(net, comm, ledger)
+    if strategy != "ddp":               # grads allocated up front, so the ledger sees them
         for name, p in net.named_parameters():
             p.grad = torch.zeros_like(p)
             if ledger is not None:
                 ledger.track("grads", p.grad, f"grad:{name}")
-        return m
-    if strategy == "ddp":
-        return DDP(net, comm, ledger, bucket_cap_mb=bucket_cap_mb)
-    if strategy == "torch_ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
-    raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if mixed:
+        return model, MasterWeights(net, opt_class, ledger, **opt_kwargs)
+    return model, opt_class(net.parameters(), **opt_kwargs)
 
 
 def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int = 3,
           model: str = "tiny", micro_batch: int = 4, accum: int = 1, lr: float = 1e-3,
           optimizer: str = "adamw", bucket_cap_mb: float = 25.0, seed: int = 0,
           data_seed: int = 1234, track_activations: bool = True, trace: bool = True,
-          return_params: bool = False, model_overrides: dict | None = None) -> dict[str, Any]:
+          precision: str = "fp32", clip: float | None = None,
+          return_params: bool = False, return_state: bool = False, model_overrides: dict | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; each step sees ``accum`` micro-batches of
     ``micro_batch`` sequences per rank. Returns this rank's measurements (see module doc)."""
     if rank is None:                                   # plain single process, no launcher
         rank = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if rank.world_size > 1 and strategy == "single":
+        raise ValueError("strategy 'single' trains one process; use world size 1")
     if steps < 1 or micro_batch < 1 or accum < 1:
         raise ValueError(f"steps, micro_batch and accum must be >= 1 (got {steps}, {micro_batch}, {accum})")
     tracer = rank.tracer
     tracer.enabled = trace
     N = rank.world_size
     cfg = model_mod.config(model, **(model_overrides or {}))
-    instrumented = strategy != "torch_ddp"
+    instrumented = not strategy.startswith("torch_")
     ledger = LiveLedger(tracer) if instrumented else None
     comm = Comm(tracer, ledger=ledger)
 
     net = model_mod.GPT(cfg, seed=seed).to(rank.device)
-    wrapped = wrap(net, strategy, comm, ledger, bucket_cap_mb)
-    opt = make_optimizer(optimizer, net.parameters(), lr)
+    wrapped, opt = build(net, strategy, comm, ledger, optimizer=optimizer, lr=lr,
+                         precision=precision, bucket_cap_mb=bucket_cap_mb)
+    no_sync = getattr(wrapped, "no_sync", None) or getattr(opt, "no_sync", None)
     comm.reset_counters()                              # count training traffic, not the set-up
 
     out: dict[str, Any] = {"rank": rank.rank, "world_size": N, "strategy": strategy,
@@ -105,7 +164,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
                 x, y = model_mod.batch(cfg, step * accum + k, micro_batch, rank.rank, N, data_seed)
                 x, y = x.to(rank.device), y.to(rank.device)
                 last = k == accum - 1
-                sync = wrapped.no_sync() if (not last and hasattr(wrapped, "no_sync")) else _null()
+                sync = no_sync() if (not last and no_sync is not None) else _null()
                 with sync:
                     with _phase(ledger, tracer, "forward"):
                         with (ledger.activations() if (ledger and track_activations) else _null()):
@@ -117,9 +176,16 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
                 with tracer.phase("sync_gradients"):
                     wrapped.sync_gradients()
             with _phase(ledger, tracer, "optimizer"):
+                if clip is not None:
+                    if hasattr(opt, "clip_grad_norm_"):
+                        opt.clip_grad_norm_(clip)              # sharded: a global norm
+                    else:
+                        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
                 opt.step()
-                if ledger is not None:
+                if ledger is not None and isinstance(opt, torch.optim.Optimizer):
                     track_optimizer_state(ledger, opt, net)
+                elif ledger is not None and isinstance(opt, MasterWeights):
+                    track_optimizer_state(ledger, opt.optimizer, prefix="master_")
                 opt.zero_grad(set_to_none=False)       # DDP's grads are views into its buckets
         out["step_times"].append(time.perf_counter() - t0)
         out["losses"].append(loss_sum)
@@ -133,18 +199,20 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
     n_params = sum(p.numel() for p in net.parameters())
     out["n_params"] = n_params
     out["by_op"] = comm.by_op
+    if hasattr(opt, "layout"):
+        out["layout"] = opt.layout()
     if ledger is not None:
-        act = gpt_activation_bytes(cfg, micro_batch) if track_activations else 0
-        est = estimate(n_params=n_params, world_size=N,
-                       strategy="ddp" if strategy != "single" else "ddp",
-                       precision="fp32",
-                       optimizer="adamw" if optimizer == "adamw" else optimizer,
-                       activation_bytes=act)
+        act = gpt_activation_bytes(cfg, micro_batch, dtype_bytes=2 if precision == "bf16_mixed" else 4) \
+            if track_activations else 0
+        est = estimate(n_params=n_params, world_size=N, strategy=LEDGER_STRATEGY[strategy],
+                       precision=precision, optimizer=optimizer, activation_bytes=act)
         out["ledger"] = {"peak": ledger.peak, "peak_snapshot": ledger.peak_snapshot,
                          "phase_peaks": ledger.phase_peaks, "final": ledger.current(),
                          "estimate": est.per_rank}
     if return_params:
-        out["params"] = {n: p.detach().cpu().clone() for n, p in net.named_parameters()}
+        out["params"] = {n: p.detach().cpu().float().clone() for n, p in net.named_parameters()}
+    if return_state:
+        out["optimizer_state"] = opt.state_dict()
     return out
 
 

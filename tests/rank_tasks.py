@@ -1,4 +1,5 @@
 """Small rank-side tasks the tests run on warm pools (importable by the rank processes)."""
+import copy
 import os
 import time
 
@@ -65,3 +66,45 @@ def sleep(rank, seconds: float):
 
 def whoami(rank):
     return {"rank": rank.rank, "world_size": rank.world_size, "pid": os.getpid()}
+
+
+def zero_state_roundtrip(rank, stage: int):
+    """Train 2 steps, save the sharded state, rebuild from it, train 1 more step on both."""
+    from minishard.comm import Comm
+    from minishard.model import GPT, batch, config
+    from minishard.zero import ZeroOptimizer
+
+    cfg = config("nano")
+    comm = Comm(rank.tracer)
+
+    def make():
+        net = GPT(cfg)
+        return net, ZeroOptimizer(net, torch.optim.AdamW, stage=stage, comm=comm, lr=1e-2)
+
+    def step(net, opt, s):
+        x, y = batch(cfg, s, 2, rank.rank, rank.world_size)
+        net(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    net, opt = make()
+    for s in range(2):
+        step(net, opt, s)
+    state = copy.deepcopy(opt.state_dict())     # as if written to disk: no shared tensors
+    net2, opt2 = make()
+    net2.load_state_dict(net.state_dict())
+    opt2.load_state_dict(state)
+    step(net, opt, 2)
+    step(net2, opt2, 2)
+    return all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters()))
+
+
+def backward_overlap(rank, strategy: str):
+    """Which collectives ran while backward was still running."""
+    from minishard.train import train
+    train(rank, strategy=strategy, steps=1, model="nano", micro_batch=1, bucket_cap_mb=0.2,
+          track_activations=False)
+    evs = rank.tracer.events
+    end = next(e["t"] for e in evs if e["kind"] == "phase" and e["name"] == "backward"
+               and e["edge"] == "end")
+    return [(e["op"], e["tag"], e["t"] < end) for e in evs if e["kind"] == "collective"]
