@@ -1,0 +1,263 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · The memory ledger: where a training step's bytes live
+#
+# > **An 8B-parameter model's bf16 weights are only 16 GB. Why does plain DDP not even start on an
+# > 80 GB GPU?**
+#
+# This chapter answers that question twice: first with the analytic ledger, then by *measuring*
+# the ledger of real ranks and checking that the two agree. The reasoning is in
+# [tutorial/01-memory-ledger.md](../tutorial/01-memory-ledger.md); the evidence is below.
+#
+# **The one-line "syntax"** — mixed-precision AdamW keeps, for every parameter, for the whole run:
+#
+# $$\underbrace{2}_{\text{bf16 weights}} + \underbrace{2}_{\text{bf16 grads}} + \underbrace{4}_{\text{fp32 master}} + \underbrace{4}_{\text{Adam } m} + \underbrace{4}_{\text{Adam } v} = 16 \text{ bytes per parameter, on every DDP rank,}$$
+#
+# plus activations, which depend on the batch rather than on the parameter count.
+
+# %%
+import plotly.graph_objects as go
+import plotly.io as pio
+import psutil
+from IPython.display import display
+
+from minishard import GPT, Ranks, config, conventions, estimate, gpt_activation_bytes
+from minishard.train import train
+from minishard.viz import LedgerCalculator, ledger_bars
+
+pio.renderers.default = "plotly_mimetype+notebook_connected"
+GB = 1e9
+
+# %% [markdown]
+# ## 1. The ledger of an 8B model
+# `GPT("llama3-8b", device="meta")` builds Llama-3-8B's shapes without allocating a byte; the
+# analytic ledger counts its parameters and multiplies by the bytes each category keeps.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+llama = GPT("llama3-8b", device="meta")
+e8b = estimate(llama, world_size=1, strategy="ddp", precision="bf16_mixed", optimizer="adamw")
+print(f"llama3-8b: {e8b.n_params:,} parameters, {e8b.bytes_per_param:g} bytes per parameter")
+print(e8b.table(unit=GB, unit_name="GB"))
+assert e8b.n_params == 8_030_261_248 and e8b.bytes_per_param == 16
+assert e8b.per_rank["params"] == 2 * e8b.n_params          # the "16 GB" of the question
+assert round(e8b.total / GB, 1) == 128.5
+
+# %%
+bars = [("bf16 weights", "params"), ("bf16 grads", "grads"), ("fp32 master", "master"),
+        ("Adam m", "exp_avg"), ("Adam v", "exp_avg_sq")]
+fig = go.Figure(go.Waterfall(x=[label for label, _ in bars] + ["total"],
+                             y=[e8b.per_rank[c] / GB for _, c in bars] + [0],
+                             measure=["relative"] * len(bars) + ["total"],
+                             text=[f"{e8b.per_rank[c] / GB:.1f}" for _, c in bars] + [f"{e8b.total / GB:.1f}"]))
+fig.add_hline(y=80, line_dash="dash", annotation_text="one 80 GB GPU")
+fig.update_layout(title="Llama-3-8B, mixed-precision AdamW: what one DDP rank must hold (GB)",
+                  yaxis_title="GB", height=380, width=700, showlegend=False)
+fig.show()
+
+# %% [markdown]
+# The weights cross nothing; the gradients, the fp32 master copy and Adam's two moments carry the
+# total past the device at the third bar. 16 bytes is the usual figure, not the only one:
+# [`conventions()`](../minishard/ledger.py) lists the settings behind the others people quote.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for bpp, setting, why in conventions():
+    print(f"{bpp:>3} bytes/param  {setting:<52} {why}")
+assert {b for b, _, _ in conventions()} >= {10, 16, 18, 20}
+
+# %% [markdown]
+# ## 2. Activations come on top
+# What forward saves for backward grows with the micro-batch $B$, the layers $L$ and the sequence
+# length $T$ — linearly in $B$ and $L$, and faster than linearly in $T$, because attention as
+# written here keeps a $T\times T$ matrix per head. `gpt_activation_bytes` derives it op by op for
+# minishard's GPT; here, for the course's tiny model (fp32):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def act(**cfg_overrides):
+    B = cfg_overrides.pop("B", 4)
+    return gpt_activation_bytes(config("tiny", **cfg_overrides), micro_batch=B)
+
+rows = [("micro-batch B", "B", (1, 2, 4, 8)), ("layers L", "n_layer", (3, 6, 12, 24)),
+        ("sequence T", "seq_len", (64, 128, 256, 512))]
+for label, key, values in rows:
+    sizes = [act(**{key: v}) for v in values]
+    print(f"{label:<14}" + "  ".join(f"{v:>4}: {s / 2**20:7.1f} MiB" for v, s in zip(values, sizes)))
+    steps = [b - a for a, b in zip(sizes, sizes[1:])]
+    if key in ("B", "n_layer"):                   # equal steps for equal increments: linear
+        assert steps[1] == 2 * steps[0] and steps[2] == 4 * steps[0]
+    else:                                         # each doubling of T more than doubles it
+        assert all(b / a > 2 for a, b in zip(sizes, sizes[1:]))
+
+# %% [markdown]
+# At Llama-3-8B's scale, with bf16 activations, one sequence of 4096 tokens already adds tens of
+# GB per rank with this explicit attention (a fused FlashAttention kernel avoids storing the
+# $T\times T$ scores, which is most of it):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for T in (2048, 4096, 8192):
+    a = gpt_activation_bytes(config("llama3-8b"), micro_batch=1, seq_len=T, dtype_bytes=2)
+    print(f"llama3-8b, micro-batch 1, T = {T:>4}: activations {a / GB:6.1f} GB")
+
+# %% [markdown]
+# ## 3. The calculator
+# Every knob of the analytic ledger in one widget: the bars are one rank's memory (one bar per
+# rank: under DDP they are identical), the dashed line one device. Change the strategy to
+# `zero1`…`zero3` to preview chapters 3–4.
+
+# %%
+calc = LedgerCalculator(model="llama3-8b", world_size=8, strategy="ddp", device_gb=80)
+calc.widget
+
+# %% [markdown]
+# The widget's controls are attributes too, so a cell can set them and check the result:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(calc.verdict)
+assert not calc.fits and calc.smallest_world_size() is None   # DDP: more ranks never help
+calc.world_size = 64
+print(calc.verdict)
+assert calc.per_rank_bytes == e8b.total                      # 64 ranks, 64 identical copies
+calc.strategy = "zero3"
+print(calc.verdict, f"-> fits from {calc.smallest_world_size()} ranks")
+assert calc.fits and calc.smallest_world_size() == 2
+calc.strategy, calc.world_size = "ddp", 8
+assert calc.figure.data[0].y == (e8b.per_rank["params"] / GB,) * 8   # the bars follow
+
+# %% [markdown]
+# ## 4. Measured: the ledger of real ranks
+# The prediction is only worth something if it matches what real ranks hold. Every tensor minishard's
+# DDP allocates is entered in a per-rank `LiveLedger` by category, and saved activations are counted
+# as autograd stores them (saved-tensor hooks). Train the tiny model (6,868,992 parameters) for two
+# steps on 2 and on 4 ranks; each rank returns its peak and the categories at that moment.
+#
+# These CPU ranks train in fp32 (this CPU has no fast bf16), so the 16 bytes split as
+# weights 4 + grads 4 + Adam m 4 + v 4 — the weights are their own master copy (second row of the
+# table above).
+
+# %%
+measured = {}
+for N in (2, 4):
+    with Ranks(N) as R:
+        measured[N] = R.run(train, strategy="ddp", steps=2, model="tiny", micro_batch=4)
+        if N == 4:
+            rss = [psutil.Process(pid).memory_info().rss for pid in R.pids]   # before they exit
+
+# %%
+# NBVAL_CHECK_OUTPUT
+tiny = GPT("tiny", device="meta")
+act_tiny = gpt_activation_bytes(config("tiny"), micro_batch=4)
+for N, out in measured.items():
+    pred = estimate(tiny, world_size=N, strategy="ddp", precision="fp32", optimizer="adamw",
+                    activation_bytes=act_tiny)
+    print(f"--- DDP on {N} ranks: predicted vs measured peak, bytes per rank")
+    print(f"{'category':<12}{'predicted':>13}" + "".join(f"{'rank ' + str(r):>13}" for r in range(N)))
+    for cat, p in pred.per_rank.items():
+        got = [o["ledger"]["peak_snapshot"].get(cat, 0) for o in out]
+        print(f"{cat:<12}{p:>13,}" + "".join(f"{g:>13,}" for g in got))
+        assert all(abs(g - p) <= 0.02 * p for g in got)      # the course's bar: within 2% ...
+        assert got == [p] * N                               # ... and in fact exact
+    peaks = [o["ledger"]["peak"] for o in out]
+    print(f"{'peak':<12}{pred.total:>13,}" + "".join(f"{g:>13,}" for g in peaks))
+    assert peaks == [pred.total] * N
+
+# %% [markdown]
+# Exact, category by category, on every rank. The figure shows the 4-rank peak: four identical
+# stacks.
+
+# %%
+ledger_bars({o["rank"]: o["ledger"]["peak_snapshot"] for o in measured[4]},
+            title="measured peak per rank, DDP on 4 ranks, tiny model (MB)").show()
+
+# %% [markdown]
+# Activations are measured the same way (the peak of a second step, when the Adam moments already
+# exist): micro-batch 2, 4 and 8 on a 2-rank pool.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+with Ranks(2) as R:
+    for B in (2, 4, 8):
+        got = [o["ledger"]["peak_snapshot"]["activations"]
+               for o in R.run(train, strategy="ddp", steps=2, model="tiny", micro_batch=B)]
+        want = gpt_activation_bytes(config("tiny"), micro_batch=B)
+        print(f"micro-batch {B}: predicted {want:>11,}  measured {got}")
+        assert got == [want, want]
+
+# %% [markdown]
+# **What the formula leaves out.** The ledger counts the model-sized state and the saved
+# activations. It does not count: Adam's per-tensor `step` counters (one scalar per parameter
+# tensor: 77 × 4 bytes here); temporary buffers that live for one operation (the gradient of the
+# logits, the optimizer's intermediates, communication buffers); the allocator's cache and
+# fragmentation; and the framework itself — on a GPU the CUDA context and NCCL's buffers, here
+# the torch libraries loaded into each rank process. The operating system's view of a rank
+# (resident memory) shows how large that last part is next to the ledger's peak:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+n_tensors = len(list(tiny.parameters()))
+peak = measured[4][0]["ledger"]["peak"]
+print(f"Adam step counters: {n_tensors} tensors x 4 bytes = {4 * n_tensors} bytes")
+print("resident memory of each rank process (MB):", [round(r / 2**20) for r in rss],
+      f"vs ledger peak {peak / 2**20:.0f} MiB")
+assert n_tensors == 77 and all(r > peak for r in rss)
+
+# %% [markdown]
+# ## 5. The answer
+# Under DDP each rank keeps the whole ledger: the 2-rank and 4-rank runs above hold exactly the same
+# bytes per rank, so N ranks store N identical copies. Measured bytes of model state per parameter,
+# scaled to Llama-3-8B:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+state = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+per_param = {N: sum(out[0]["ledger"]["peak_snapshot"].get(c, 0) for c in state) / out[0]["n_params"]
+             for N, out in measured.items()}
+print("measured model state per parameter:", {f"{N} ranks": f"{b:g} bytes" for N, b in per_param.items()})
+need = per_param[4] * e8b.n_params
+print(f"llama3-8b under DDP: {need / GB:.1f} GB per rank before activations, on any number of ranks;"
+      f" the GPU has 80 GB")
+assert per_param[2] == per_param[4] == 16 and need > 80 * GB
+
+# %% [markdown]
+# > **Takeaway.** Training keeps about 16 bytes per parameter — weights, gradients, an fp32 master
+# > copy and two Adam moments — so an 8B model needs ≈128 GB of state before a single activation,
+# > and the 16 GB of bf16 weights are only an eighth of it. DDP gives every rank the full copy:
+# > adding GPUs adds copies, never room. The measured ledger of real ranks equals the formula
+# > exactly for state and activations; what it leaves out (step counters, temporaries, allocator
+# > cache, the framework) is small next to it on a large model, but not zero.
+#
+# **Questions**
+#
+# 1. A 70B model with 8-bit Adam moments, bf16 weights and grads and an fp32 master copy: bytes per
+#    parameter, and does DDP fit on 141 GB GPUs?
+#
+# <details><summary>Answer</summary>
+#
+# 2 + 2 + 4 + 1 + 1 = 10 bytes/param (the 10 in the table): ≈ 706 GB per rank for Llama-3-70B's
+# 70.6 B parameters. No: DDP still holds all of it on every rank. Try it in the calculator
+# (`optimizer = "adamw_8bit"`).
+# </details>
+#
+# 2. Why do activations not shrink when you add DDP ranks while keeping the micro-batch fixed?
+#
+# <details><summary>Answer</summary>
+#
+# Each rank runs forward on its own micro-batch, so it saves its own activations; adding ranks
+# grows the *global* batch, not any rank's share of the work. Activations shrink per rank only if
+# the micro-batch (or the sequence, or what is saved: recomputation) shrinks.
+# </details>
