@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 
 from ..ledger import OPTIMIZERS, PRECISIONS, STRATEGY_STAGE, Estimate, estimate, gpt_activation_bytes
 from ..model import CONFIGS, GPT
-from .figures import category_order, color
+from .figures import category_order, color, fmt_bytes
 
 GB = 1e9
 CUSTOM = "custom"
@@ -66,6 +66,7 @@ class LedgerCalculator:
                  micro_batch: int = 0, seq_len: int = 4096, device_gb: float = 80,
                  max_bars: int = 16):
         self.max_bars = max_bars
+        self._updating = False
         style = {"description_width": "90px"}
         lay = W.Layout(width="330px")
         self._controls = {
@@ -135,12 +136,14 @@ class LedgerCalculator:
     @property
     def verdict(self) -> str:
         """One line, plain text: fits or not, and by how much."""
-        need, have = self.per_rank_bytes / GB, self.device_gb
-        head = (f"{self.n_params / 1e9:.2f} B params, {self.strategy} on {self.world_size} "
-                f"ranks: {need:.1f} GB per rank")
+        need, have = self.per_rank_bytes, self.device_gb
+        n = self.n_params
+        params = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+        per_rank = f"{need / GB:.1f} GB" if need >= GB else fmt_bytes(need)
+        head = f"{params} params, {self.strategy} on {self.world_size} ranks: {per_rank} per rank"
         if self.fits:
-            return f"fits: {head}, {need / have:.0%} of {have:g} GB"
-        return f"does not fit: {head}, {need / have:.2f}x the {have:g} GB device"
+            return f"fits: {head}, {need / (have * GB):.0%} of {have:g} GB"
+        return f"does not fit: {head}, {need / (have * GB):.2f}x the {have:g} GB device"
 
     def smallest_world_size(self, limit: int = 4096) -> int | None:
         """The fewest ranks with which the current settings fit (None: not even with ``limit``).
@@ -161,8 +164,14 @@ class LedgerCalculator:
         custom = self.model == CUSTOM
         self._controls["n_params_b"].disabled = not custom
         self._controls["seq_len"].disabled = custom or self.micro_batch == 0
-        if not custom:
-            self._controls["n_params_b"].value = self.n_params / 1e9
+        if not custom and not self._updating:
+            self._updating = True                 # the slider shows the config's count; its change
+            try:                                  # event must not redraw a second time
+                self._controls["n_params_b"].value = self.n_params / 1e9
+            finally:
+                self._updating = False
+        if self._updating:
+            return
         e = self.estimate
         shown = min(self.world_size, self.max_bars)
         x = [f"rank {r}" for r in range(shown)]
