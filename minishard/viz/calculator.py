@@ -101,7 +101,7 @@ class LedgerCalculator:
                     W.VBox([c["optimizer"], c["micro_batch"], c["seq_len"], c["device_gb"]])]),
             c["strategy"], self.figure, self.verdict_html])
         for w in c.values():
-            w.observe(lambda _change: self.update(), names="value")
+            w.observe(self._on_change, names="value")
         self.update()
 
     # ---- what the controls describe
@@ -160,18 +160,21 @@ class LedgerCalculator:
         return None
 
     # ---- drawing
+    def _on_change(self, _change) -> None:
+        if not self._updating:                    # ignore the changes update() itself makes
+            self.update()
+
     def update(self) -> None:
+        """Redraw the bars and the verdict from the controls' current values."""
         custom = self.model == CUSTOM
-        self._controls["n_params_b"].disabled = not custom
-        self._controls["seq_len"].disabled = custom or self.micro_batch == 0
-        if not custom and not self._updating:
-            self._updating = True                 # the slider shows the config's count; its change
-            try:                                  # event must not redraw a second time
+        self._updating = True
+        try:
+            self._controls["n_params_b"].disabled = not custom
+            self._controls["seq_len"].disabled = custom or self.micro_batch == 0
+            if not custom:                        # the slider shows the config's count
                 self._controls["n_params_b"].value = self.n_params / 1e9
-            finally:
-                self._updating = False
-        if self._updating:
-            return
+        finally:
+            self._updating = False
         e = self.estimate
         shown = min(self.world_size, self.max_bars)
         x = [f"rank {r}" for r in range(shown)]
