@@ -26,6 +26,13 @@ CONTENDERS = [
     ("minishard DDP", dict(strategy="ddp", track_activations=False), "torch DDP"),
     ("minishard DDP (+activation ledger)", dict(strategy="ddp"), "torch DDP"),
     ("minishard naive DDP", dict(strategy="ddp_naive", track_activations=False), "torch DDP"),
+    ("torch DDP + ZeroRedundancyOptimizer", dict(strategy="torch_zero1"), None),
+    ("minishard ZeRO-1", dict(strategy="zero1", track_activations=False),
+     "torch DDP + ZeroRedundancyOptimizer"),
+    ("minishard ZeRO-1 (all-reduce variant)", dict(strategy="zero1_allreduce", track_activations=False),
+     "torch DDP + ZeroRedundancyOptimizer"),
+    ("minishard ZeRO-2", dict(strategy="zero2", track_activations=False),
+     "torch DDP + ZeroRedundancyOptimizer"),
 ]
 
 
@@ -69,11 +76,11 @@ def main() -> None:
         res = bench(n, args.rounds, args.steps, args.warmup, args.model, args.micro_batch,
                     args.bucket_cap_mb)
         print(f"\n{n} ranks")
-        print(f"{'contender':<38}{'p50 s':>8}{'p99 s':>8}{'ratio':>8}{'sent/step MB':>14}")
+        print(f"{'contender':<38}{'p50 s':>8}{'p99 s':>8}{'ratio':>9}{'sent/step MB':>14}")
         for label, _, base in CONTENDERS:
             r = res[label]
             ratio = f"{r['p50'] / res[base]['p50']:.3f}" if base else "1 (base)"
-            print(f"{label:<38}{r['p50']:>8.3f}{r['p99']:>8.3f}{ratio:>8}{r['sent'] / 2**20:>14.2f}")
+            print(f"{label:<38}{r['p50']:>8.3f}{r['p99']:>8.3f}{ratio:>9}{r['sent'] / 2**20:>14.2f}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,10 @@ PRECISIONS = {
     "bf16_mixed_fp32_grads": Precision(
         "bf16_mixed_fp32_grads", 2, 4, 4, 0, 4,
         "bf16 compute, gradients reduced and kept in fp32 (FSDP's reduce_dtype=float32)"),
+    "bf16_fsdp": Precision(
+        "bf16_fsdp", 0, 4, 4, 0, 4,
+        "FSDP2's MixedPrecisionPolicy(bf16, reduce fp32): the fp32 shards are the master, bf16 "
+        "copies exist only while a unit is gathered, gradients reduced and kept in fp32"),
     "bf16_mixed_fp32_accum": Precision(
         "bf16_mixed_fp32_accum", 2, 2, 4, 4, 4,
         "bf16 grads plus a separate fp32 accumulation buffer (Megatron's main_grad)"),
@@ -174,7 +178,8 @@ def estimate(model: torch.nn.Module | None = None, *, n_params: int | None = Non
 
     prec, stage = PRECISIONS[precision], STRATEGY_STAGE[strategy]
     state_cats, state_bytes = OPTIMIZERS[optimizer]
-    bpp = {"params": prec.params, "grads": prec.grads}
+    bpp = {"params": prec.params} if prec.params else {}
+    bpp["grads"] = prec.grads
     if prec.grad_accum:
         bpp["grad_accum"] = prec.grad_accum
     if prec.master:
@@ -204,10 +209,10 @@ def gpt_activation_bytes(cfg, micro_batch: int, seq_len: int | None = None,
     B, T = micro_batch, seq_len or cfg.seq_len
     C, H, F, V, L = cfg.d_model, cfg.n_head, cfg.ffn_hidden, cfg.vocab_size, cfg.n_layer
     x, BT = dtype_bytes, B * T
-    if cfg.norm == "layernorm":                    # one fused op: input, mean and rstd (fp32)
-        norm = BT * C * x + 2 * BT * 4
-    else:                                          # rms_norm is composite on CPU: input, rstd,
-        norm = 2 * BT * C * x + BT * 4             # and the normalised input (for the weight)
+    if cfg.norm == "layernorm":                    # one fused op: input, mean and rstd
+        norm = BT * C * x + 2 * BT * x
+    else:                                          # rms_norm is composite on CPU and upcasts:
+        norm = 2 * BT * C * 4 + BT * 4             # fp32 input, rstd, normalised input
     per_block = (
         norm                                       # ln1
         + BT * C * x                               # qkv projection: its input (ln1's output)
@@ -225,7 +230,7 @@ def gpt_activation_bytes(cfg, micro_batch: int, seq_len: int | None = None,
     head = (norm                                   # final norm
             + BT * C * x                           # head: its input
             + BT * V * x                           # log-softmax of the logits, for the loss
-            + BT * 8 + 4)                          # targets (int64) and the loss's total weight
+            + BT * 8 + x)                          # targets (int64) and the loss's total weight
     return L * per_block + embed + head
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class GPT(nn.Module):
         super().__init__()
         cfg = config(cfg) if isinstance(cfg, str) else cfg
         self.cfg = cfg
+        self.recompute_activations = False          # activation checkpointing, per block
         with torch.device(device or "cpu"):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.learned_pos else None
@@ -147,6 +149,9 @@ class GPT(nn.Module):
             self.ln_f = _norm(cfg)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters(seed)
+
+    def num_params(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -169,7 +174,11 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb.weight[:T]
         for block in self.blocks:
-            x = block(x)
+            if self.recompute_activations and torch.is_grad_enabled():
+                # keep only the block's input; recompute its insides during backward
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.ln_f(x))                            # (B, T, V)
         if targets is None:
             return logits

@@ -15,6 +15,7 @@ fp32 master copy.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from contextlib import nullcontext as _null
 from typing import Any
@@ -25,17 +26,19 @@ import torch.nn as nn
 from . import model as model_mod
 from .comm import Comm, bytes_written
 from .ddp import DDP, NaiveDDP
+from . import fsdp
 from .zero import ZeroOptimizer
 from .launch import RankContext
 from .ledger import LiveLedger, estimate, gpt_activation_bytes, track_optimizer_state
 from .trace import Tracer
 
 STRATEGIES = ("single", "ddp_naive", "ddp", "torch_ddp", "zero1", "zero1_allreduce", "zero2",
-              "torch_zero1")
+              "torch_zero1", "fsdp", "fsdp_flat", "torch_fsdp")
+WRAPS = ("block", "model", "linear")
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
 PRECISIONS = ("fp32", "bf16_mixed")
 LEDGER_STRATEGY = {"single": "ddp", "ddp_naive": "ddp", "ddp": "ddp", "zero1": "zero1",
-                   "zero1_allreduce": "zero1", "zero2": "zero2"}
+                   "zero1_allreduce": "zero1", "zero2": "zero2", "fsdp": "zero3", "fsdp_flat": "zero3"}
 
 
 def optimizer_spec(name: str, lr: float) -> tuple[type, dict]:
@@ -75,9 +78,21 @@ class MasterWeights:
                 p.grad.zero_()
 
 
+def wrap_targets(net: nn.Module, wrap: str) -> list[tuple[str, nn.Module]]:
+    """The modules that become FSDP units below the root: each block, each Linear, or none."""
+    if wrap == "block":
+        return [(f"blocks.{i}", b) for i, b in enumerate(net.blocks)]
+    if wrap == "linear":
+        return [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]
+    if wrap == "model":
+        return []
+    raise ValueError(f"unknown wrap policy {wrap!r}; expected one of {WRAPS}")
+
+
 def build(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None, *,
           optimizer: str = "adamw", lr: float = 1e-3, precision: str = "fp32",
-          bucket_cap_mb: float = 25.0) -> tuple[nn.Module, Any]:
+          bucket_cap_mb: float = 25.0, wrap: str = "block",
+          reshard_after_forward: bool = True, reshard_root: bool = False) -> tuple[nn.Module, Any]:
     """Apply a strategy to a freshly built model (same weights on every rank): returns the model
     to call and the optimizer to step."""
     if strategy not in STRATEGIES:
@@ -86,6 +101,21 @@ def build(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None, 
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
     opt_class, opt_kwargs = optimizer_spec(optimizer, lr)
     mixed = precision == "bf16_mixed"
+    if strategy in ("fsdp", "fsdp_flat"):
+        mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else None
+        kw = dict(comm=comm, ledger=ledger, mp_policy=mp,
+                  layout="flat" if strategy == "fsdp_flat" else "per_param")
+        for name, m in wrap_targets(net, wrap):
+            fsdp.fully_shard(m, reshard_after_forward=reshard_after_forward, name=name, **kw)
+        fsdp.fully_shard(net, name="root", reshard_after_forward=True if reshard_root else None, **kw)
+        return net, opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
+    if strategy == "torch_fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy()
+        for _, m in wrap_targets(net, wrap):
+            fully_shard(m, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        fully_shard(net, mp_policy=mp)
+        return net, opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
     if mixed:
         net.to(torch.bfloat16)
     if strategy.startswith("zero"):
@@ -125,7 +155,9 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
           model: str = "tiny", micro_batch: int = 4, accum: int = 1, lr: float = 1e-3,
           optimizer: str = "adamw", bucket_cap_mb: float = 25.0, seed: int = 0,
           data_seed: int = 1234, track_activations: bool = True, trace: bool = True,
-          precision: str = "fp32", clip: float | None = None,
+          precision: str = "fp32", clip: float | None = None, wrap: str = "block",
+          reshard_after_forward: bool = True, reshard_root: bool = False, recompute: bool = False,
+          freeze: tuple[str, ...] = (), fsdp_accumulate_unsharded: bool = False,
           return_params: bool = False, return_state: bool = False, model_overrides: dict | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; each step sees ``accum`` micro-batches of
     ``micro_batch`` sequences per rank. Returns this rank's measurements (see module doc)."""
@@ -146,9 +178,20 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
     comm = Comm(tracer, ledger=ledger)
 
     net = model_mod.GPT(cfg, seed=seed).to(rank.device)
+    net.recompute_activations = recompute
+    for name, p in net.named_parameters():
+        if any(name.startswith(f) for f in freeze):
+            p.requires_grad_(False)
     wrapped, opt = build(net, strategy, comm, ledger, optimizer=optimizer, lr=lr,
-                         precision=precision, bucket_cap_mb=bucket_cap_mb)
+                         precision=precision, bucket_cap_mb=bucket_cap_mb, wrap=wrap,
+                         reshard_after_forward=reshard_after_forward, reshard_root=reshard_root)
     no_sync = getattr(wrapped, "no_sync", None) or getattr(opt, "no_sync", None)
+    if strategy in ("fsdp", "fsdp_flat"):
+        # FSDP's default accumulates reduced slices (a reduce-scatter per micro-batch, little
+        # memory); no_sync keeps full gradients until the last micro-batch (one reduce-scatter)
+        no_sync = (lambda: fsdp.no_sync(net)) if fsdp_accumulate_unsharded else None
+    elif strategy == "torch_fsdp":
+        no_sync = lambda: _torch_fsdp_no_sync(net)  # noqa: E731
     comm.reset_counters()                              # count training traffic, not the set-up
 
     out: dict[str, Any] = {"rank": rank.rank, "world_size": N, "strategy": strategy,
@@ -196,7 +239,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
         out["calls"].append(comm.totals["calls"] - c0["calls"])
     tracer.step = None
 
-    n_params = sum(p.numel() for p in net.parameters())
+    n_params = model_mod.GPT(cfg, device="meta").num_params(trainable_only=False)
     out["n_params"] = n_params
     out["by_op"] = comm.by_op
     if hasattr(opt, "layout"):
@@ -204,13 +247,24 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
     if ledger is not None:
         act = gpt_activation_bytes(cfg, micro_batch, dtype_bytes=2 if precision == "bf16_mixed" else 4) \
             if track_activations else 0
-        est = estimate(n_params=n_params, world_size=N, strategy=LEDGER_STRATEGY[strategy],
-                       precision=precision, optimizer=optimizer, activation_bytes=act)
+        prec = "bf16_fsdp" if (precision == "bf16_mixed" and strategy.startswith("fsdp")) else precision
+        trainable = model_mod.GPT(cfg, device="meta")
+        for name, p in trainable.named_parameters():
+            if any(name.startswith(f) for f in freeze):
+                p.requires_grad_(False)
+        est = estimate(trainable, world_size=N, strategy=LEDGER_STRATEGY[strategy],
+                       precision=prec, optimizer=optimizer, activation_bytes=act)
         out["ledger"] = {"peak": ledger.peak, "peak_snapshot": ledger.peak_snapshot,
                          "phase_peaks": ledger.phase_peaks, "final": ledger.current(),
                          "estimate": est.per_rank}
     if return_params:
-        out["params"] = {n: p.detach().cpu().float().clone() for n, p in net.named_parameters()}
+        if strategy in ("fsdp", "fsdp_flat"):
+            full = fsdp.full_parameters(net)
+        elif strategy == "torch_fsdp":
+            full = {n: p.full_tensor() for n, p in net.named_parameters()}
+        else:
+            full = dict(net.named_parameters())
+        out["params"] = {n: p.detach().cpu().float().clone() for n, p in full.items()}
     if return_state:
         out["optimizer_state"] = opt.state_dict()
     return out
@@ -218,3 +272,12 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
 
 def _phase(ledger, tracer, name):
     return ledger.phase(name) if ledger is not None else tracer.phase(name)
+
+
+@contextlib.contextmanager
+def _torch_fsdp_no_sync(net):
+    net.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        net.set_requires_gradient_sync(True)

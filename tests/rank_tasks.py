@@ -108,3 +108,54 @@ def backward_overlap(rank, strategy: str):
     end = next(e["t"] for e in evs if e["kind"] == "phase" and e["name"] == "backward"
                and e["edge"] == "end")
     return [(e["op"], e["tag"], e["t"] < end) for e in evs if e["kind"] == "collective"]
+
+
+def fsdp_lifecycle(rank, layout: str = "per_param"):
+    """One FSDP step of the 3-block nano GPT: the unit state changes and the collectives, in the
+    order they were issued."""
+    from minishard.train import train
+    train(rank, strategy="fsdp" if layout == "per_param" else "fsdp_flat", steps=1,
+          model="nano", micro_batch=1, track_activations=False)
+    evs = [e for e in rank.tracer.events if e["kind"] in ("unit", "collective", "phase")]
+    evs.sort(key=lambda e: (e["t"], e["seq"]))       # collectives by the time they were issued
+    out = []
+    for e in evs:
+        if e["kind"] == "unit":
+            out.append(f"{e['name']}:{e['state']}")
+        elif e["kind"] == "collective" and e["tag"] != "replicate":
+            out.append(f"{e['op']}({e['tag']})")
+        elif e["kind"] == "phase" and e["name"] in ("forward", "backward", "optimizer") \
+                and e["edge"] == "begin":
+            out.append(e["name"].upper())
+    return out
+
+
+def fsdp_manual_vs_hooks(rank, steps: int = 2):
+    """The same training, once driven by hooks and once by hand (fsdp.manual_step)."""
+    from minishard import fsdp
+    from minishard.comm import Comm
+    from minishard.model import GPT, batch, config
+
+    cfg = config("nano")
+    comm = Comm(rank.tracer)
+    results = []
+    for manual in (False, True):
+        net = GPT(cfg)
+        for i, b in enumerate(net.blocks):
+            fsdp.fully_shard(b, comm=comm, manual=manual, name=f"blocks.{i}")
+        fsdp.fully_shard(net, comm=comm, manual=manual, name="root")
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        losses = []
+        for s in range(steps):
+            x, y = batch(cfg, s, 2, rank.rank, rank.world_size)
+            if manual:
+                loss = fsdp.manual_step(net, x, y)
+            else:
+                loss = net(x, y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            losses.append(loss.item())
+        results.append((losses, fsdp.full_parameters(net)))
+    (l1, p1), (l2, p2) = results
+    return l1 == l2 and all(torch.equal(p1[k], p2[k]) for k in p1)

@@ -72,15 +72,17 @@ def test_model_without_parameters_is_refused():
     ("tiny", dict(n_layer=2, mlp="swiglu", norm="rmsnorm", n_kv_head=2, bias=False,
                   learned_pos=False), 2),
 ])
-def test_activation_formula_equals_what_autograd_saves(name, kw, mb):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_formula_equals_what_autograd_saves(name, kw, mb, dtype):
     cfg = config(name, **kw)
-    net = GPT(cfg)
+    net = GPT(cfg).to(dtype)
     ledger = LiveLedger()
     for n, p in net.named_parameters():
         ledger.track("params", p, n)
     with ledger.activations():
         loss = net(*batch(cfg, 0, mb))
-    assert ledger.current()["activations"] == gpt_activation_bytes(cfg, mb)
+    x = torch.finfo(dtype).bits // 8
+    assert ledger.current()["activations"] == gpt_activation_bytes(cfg, mb, dtype_bytes=x)
     loss.backward()                                      # backward releases every saved tensor
     assert ledger.current().get("activations", 0) == 0
 

@@ -1,0 +1,322 @@
+"""How an FSDP unit lays out its parameters: per-parameter (FSDP2) or flat (FSDP1).
+
+A layout answers four questions for the unit lifecycle in ``fsdp.py``, which never looks inside:
+
+1. what does ``model.parameters()`` show while sharded (what the optimizer updates)?
+2. what does this rank contribute to the unit's all-gather, and where does the result go?
+3. how are the full parameters put in place for compute, and taken away again?
+4. which gradients go into the reduce-scatter, and where does the reduced slice land?
+
+**Per-parameter sharding** (:class:`PerParamLayout`, PyTorch FSDP2). Each parameter is cut along
+dim 0 into N row blocks of ``ceil(rows / N)`` (the last padded); rank r keeps block r as its own
+``nn.Parameter`` in the module, so names, shapes per rank and ``requires_grad`` stay per
+parameter. One all-gather per unit still suffices: every rank packs its blocks into one buffer,
+and the gathered result is copied out into each parameter ("copy-out"); gradients are copied
+into a packed buffer for one reduce-scatter ("copy-in"). Frozen and trainable parameters can
+share a unit; each keeps its own dtype.
+
+**Flat parameter** (:class:`FlatLayout`, PyTorch FSDP1). The unit's parameters are concatenated
+into one 1-D buffer, padded to a multiple of N and sharded as one tensor: the module shows a
+single ``_flat_param`` shard, the original parameters become views into the gathered buffer
+during compute. No copies (the all-gather writes straight into the buffer the views read), but
+one dtype and one ``requires_grad`` per unit, and a checkpoint sees a 1-D blob, not named
+tensors.
+
+Full parameters are freed by shrinking their storage to zero bytes and brought back by growing
+it and filling it again — the tensors autograd saved for backward stay the same objects, so
+backward sees the re-gathered values.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+_preserve_version = torch.autograd._unsafe_preserve_version_counter
+
+
+def _set_storage(t: torch.Tensor, nbytes: int) -> None:
+    if t.untyped_storage().nbytes() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+
+
+@dataclass
+class ParamSlot:
+    """One parameter of the unit: where it lives in the module, and its global shape."""
+    module: nn.Module
+    name: str
+    fqn: str
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def collect_slots(module: nn.Module, taken: dict[int, str]) -> list[ParamSlot]:
+    """The parameters a new unit owns: those of ``module`` not already in a unit. ``taken`` maps
+    the ids of parameters (and of shards) that earlier units took over to those units' names."""
+    slots, seen = [], {}
+    for mod_name, mod in module.named_modules():
+        for name, p in list(mod._parameters.items()):
+            fqn = f"{mod_name + '.' if mod_name else ''}{name}"
+            if p is None:
+                continue
+            if id(p) in taken:
+                if getattr(p, "_fsdp_shard", False):
+                    continue                     # a child unit's shard: not ours
+                raise ValueError(f"parameter {fqn} is shared with unit {taken[id(p)]!r}, which "
+                                 f"already sharded it (tied weights across units): put every "
+                                 f"module that uses it in one unit, or untie the weights")
+            if id(p) in seen:
+                raise ValueError(f"parameter {fqn} is the same tensor as {seen[id(p)]} (tied "
+                                 f"weights inside one unit): minishard does not shard a tied "
+                                 f"parameter; untie the weights")
+            seen[id(p)] = fqn
+            slots.append(ParamSlot(mod, name, fqn, p.shape, p.dtype, p.requires_grad))
+    return slots
+
+
+class PerParamLayout:
+    """FSDP2: every parameter sharded on its own along dim 0 (see the module docstring)."""
+    kind = "per_param"
+
+    def __init__(self, slots: list[ParamSlot], rank: int, world_size: int,
+                 param_dtype: torch.dtype | None):
+        self.slots, self.rank, self.N = slots, rank, world_size
+        self.param_dtype = param_dtype
+        self.sharded: list[nn.Parameter] = []
+        self.unsharded: list[nn.Parameter] = []
+        self.rows, self.inner = [], []              # rows per rank block; elements per row
+        for s in slots:
+            full = s.module._parameters[s.name].detach()
+            rows0 = s.shape[0] if len(s.shape) else 1
+            c = math.ceil(rows0 / world_size)
+            inner = s.numel // rows0 if rows0 else 0
+            block = torch.zeros((c,) + tuple(s.shape[1:]), dtype=s.dtype, device=full.device)
+            mine = full.reshape(rows0, *s.shape[1:])[rank * c:(rank + 1) * c]
+            block[:mine.shape[0]] = mine             # the last ranks' blocks carry the padding
+            shard = nn.Parameter(block, requires_grad=s.requires_grad)
+            shard._fsdp_shard = True
+            dtype = param_dtype or s.dtype
+            unsharded = nn.Parameter(torch.empty(s.shape, dtype=dtype, device=full.device),
+                                     requires_grad=s.requires_grad)
+            _set_storage(unsharded, 0)               # born freed: a unit starts sharded
+            self.sharded.append(shard)
+            self.unsharded.append(unsharded)
+            self.rows.append(c)
+            self.inner.append(inner)
+            s.module._parameters[s.name] = shard    # what model.parameters() shows now
+        # rank-major packing: [rank 0: block of p0 | block of p1 | ...][rank 1: ...]
+        self.sizes = [c * i for c, i in zip(self.rows, self.inner)]
+        self.per_rank = sum(self.sizes)
+
+    # ---- what the ledger and the optimizer see
+    def shard_tensors(self) -> list[torch.Tensor]:
+        return list(self.sharded)
+
+    def unsharded_tensors(self) -> list[torch.Tensor]:
+        return list(self.unsharded)
+
+    def trainable(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s.requires_grad]
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.slots[0].dtype
+
+    # ---- 2. the all-gather
+    def all_gather_input(self) -> torch.Tensor:
+        """This rank's blocks, packed (and cast to the compute dtype): the copy-in."""
+        return torch.cat([p.detach().reshape(-1).to(self.gather_dtype) for p in self.sharded])
+
+    def all_gather_output(self) -> torch.Tensor:
+        return torch.empty(self.N * self.per_rank, dtype=self.gather_dtype,
+                           device=self.sharded[0].device)
+
+    def alloc_unsharded(self) -> None:
+        for p in self.unsharded:
+            _set_storage(p, p.numel() * p.element_size())
+
+    def copy_out(self, gathered: torch.Tensor) -> None:
+        """Rank q's block of parameter p goes to rows [q*c, (q+1)*c) of the full parameter."""
+        by_rank = gathered.view(self.N, self.per_rank)
+        offset = 0
+        for p, c, inner, size in zip(self.unsharded, self.rows, self.inner, self.sizes):
+            rows = p.view(-1, inner) if inner else p.view(-1, 1)
+            with torch.no_grad(), _preserve_version(p):
+                for q in range(self.N):
+                    lo, hi = q * c, min((q + 1) * c, rows.shape[0])
+                    if hi > lo:
+                        rows[lo:hi].copy_(by_rank[q, offset:offset + (hi - lo) * max(inner, 1)]
+                                          .view(hi - lo, -1))
+            offset += size
+
+    def free_unsharded(self) -> None:
+        for p in self.unsharded:
+            _set_storage(p, 0)
+
+    # ---- 3. swapping what the module computes with
+    def to_unsharded(self) -> None:
+        for s, p in zip(self.slots, self.unsharded):
+            s.module._parameters[s.name] = p
+
+    def to_sharded(self) -> None:
+        for s, p in zip(self.slots, self.sharded):
+            s.module._parameters[s.name] = p
+
+    # ---- 4. gradients
+    def grad_leaves(self) -> list[nn.Parameter]:
+        """The tensors whose gradients backward accumulates (hooks mark the unit ready)."""
+        return [self.unsharded[i] for i in self.trainable()]
+
+    def has_unsharded_grads(self) -> bool:
+        return any(self.unsharded[i].grad is not None for i in self.trainable())
+
+    def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor:
+        """Gradients packed rank-major like the all-gather (the copy-in); frozen and missing
+        gradients contribute zeros."""
+        packed = torch.zeros(self.N, self.per_rank, dtype=dtype, device=self.sharded[0].device)
+        offset = 0
+        for p, c, inner, size in zip(self.unsharded, self.rows, self.inner, self.sizes):
+            if p.grad is not None:
+                g = p.grad.reshape(-1, max(inner, 1))
+                for q in range(self.N):
+                    lo, hi = q * c, min((q + 1) * c, g.shape[0])
+                    if hi > lo:
+                        packed[q, offset:offset + (hi - lo) * max(inner, 1)].copy_(g[lo:hi].reshape(-1))
+            offset += size
+        return packed.view(-1)
+
+    def reduce_scatter_output(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(self.per_rank, dtype=dtype, device=self.sharded[0].device)
+
+    def accumulate_reduced(self, reduced: torch.Tensor) -> None:
+        """Add the reduced slice into each sharded parameter's ``.grad``."""
+        for p, part in zip(self.sharded, reduced.split(self.sizes)):
+            if p.requires_grad:
+                g = part.view(p.shape).to(p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
+
+    def drop_unsharded_grads(self) -> None:
+        for p in self.unsharded:
+            p.grad = None
+
+    def unsharded_grad_nbytes(self) -> int:
+        return sum(p.grad.numel() * p.grad.element_size() for p in self.unsharded if p.grad is not None)
+
+    def full_values(self) -> list[torch.Tensor]:
+        """Each parameter's full value (after an unshard)."""
+        return [p.detach() for p in self.unsharded]
+
+
+class FlatLayout:
+    """FSDP1: the unit's parameters as one flat padded buffer, sharded as one tensor."""
+    kind = "flat"
+
+    def __init__(self, slots: list[ParamSlot], rank: int, world_size: int,
+                 param_dtype: torch.dtype | None, owner: nn.Module):
+        if len({s.dtype for s in slots}) > 1:
+            raise ValueError(f"the flat layout needs one dtype per unit; got "
+                             f"{sorted(str(s.dtype) for s in slots)}: use the per-parameter layout")
+        if len({s.requires_grad for s in slots}) > 1:
+            frozen = [s.fqn for s in slots if not s.requires_grad]
+            raise ValueError(f"the flat layout cannot mix frozen and trainable parameters in one "
+                             f"unit (frozen: {frozen[:3]}...): the flat buffer has one requires_grad. "
+                             f"Use the per-parameter layout, or put frozen parameters in their own unit")
+        self.slots, self.rank, self.N, self.param_dtype = slots, rank, world_size, param_dtype
+        self.offsets = [sum(s.numel for s in slots[:k]) for k in range(len(slots))]
+        self.numel = sum(s.numel for s in slots)
+        self.chunk = math.ceil(self.numel / world_size)
+        self.per_rank = self.chunk
+        device = slots[0].module._parameters[slots[0].name].device
+        full = torch.zeros(self.chunk * world_size, dtype=slots[0].dtype, device=device)
+        for s, off in zip(slots, self.offsets):
+            full[off:off + s.numel].copy_(s.module._parameters[s.name].detach().reshape(-1))
+        self.flat_shard = nn.Parameter(full[rank * self.chunk:(rank + 1) * self.chunk].clone(),
+                                       requires_grad=slots[0].requires_grad)
+        self.flat_shard._fsdp_shard = True
+        self.flat_full = nn.Parameter(torch.empty(self.chunk * world_size,
+                                                  dtype=param_dtype or slots[0].dtype, device=device),
+                                      requires_grad=slots[0].requires_grad)
+        _set_storage(self.flat_full, 0)
+        for s in slots:                          # the originals are gone; views appear on demand
+            del s.module._parameters[s.name]
+        owner.register_parameter("_flat_param", self.flat_shard)
+        self.sharded = [self.flat_shard]
+
+    def shard_tensors(self) -> list[torch.Tensor]:
+        return [self.flat_shard]
+
+    def unsharded_tensors(self) -> list[torch.Tensor]:
+        return [self.flat_full]
+
+    def trainable(self) -> list[int]:
+        return [0] if self.flat_shard.requires_grad else []
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        return self.flat_full.dtype
+
+    def all_gather_input(self) -> torch.Tensor:
+        return self.flat_shard.detach().to(self.gather_dtype).clone()
+
+    def all_gather_output(self) -> torch.Tensor:
+        return self.flat_full                     # gathered in place: no copy-out
+
+    def alloc_unsharded(self) -> None:
+        _set_storage(self.flat_full, self.flat_full.numel() * self.flat_full.element_size())
+
+    def copy_out(self, gathered: torch.Tensor) -> None:
+        pass
+
+    def free_unsharded(self) -> None:
+        _set_storage(self.flat_full, 0)
+
+    def to_unsharded(self) -> None:
+        # views into the gathered buffer; autograd routes their gradients into flat_full.grad
+        for s, off in zip(self.slots, self.offsets):
+            setattr(s.module, s.name, self.flat_full[off:off + s.numel].view(s.shape))
+
+    def to_sharded(self) -> None:
+        pass                                      # the views stay, pointing at freed storage
+
+    def grad_leaves(self) -> list[nn.Parameter]:
+        return [self.flat_full] if self.flat_full.requires_grad else []
+
+    def has_unsharded_grads(self) -> bool:
+        return self.flat_full.grad is not None
+
+    def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor:
+        g = self.flat_full.grad
+        if g is None:
+            return torch.zeros(self.chunk * self.N, dtype=dtype, device=self.flat_shard.device)
+        return g.to(dtype) if g.dtype != dtype else g
+
+    def reduce_scatter_output(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(self.chunk, dtype=dtype, device=self.flat_shard.device)
+
+    def accumulate_reduced(self, reduced: torch.Tensor) -> None:
+        g = reduced.to(self.flat_shard.dtype)
+        if self.flat_shard.grad is None:
+            self.flat_shard.grad = g.clone()
+        else:
+            self.flat_shard.grad.add_(g)
+
+    def drop_unsharded_grads(self) -> None:
+        self.flat_full.grad = None
+
+    def unsharded_grad_nbytes(self) -> int:
+        g = self.flat_full.grad
+        return 0 if g is None else g.numel() * g.element_size()
+
+    def full_values(self) -> list[torch.Tensor]:
+        return [self.flat_full.detach()[off:off + s.numel].view(s.shape)
+                for s, off in zip(self.slots, self.offsets)]
