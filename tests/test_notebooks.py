@@ -34,6 +34,7 @@ def test_py_and_ipynb_hold_the_same_cells(py):
 @pytest.mark.parametrize("py", PAIRS, ids=lambda p: p.stem)
 def test_ipynb_is_executed_and_small(py):
     ipynb = py.with_suffix(".ipynb")
+    assert ipynb.exists(), f"{py.name} has no {ipynb.name}: execute it and commit the result"
     nb = nbformat.read(ipynb, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.execution_count is not None for c in code), (
