@@ -115,7 +115,8 @@ class Comm:
         o["calls"] += 1
         if self.tracer is not None:
             t = ev.pop("t")
-            self.tracer.emit("collective", t=t, t_end=round(self.tracer.now(), 7), **ev)
+            t_end = ev.pop("t_done", None) or self.tracer.now()
+            self.tracer.emit("collective", t=t, t_end=round(t_end, 7), **ev)
 
     def reset_counters(self) -> None:
         self.totals = {"payload": 0, "wire": 0, "calls": 0}
@@ -123,6 +124,10 @@ class Comm:
 
     def _run(self, ev: dict, launch, async_op: bool, finish=None) -> Work | None:
         handle = launch() if self.world_size > 1 else None
+        if handle is not None and async_op and self.tracer is not None:
+            # the end time is when the collective completed, not when someone waited for it
+            tracer = self.tracer
+            handle.get_future().add_done_callback(lambda _: ev.__setitem__("t_done", tracer.now()))
         work = Work(self, handle, ev, finish)
         if async_op:
             return work

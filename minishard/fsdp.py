@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,11 @@ class FSDPUnit:
         self._pending_rs: tuple[Work | None, torch.Tensor, torch.Tensor] | None = None
         self._post_backward_done = False
         self._final_callback_queued = False
+        # prefetch: explicit lists of units to unshard early, or (None) the root's depth rule
+        self.forward_prefetch: list[FSDPUnit] | None = None
+        self.backward_prefetch: list[FSDPUnit] | None = None
+        self.prefetch_depth = (0, 0)               # (forward, backward); read on the root
+        self.exposed_s = 0.0                       # seconds compute waited for this unit's comm
         if ledger is not None:
             # with a lower-precision compute dtype the fp32 shards are the master weights
             lower = mp_policy.param_dtype not in (None, layout.slots[0].dtype)
@@ -96,21 +102,22 @@ class FSDPUnit:
 
     # ------------------------------------------------------------------ unshard / reshard
     def unshard(self, async_op: bool = False) -> None:
-        """Allocate the full parameters and start the all-gather that fills them."""
+        """Start the all-gather of the unit's full parameters (``wait_for_unshard`` finishes it).
+
+        The flat layout gathers straight into its full buffer, allocated here. The per-parameter
+        layout gathers into a packed buffer and allocates the parameters only at the copy-out,
+        so a unit still in flight (prefetched) holds one copy of its parameters, not two."""
         if self.state != UnitState.SHARDED:
             return
         self._set_state(UnitState.UNSHARDING)
-        self.layout.alloc_unsharded()
-        if self.ledger is not None:
-            for i, t in enumerate(self.layout.unsharded_tensors()):
-                self.ledger.track("unsharded", t, f"{self.name}:full{i}")
+        if self.layout.gathers_in_place:
+            self._alloc_unsharded()
         inp, out = self.layout.all_gather_input(), self.layout.all_gather_output()
-        if self.layout.kind == "per_param" and self.ledger is not None:
-            # the packed all-gather result, until the copy-out puts it into the parameters
+        if not self.layout.gathers_in_place and self.ledger is not None:
             self.ledger.alloc("comm_buffers", out.numel() * out.element_size(), f"{self.name}:ag")
-        # the flat layout gathers straight into the buffer whose views autograd saved: the
-        # write must not count as a modification (the values are the very ones saved). gloo may
-        # write at any time until wait(), so the version is put back only after it.
+        # gathering into the buffer whose views autograd saved must not count as modifying them
+        # (they get back the very values saved). gloo may write until wait(): the version is
+        # put back only after it.
         version = out._version
         with torch.no_grad():
             work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
@@ -118,19 +125,38 @@ class FSDPUnit:
         if not async_op:
             self.wait_for_unshard()
 
+    def _alloc_unsharded(self) -> None:
+        self.layout.alloc_unsharded()
+        if self.ledger is not None:
+            for i, t in enumerate(self.layout.unsharded_tensors()):
+                self.ledger.track("unsharded", t, f"{self.name}:full{i}")
+
     def wait_for_unshard(self) -> None:
         if self._gather is None:
             return
         work, out, version = self._gather
         if work is not None:
-            work.wait()
+            self._wait(work, "wait_unshard")
         torch._C._autograd._unsafe_set_version_counter((out,), (version,))
-        self.layout.copy_out(out)
-        if self.layout.kind == "per_param" and self.ledger is not None:
-            self.ledger.free(f"{self.name}:ag")
+        if not self.layout.gathers_in_place:
+            self._alloc_unsharded()
+            self.layout.copy_out(out)
+            if self.ledger is not None:
+                self.ledger.free(f"{self.name}:ag")
         self._gather = None
         self.layout.to_unsharded()          # the module now computes with the full parameters
         self._set_state(UnitState.UNSHARDED)
+
+    def _wait(self, work: Work, what: str) -> None:
+        """Block until a collective is done; the time spent here is *exposed* communication
+        (compute had nothing to do), the rest was hidden behind compute."""
+        if work.done:
+            return
+        t0 = time.perf_counter()
+        tracer = self.comm.tracer
+        with (tracer.phase(what, unit=self.name) if tracer is not None else contextlib.nullcontext()):
+            work.wait()
+        self.exposed_s += time.perf_counter() - t0
 
     def reshard(self) -> None:
         """Free the full parameters: the module holds nothing but shards again."""
@@ -157,6 +183,8 @@ class FSDPUnit:
             args = _RegisterPostBackward.apply(self, *args)
         self.unshard()
         self.wait_for_unshard()
+        if not self.in_backward:
+            self.prefetch(self._prefetch_targets(forward=True))
         return args
 
     def post_forward(self, output):
@@ -178,6 +206,31 @@ class FSDPUnit:
         self.root.queue_final_callback()
         self.unshard()
         self.wait_for_unshard()
+        self.prefetch(self._prefetch_targets(forward=False))
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, targets: list["FSDPUnit"]) -> None:
+        """Start the all-gathers of units that will run soon, without waiting: they travel while
+        this unit computes. Each prefetched unit holds its full parameters from now on — the
+        memory price of hiding communication."""
+        for u in targets:
+            u.unshard(async_op=True)
+
+    def _prefetch_targets(self, forward: bool) -> list["FSDPUnit"]:
+        explicit = self.forward_prefetch if forward else self.backward_prefetch
+        if explicit is not None:
+            return explicit
+        root = self.root
+        depth = root.prefetch_depth[0 if forward else 1]
+        if depth == 0:
+            return []
+        order = [u for u in root.units if u is not root]       # forward order of the blocks
+        if not forward:
+            order = order[::-1]
+        if self is root:                  # the root runs first in forward and in backward
+            return order[:depth]
+        i = order.index(self)
+        return order[i + 1:i + 1 + depth]
 
     def on_grad_ready(self, index: int) -> None:
         """A full gradient of this unit was accumulated: enter it in the ledger."""
@@ -220,7 +273,7 @@ class FSDPUnit:
             return
         work, out, _ = self._pending_rs
         if work is not None:
-            work.wait()
+            self._wait(work, "wait_reduce_scatter")
         self.layout.accumulate_reduced(out)
         if self.ledger is not None:
             self.ledger.free(f"{self.name}:rs")
@@ -358,6 +411,29 @@ def _broadcast_from_rank0(slots, comm: Comm) -> None:
         for s, t in zip(slots, tensors):
             t.copy_(flat[off:off + s.numel].view(s.shape))
             off += s.numel
+
+
+def _depth(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} prefetch depth must be a non-negative integer, got {value!r}")
+    return value
+
+
+def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> None:
+    """Prefetch depth for every unit of ``model`` (its root must be ``model``): while a unit
+    computes, the next ``forward`` units (the previous ``backward`` units in backward) are
+    already being gathered. Depth k keeps up to k+1 units' full parameters in memory."""
+    root = model._fsdp_unit
+    root.prefetch_depth = (_depth(forward, "forward"), _depth(backward, "backward"))
+
+
+def set_modules_to_forward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:
+    """Explicit override, as FSDP2's: when ``module`` runs forward, gather ``modules`` early."""
+    module._fsdp_unit.forward_prefetch = [m._fsdp_unit for m in modules]
+
+
+def set_modules_to_backward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:
+    module._fsdp_unit.backward_prefetch = [m._fsdp_unit for m in modules]
 
 
 def units(model: nn.Module) -> list[FSDPUnit]:

@@ -84,6 +84,7 @@ def collect_slots(module: nn.Module, taken: dict[int, str]) -> list[ParamSlot]:
 class PerParamLayout:
     """FSDP2: every parameter sharded on its own along dim 0 (see the module docstring)."""
     kind = "per_param"
+    gathers_in_place = False                    # gathered into a packed buffer, then copied out
 
     def __init__(self, slots: list[ParamSlot], rank: int, world_size: int,
                  param_dtype: torch.dtype | None):
@@ -220,6 +221,7 @@ class PerParamLayout:
 class FlatLayout:
     """FSDP1: the unit's parameters as one flat padded buffer, sharded as one tensor."""
     kind = "flat"
+    gathers_in_place = True                     # the all-gather writes the full buffer itself
 
     def __init__(self, slots: list[ParamSlot], rank: int, world_size: int,
                  param_dtype: torch.dtype | None, owner: nn.Module):
@@ -273,9 +275,6 @@ class FlatLayout:
 
     def alloc_unsharded(self) -> None:
         _set_storage(self.flat_full, self.flat_full.numel() * self.flat_full.element_size())
-
-    def copy_out(self, gathered: torch.Tensor) -> None:
-        pass
 
     def free_unsharded(self) -> None:
         _set_storage(self.flat_full, 0)

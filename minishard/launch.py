@@ -233,7 +233,9 @@ class Ranks:
                     t, r, err, tb = min(errs)
                     raise RankError(r, err, tb)
                 r, code = dead[0]
-                raise RankError(r, f"process exited with code {code} without reporting", "")
+                raise RankError(r, f"process exited with code {code} without reporting (killed, "
+                                   f"or it crashed at start-up: a script that starts ranks must "
+                                   f"do so under `if __name__ == \"__main__\":`)", "")
             if time.monotonic() > deadline:
                 self.close(reason="timeout")
                 raise TimeoutError(f"{what}: no answer from ranks "

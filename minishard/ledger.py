@@ -240,6 +240,11 @@ def storage_nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
+class DeviceOutOfMemory(MemoryError):
+    """An allocation would take the device past the ledger's budget (a stand-in for CUDA's
+    OOM on machines whose "device" is the CPU)."""
+
+
 class LiveLedger:
     """Measured per-rank memory: strategies enter what they allocate and free, by category.
 
@@ -249,11 +254,16 @@ class LiveLedger:
     phase, and every change is an event in the tracer.
     """
 
-    def __init__(self, tracer: Tracer | None = None, device: str = "device"):
+    def __init__(self, tracer: Tracer | None = None, device: str = "device",
+                 budget: int | None = None):
+        if budget is not None and budget <= 0:
+            raise ValueError(f"a device memory budget must be positive, got {budget}")
         self.tracer = tracer
         self.device = device
+        self.budget = budget
         self._live: dict[str, tuple[str, int, str]] = {}          # tag -> (category, bytes, device)
         self._by_cat: dict[tuple[str, str], int] = {}              # (category, device) -> bytes
+        self.category_peaks: dict[tuple[str, str], int] = {}       # the most each ever held
         self._storages: dict[int, str] = {}                        # data_ptr -> tag (tracked tensors)
         self._tag_ptr: dict[str, int] = {}
         self.total = 0
@@ -271,9 +281,17 @@ class LiveLedger:
             raise KeyError(f"ledger tag {tag!r} is already live; free it first")
         device = device or self.device
         nbytes = int(nbytes)
+        if self.budget is not None and device == self.device and self.total + nbytes > self.budget:
+            held = ", ".join(f"{c} {b / 2**20:.1f}" for c, b in sorted(self.current().items()))
+            raise DeviceOutOfMemory(
+                f"allocating {nbytes / 2**20:.1f} MiB of {category} ({tag}) would take the device to "
+                f"{(self.total + nbytes) / 2**20:.1f} MiB, over its budget of "
+                f"{self.budget / 2**20:.1f} MiB; held now (MiB): {held}")
         self._live[tag] = (category, nbytes, device)
         key = (category, device)
         self._by_cat[key] = self._by_cat.get(key, 0) + nbytes
+        if self._by_cat[key] > self.category_peaks.get(key, 0):
+            self.category_peaks[key] = self._by_cat[key]
         if device == self.device:
             self.total += nbytes
             if self.total > self.peak:

@@ -200,4 +200,5 @@ def batch(cfg: GPTConfig, step: int, micro_batch: int, rank: int = 0, world_size
     stride = torch.randint(1, 8, (rows, 1), generator=g)
     tokens = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
     mine = tokens[rank * micro_batch:(rank + 1) * micro_batch]
-    return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+    # clone: a slice of the global batch would share (and keep alive) its whole storage
+    return mine[:, :-1].clone(), mine[:, 1:].clone()

@@ -92,7 +92,8 @@ def wrap_targets(net: nn.Module, wrap: str) -> list[tuple[str, nn.Module]]:
 def build(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None, *,
           optimizer: str = "adamw", lr: float = 1e-3, precision: str = "fp32",
           bucket_cap_mb: float = 25.0, wrap: str = "block",
-          reshard_after_forward: bool = True, reshard_root: bool = False) -> tuple[nn.Module, Any]:
+          reshard_after_forward: bool = True, reshard_root: bool = False,
+          prefetch: int = 0) -> tuple[nn.Module, Any]:
     """Apply a strategy to a freshly built model (same weights on every rank): returns the model
     to call and the optimizer to step."""
     if strategy not in STRATEGIES:
@@ -108,6 +109,7 @@ def build(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None, 
         for name, m in wrap_targets(net, wrap):
             fsdp.fully_shard(m, reshard_after_forward=reshard_after_forward, name=name, **kw)
         fsdp.fully_shard(net, name="root", reshard_after_forward=True if reshard_root else None, **kw)
+        fsdp.set_prefetch(net, prefetch, prefetch)
         return net, opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
     if strategy == "torch_fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -157,6 +159,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
           data_seed: int = 1234, track_activations: bool = True, trace: bool = True,
           precision: str = "fp32", clip: float | None = None, wrap: str = "block",
           reshard_after_forward: bool = True, reshard_root: bool = False, recompute: bool = False,
+          prefetch: int = 0, device_budget: int | None = None,
           freeze: tuple[str, ...] = (), fsdp_accumulate_unsharded: bool = False,
           return_params: bool = False, return_state: bool = False, model_overrides: dict | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; each step sees ``accum`` micro-batches of
@@ -174,7 +177,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
     N = rank.world_size
     cfg = model_mod.config(model, **(model_overrides or {}))
     instrumented = not strategy.startswith("torch_")
-    ledger = LiveLedger(tracer) if instrumented else None
+    ledger = LiveLedger(tracer, budget=device_budget) if instrumented else None
     comm = Comm(tracer, ledger=ledger)
 
     net = model_mod.GPT(cfg, seed=seed).to(rank.device)
@@ -184,7 +187,8 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
             p.requires_grad_(False)
     wrapped, opt = build(net, strategy, comm, ledger, optimizer=optimizer, lr=lr,
                          precision=precision, bucket_cap_mb=bucket_cap_mb, wrap=wrap,
-                         reshard_after_forward=reshard_after_forward, reshard_root=reshard_root)
+                         reshard_after_forward=reshard_after_forward, reshard_root=reshard_root,
+                         prefetch=prefetch)
     no_sync = getattr(wrapped, "no_sync", None) or getattr(opt, "no_sync", None)
     if strategy in ("fsdp", "fsdp_flat"):
         # FSDP's default accumulates reduced slices (a reduce-scatter per micro-batch, little
@@ -196,10 +200,12 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
 
     out: dict[str, Any] = {"rank": rank.rank, "world_size": N, "strategy": strategy,
                            "losses": [], "step_times": [], "wire": [], "payload": [],
-                           "wchar": [], "calls": []}
+                           "wchar": [], "calls": [], "exposed_comm": []}
+    fsdp_units = fsdp.units(net) if strategy in ("fsdp", "fsdp_flat") else []
     for step in range(steps):
         tracer.step = step
         w0, c0 = bytes_written(), dict(comm.totals)
+        e0 = sum(u.exposed_s for u in fsdp_units)
         t0 = time.perf_counter()
         with tracer.phase("step"):
             loss_sum = 0.0
@@ -237,6 +243,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
         out["wire"].append(comm.totals["wire"] - c0["wire"])
         out["payload"].append(comm.totals["payload"] - c0["payload"])
         out["calls"].append(comm.totals["calls"] - c0["calls"])
+        out["exposed_comm"].append(sum(u.exposed_s for u in fsdp_units) - e0)
     tracer.step = None
 
     n_params = model_mod.GPT(cfg, device="meta").num_params(trainable_only=False)
@@ -255,6 +262,8 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
         est = estimate(trainable, world_size=N, strategy=LEDGER_STRATEGY[strategy],
                        precision=prec, optimizer=optimizer, activation_bytes=act)
         out["ledger"] = {"peak": ledger.peak, "peak_snapshot": ledger.peak_snapshot,
+                         "category_peaks": {c: b for (c, d), b in ledger.category_peaks.items()
+                                            if d == ledger.device},
                          "phase_peaks": ledger.phase_peaks, "final": ledger.current(),
                          "estimate": est.per_rank}
     if return_params:

@@ -159,3 +159,14 @@ def fsdp_manual_vs_hooks(rank, steps: int = 2):
         results.append((losses, fsdp.full_parameters(net)))
     (l1, p1), (l2, p2) = results
     return l1 == l2 and all(torch.equal(p1[k], p2[k]) for k in p1)
+
+
+def fsdp_forward_order(rank, prefetch: int):
+    """Unit state changes during the first forward of an FSDP step with prefetch."""
+    from minishard.train import train
+    train(rank, strategy="fsdp", steps=1, model="nano", micro_batch=1, prefetch=prefetch,
+          track_activations=False)
+    evs = rank.tracer.events
+    end = next(i for i, e in enumerate(evs) if e["kind"] == "phase" and e["name"] == "forward"
+               and e["edge"] == "end")
+    return [f"{e['name']}:{e['state']}" for e in evs[:end] if e["kind"] == "unit"]

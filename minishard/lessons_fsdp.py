@@ -1,0 +1,355 @@
+"""Rank tasks and small views for the course's chapters 05 (ZeRO-3) and 06 (FSDP units).
+
+The tasks run on real ranks (``Ranks(N).run(task, ...)``) and return plain data a notebook can
+print and assert on; the views read traces only. Nothing here is a strategy: every byte is
+allocated, gathered and reduced by :mod:`minishard.fsdp` and :mod:`minishard.fsdp_param`.
+
+* :func:`lifecycle_by_hand` walks one training step of the nano GPT through every FSDP lifecycle
+  call written out (``unshard``, ``reshard``, ``reduce_scatter_grads`` ...), snapshotting the
+  units' states and the rank's ledger after each call, then checks that the hooks give the
+  same bits.
+* :func:`layout_views` and :func:`mixed_dtypes` show what the per-parameter (FSDP2) and flat
+  (FSDP1) layouts look like to ``model.parameters()``, to a checkpoint and to mixed dtypes;
+  :func:`padding_table` computes each layout's padding for any world size without ranks.
+* :func:`unsharded_series`, :func:`unit_state_figure` and :func:`with_unit_states` turn a trace's
+  ``unit`` events into the chapter's pictures (plotly and ipywidgets are imported lazily, so the
+  rank processes that import this module for its tasks do not pay for them).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import fsdp
+from .comm import Comm
+from .ledger import LiveLedger, track_optimizer_state
+from .model import GPT, batch, config
+from .trace import LedgerTimeline
+
+STATE_SHORT = {"sharded": "S", "unsharding": "~", "unsharded": "U", "reduce_scattering": "R"}
+
+
+# --------------------------------------------------------------------------- 06: by hand
+
+def _shard_model(net: GPT, comm: Comm, ledger: LiveLedger | None, manual: bool,
+                 layout: str = "per_param") -> GPT:
+    for i, b in enumerate(net.blocks):
+        fsdp.fully_shard(b, comm=comm, ledger=ledger, manual=manual, layout=layout, name=f"blocks.{i}")
+    fsdp.fully_shard(net, comm=comm, ledger=ledger, manual=manual, layout=layout, name="root")
+    return net
+
+
+def lifecycle_by_hand(rank, model: str = "nano", micro_batch: int = 2, seed: int = 0) -> dict:
+    """One AdamW step of a GPT whose units were made with ``fully_shard(..., manual=True)``,
+    every lifecycle call written out in the order the hooks would make it.
+
+    To run backward one unit at a time by hand, each block's input is cut from the graph
+    (``detach().requires_grad_()``): the block's backward is then its own call, fed the gradient
+    the next block produced. The arithmetic is unchanged — the result is compared bitwise with
+    the same step driven by hooks.
+
+    Returns ``{"rows": [...], "loss": float, "matches_hooks": bool}``; each row is a snapshot
+    after one call: unit states, the ledger by category, what the module holds as
+    ``blocks[0].attn.qkv.weight`` and the bytes of the full tensor autograd saved for it.
+    """
+    cfg = config(model)
+    tracer = rank.tracer
+    tracer.step = 0
+    ledger = LiveLedger(tracer)
+    comm = Comm(tracer, ledger=ledger)
+    net = _shard_model(GPT(cfg, seed=seed), comm, ledger, manual=True)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)
+    comm.reset_counters()
+    root, blocks = net._fsdp_unit, [b._fsdp_unit for b in net.blocks]
+    units = [root, *blocks]
+    qkv_slot = next(i for i, s in enumerate(blocks[0].layout.slots) if s.fqn == "attn.qkv.weight")
+    qkv_full = blocks[0].layout.unsharded[qkv_slot]        # the tensor the block computes with
+    rows, seen = [], [0]
+
+    def snap(call: str) -> None:
+        new = [e for e in tracer.events[seen[0]:] if e["kind"] == "collective"]
+        seen[0] = len(tracer.events)
+        rows.append({"call": call,
+                     "states": {u.name: u.state.value for u in units},
+                     "ledger": ledger.current(),
+                     "qkv_shape": tuple(net.blocks[0].attn.qkv.weight.shape),
+                     "qkv_full_bytes": qkv_full.untyped_storage().nbytes(),
+                     "collectives": [f"{e['op']}({e['tag']})" for e in new]})
+
+    def grads_arrived(u) -> None:            # what the post-accumulate-grad hooks would report
+        for i in range(len(u.layout.grad_leaves())):
+            u.on_grad_ready(i)
+
+    x, y = batch(cfg, 0, micro_batch, rank.rank, rank.world_size)
+    snap("(after fully_shard)")
+    with ledger.activations():
+        # ---- forward: the root (embeddings, final norm, head) for the whole step, blocks one by one
+        root.unshard()
+        snap("root.unshard()")
+        h = emb = net.tok_emb(x) + net.pos_emb.weight[:x.shape[1]]    # (B, T, C)
+        cut = []                                                       # (block input, output)
+        for b, u in zip(net.blocks, blocks):
+            if u is blocks[0]:
+                u.unshard(async_op=True)
+                snap(f"{u.name}.unshard(async_op=True)")
+                u.wait_for_unshard()
+                snap(f"{u.name}.wait_for_unshard()")
+            else:
+                u.unshard()
+                snap(f"{u.name}.unshard()")
+            a = h.detach().requires_grad_()
+            h = b(a)
+            cut.append((a, h))
+            snap(f"{u.name} forward")
+            u.reshard()
+            snap(f"{u.name}.reshard()")
+        top = h.detach().requires_grad_()
+        logits = net.head(net.ln_f(top))                               # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        snap("root forward: loss")
+    # ---- backward: the root's head first, then the blocks in reverse, the embeddings last
+    loss.backward()
+    grads_arrived(root)
+    snap("loss.backward() (head, ln_f)")
+    grad = top.grad
+    for (a, h), b, u in reversed(list(zip(cut, net.blocks, blocks))):
+        u.unshard()
+        snap(f"{u.name}.unshard()")
+        h.backward(grad)
+        grads_arrived(u)
+        grad = a.grad
+        snap(f"{u.name} backward")
+        u.reduce_scatter_grads()
+        snap(f"{u.name}.reduce_scatter_grads()")
+        u.reshard()
+        snap(f"{u.name}.reshard()")
+    emb.backward(grad)
+    grads_arrived(root)
+    snap("embeddings backward")
+    root.reduce_scatter_grads()
+    snap("root.reduce_scatter_grads()")
+    root.reshard()
+    snap("root.reshard()")
+    opt.step()
+    track_optimizer_state(ledger, opt, net)
+    opt.zero_grad(set_to_none=False)
+    snap("optimizer.step() on the shards")
+    by_hand = fsdp.full_parameters(net)
+
+    # the same step driven by the hooks
+    net2 = _shard_model(GPT(cfg, seed=seed), Comm(), None, manual=False)
+    opt2 = torch.optim.AdamW(net2.parameters(), lr=1e-3, weight_decay=0.01)
+    loss2 = net2(x, y)
+    loss2.backward()
+    opt2.step()
+    by_hooks = fsdp.full_parameters(net2)
+    tracer.step = None
+    return {"rows": rows, "loss": loss.item(),
+            "matches_hooks": loss.item() == loss2.item()
+            and all(torch.equal(by_hand[k], by_hooks[k]) for k in by_hooks)}
+
+
+# --------------------------------------------------------------------------- 06: two layouts
+
+def _padding_on(layout, rank: int) -> int:
+    """Elements of padding this rank stores for one unit."""
+    if layout.kind == "flat":
+        have = max(0, min(layout.numel, (rank + 1) * layout.chunk) - rank * layout.chunk)
+        return layout.chunk - have
+    pad = 0
+    for s, c, inner in zip(layout.slots, layout.rows, layout.inner):
+        rows0 = s.shape[0] if len(s.shape) else 1
+        have = max(0, min(rows0, (rank + 1) * c) - rank * c)
+        pad += (c - have) * max(inner, 1)
+    return pad
+
+
+def layout_views(rank, model: str = "nano") -> dict:
+    """For each layout: what ``named_parameters()`` and ``state_dict()`` show on this rank,
+    the padding this rank stores, and the names :func:`fsdp.full_parameters` gathers back."""
+    cfg = config(model)
+    out = {}
+    for layout in ("per_param", "flat"):
+        net = _shard_model(GPT(cfg), Comm(), None, manual=True, layout=layout)
+        us = fsdp.units(net)
+        out[layout] = {
+            "parameters": [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+                           for n, p in net.named_parameters()],
+            "state_dict": [(k, tuple(v.shape)) for k, v in net.state_dict().items()],
+            "padding": {u.name: _padding_on(u.layout, rank.rank) for u in us},
+            "stored": sum(p.numel() for p in net.parameters()),
+            "full_names": list(fsdp.full_parameters(net)),
+        }
+    out["n_params"] = GPT(cfg, device="meta").num_params()
+    return out
+
+
+def padding_table(model: str, world_size: int) -> dict[str, list[int]]:
+    """Padding elements each rank stores (summed over the units: every block and the root),
+    per layout, for ``world_size`` ranks — computed by building the layouts on the meta
+    device, no ranks needed."""
+    from .fsdp_param import FlatLayout, PerParamLayout, collect_slots
+    out = {}
+    for kind in ("per_param", "flat"):
+        net = GPT(model, device="meta")
+        layouts = []
+        for b in net.blocks:
+            slots = collect_slots(b, {})
+            layouts.append(PerParamLayout(slots, 0, world_size, None) if kind == "per_param"
+                           else FlatLayout(slots, 0, world_size, None, b))
+        taken = {id(t): "block" for lay in layouts for t in lay.shard_tensors()}
+        slots = collect_slots(net, taken)
+        layouts.append(PerParamLayout(slots, 0, world_size, None) if kind == "per_param"
+                       else FlatLayout(slots, 0, world_size, None, net))
+        out[kind] = [sum(_padding_on(lay, r) for lay in layouts) for r in range(world_size)]
+    return out
+
+
+def mixed_dtypes(rank, model: str = "nano") -> dict:
+    """A block whose norms stay fp32 while its matmul weights are bf16, sharded both ways.
+    Per-parameter: each shard keeps its dtype, and a gather gives back every value exactly.
+    Flat: refused (one buffer has one dtype) — the error message is returned."""
+    out = {}
+    for layout in ("per_param", "flat"):
+        net = GPT(config(model))
+        b = net.blocks[0]
+        for m in b.modules():
+            if isinstance(m, nn.Linear):
+                m.to(torch.bfloat16)
+        before = {n: p.detach().clone() for n, p in b.named_parameters()}
+        try:
+            fsdp.fully_shard(b, comm=Comm(), manual=True, layout=layout, name="blocks.0")
+        except ValueError as e:
+            out[layout] = {"error": str(e)}
+            continue
+        u = b._fsdp_unit
+        shards = {s.fqn: (str(t.dtype).replace("torch.", ""), tuple(t.shape))
+                  for s, t in zip(u.layout.slots, u.layout.shard_tensors())}
+        u.unshard()
+        after = dict(zip([s.fqn for s in u.layout.slots], u.layout.full_values()))
+        exact = all(after[n].dtype == before[n].dtype and torch.equal(after[n], before[n])
+                    for n in before)
+        u.reshard()
+        out[layout] = {"shards": shards, "gather_exact": exact}
+    return out
+
+
+# --------------------------------------------------------------------------- views of a trace
+
+def unsharded_series(events: list[dict], rank: int = 0, step: int | None = None) -> list[tuple]:
+    """``(t, unsharded bytes, "unit → state")`` at every unit state change of ``rank`` (in
+    ``step``, or all), read from the ledger fold of the trace."""
+    tl = LedgerTimeline.build(events)
+    if "unsharded" not in tl.categories:
+        return []
+    r, c = tl.ranks.index(rank), tl.categories.index("unsharded")
+    return [(e["t"], int(tl.bytes[i, r, c]), f"{e['name']} → {e['state']}")
+            for i, e in enumerate(events)
+            if e["kind"] == "unit" and e["rank"] == rank and (step is None or e.get("step") == step)]
+
+
+def lifecycle_order(events: list[dict], rank: int = 0, step: int | None = None) -> list[str]:
+    """The unit state changes and collectives of ``rank`` (in ``step``), in the order they
+    happened — collectives at the moment they were issued — with ``FORWARD`` / ``BACKWARD`` /
+    ``OPTIMIZER`` where those phases begin. Set-up broadcasts are left out."""
+    evs = [e for e in events if e["rank"] == rank and (step is None or e.get("step") == step)
+           and e["kind"] in ("unit", "collective", "phase")]
+    evs.sort(key=lambda e: (e["t"], e["seq"]))       # a collective's event carries its start time
+    out = []
+    for e in evs:
+        if e["kind"] == "unit":
+            out.append(f"{e['name']}:{e['state']}")
+        elif e["kind"] == "collective" and e["tag"] != "replicate":
+            out.append(f"{e['op']}({e['tag']})")
+        elif e["kind"] == "phase" and e["name"] in ("forward", "backward", "optimizer") \
+                and e["edge"] == "begin" and not e.get("unit"):
+            out.append(e["name"].upper())
+    return out
+
+
+def unit_states_at(events: list[dict], i: int) -> dict[int, dict[str, str]]:
+    """``{rank: {unit: state}}`` after event ``i``: every unit starts sharded."""
+    states: dict[int, dict[str, str]] = {}
+    for e in events:
+        if e["kind"] == "unit":
+            states.setdefault(e["rank"], {}).setdefault(e["name"], "sharded")
+    for e in events[:i + 1]:
+        if e["kind"] == "unit":
+            states[e["rank"]][e["name"]] = e["state"]
+    return states
+
+
+STATE_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2"}
+
+
+def unit_state_figure(events: list[dict], rank: int = 0, step: int | None = None, title: str = ""):
+    """One row per unit, time across: when it was gathering, gathered, reduce-scattering
+    (blank: sharded). Forward and backward phases are shaded behind."""
+    import plotly.graph_objects as go
+    evs = [e for e in events if e["rank"] == rank and (step is None or e.get("step") == step)]
+    open_, spans, order = {}, [], []
+    for e in evs:
+        if e["kind"] != "unit":
+            continue
+        if e["name"] not in order:
+            order.append(e["name"])
+        if e["name"] in open_:
+            st, t0 = open_.pop(e["name"])
+            spans.append((e["name"], st, t0, e["t"]))
+        if e["state"] != "sharded":
+            open_[e["name"]] = (e["state"], e["t"])
+    t_end = max((e["t"] for e in evs), default=0.0)
+    spans += [(n, st, t0, t_end) for n, (st, t0) in open_.items()]
+    fig = go.Figure()
+    for st, col in STATE_COLORS.items():
+        ss = [s for s in spans if s[1] == st]
+        fig.add_trace(go.Bar(name=st, orientation="h", y=[s[0] for s in ss],
+                             base=[s[2] * 1e3 for s in ss], x=[(s[3] - s[2]) * 1e3 for s in ss],
+                             marker_color=col, width=0.6))
+    for e in evs:
+        if e["kind"] == "phase" and e["name"] in ("forward", "backward") and e["edge"] == "begin":
+            end = next(f["t"] for f in evs if f["kind"] == "phase" and f["name"] == e["name"]
+                       and f["edge"] == "end" and f["t"] >= e["t"])
+            fig.add_vrect(x0=e["t"] * 1e3, x1=end * 1e3, opacity=0.08, line_width=0,
+                          fillcolor="#4C78A8" if e["name"] == "forward" else "#F58518",
+                          annotation_text=e["name"], annotation_position="top left")
+    fig.update_layout(barmode="overlay", title=title, xaxis_title="time (ms)", height=120 + 40 * len(order),
+                      width=900, yaxis=dict(categoryorder="array", categoryarray=order[::-1]),
+                      margin=dict(l=90, r=10, t=50, b=40))
+    return fig
+
+
+def with_unit_states(player):
+    """The player, plus a table of every unit's state on every rank that follows its slider.
+
+    (The :class:`~minishard.viz.Player` names a unit's state change in its title only; this
+    panel shows all units at once. It listens to the player's slider.)"""
+    import html
+
+    import ipywidgets as W
+
+    panel = W.HTML()
+
+    def render(_=None):
+        i = player.index
+        rp = player.replay
+        if i < 0:
+            return
+        states = unit_states_at(rp.events, i)
+        names = list(dict.fromkeys(n for r in sorted(states) for n in states[r]))
+        head = "".join(f"<th style='padding:2px 8px'>{html.escape(n)}</th>" for n in names)
+        body = ""
+        for r in sorted(states):
+            cells = "".join(
+                f"<td style='padding:2px 8px;background:{STATE_COLORS.get(states[r].get(n, 'sharded'), '#f4f4f4')}'>"
+                f"{states[r].get(n, 'sharded')}</td>" for n in names)
+            body += f"<tr><th style='padding:2px 8px'>rank {r}</th>{cells}</tr>"
+        panel.value = f"<table><tr><th>unit states</th>{head}</tr>{body}</table>"
+
+    player._slider.observe(render, names="value")
+    render()
+    panel.render = render
+    return W.VBox([player.widget, panel]), panel

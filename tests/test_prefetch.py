@@ -1,0 +1,84 @@
+"""Prefetch: the next unit's all-gather travels while this one computes — and its full
+parameters sit in memory meanwhile. Depth k costs k more gathered units at the peak."""
+import pytest
+import torch
+
+from minishard import fsdp
+from minishard.comm import Comm
+from minishard.launch import RankError
+from minishard.ledger import DeviceOutOfMemory, gpt_activation_bytes
+from minishard.model import GPT, config
+from minishard.train import train
+
+from parity import assert_parity, reference
+import rank_tasks
+
+CFG = config("tiny")
+BLOCK = 4 * 789_760                                   # one block's full fp32 parameters
+ROOT = 4 * (CFG.vocab_size * CFG.d_model * 2 + CFG.seq_len * CFG.d_model + 2 * CFG.d_model)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_flat"])
+def test_gathered_parameters_peak_at_root_plus_k_plus_1_blocks(pools, strategy):
+    for k in range(4):
+        r = pools(2).run(train, strategy=strategy, model="tiny", micro_batch=1, steps=2,
+                         prefetch=k, track_activations=False)[0]
+        peaks = r["ledger"]["category_peaks"]
+        # while block i computes, blocks i+1..i+k are already being gathered; the root stays
+        if strategy == "fsdp_flat":      # gathered in place: in flight = already allocated
+            assert peaks["unsharded"] == ROOT + (k + 1) * BLOCK
+        else:                            # in flight in packed buffers, copied out one at a time
+            assert peaks["unsharded"] == ROOT + BLOCK
+            assert k * BLOCK <= peaks.get("comm_buffers", 0) <= (k + 1) * BLOCK + 2 * ROOT
+
+
+@pytest.mark.parametrize("N", [2, 4])
+def test_peak_memory_grows_by_one_unit_per_depth(pools, N):
+    """Activations dominate (micro-batch 4): the peak is the start of backward, where the root
+    computes and k blocks are already prefetched: 16 Psi/N + root + k blocks + activations."""
+    for strategy in ("fsdp_flat", "fsdp"):
+        for k in range(4):
+            r = pools(N).run(train, strategy=strategy, model="tiny", micro_batch=4, steps=2,
+                             prefetch=k)[0]
+            state = sum(v for c, v in r["ledger"]["estimate"].items() if c != "activations")
+            formula = state + ROOT + k * BLOCK + gpt_activation_bytes(CFG, 4)
+            assert abs(r["ledger"]["peak"] - formula) <= 0.02 * formula, (strategy, k)
+
+
+def test_prefetch_gathers_the_next_unit_before_this_one_is_freed(pools):
+    plain = pools(2).run(rank_tasks.fsdp_forward_order, 0)[0]
+    ahead = pools(2).run(rank_tasks.fsdp_forward_order, 1)[0]
+    assert plain.index("blocks.1:unsharding") > plain.index("blocks.0:sharded")
+    assert ahead.index("blocks.1:unsharding") < ahead.index("blocks.0:sharded")
+    assert ahead.index("blocks.2:unsharding") < ahead.index("blocks.1:sharded")
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4])
+def test_prefetch_keeps_parity(pools, N):
+    for k in (1, 2):
+        kw = dict(model="nano", steps=3, optimizer="sgd_momentum", lr=0.05, prefetch=k)
+        for strategy in ("fsdp", "fsdp_flat"):
+            ours = pools(N).run(train, strategy=strategy, micro_batch=2, return_params=True, **kw)
+            kw_ref = {a: b for a, b in kw.items() if a != "prefetch"}
+            assert_parity(ours, reference(N, 2, **kw_ref), param_atol=1e-6)
+
+
+def test_aggressive_prefetch_runs_out_of_a_memory_budget_that_depth_1_fits(pools):
+    """Many FSDP OOMs are prefetch, not sharding: the same model and budget, deeper prefetch."""
+    budget = 136_000_000          # bytes: between the peaks of depth 1 and depth 3 (2 ranks)
+    kw = dict(strategy="fsdp_flat", model="tiny", micro_batch=4, steps=2, device_budget=budget)
+    assert pools(2).run(train, prefetch=1, **kw)[0]["ledger"]["peak"] <= budget
+    with pytest.raises(RankError, match="over its budget"):
+        pools(2).run(train, prefetch=3, **kw)
+
+
+def test_bad_prefetch_depth_is_named():
+    net = GPT("nano")
+    for b in net.blocks:
+        fsdp.fully_shard(b, comm=Comm())
+    fsdp.fully_shard(net, comm=Comm())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch depth must be a non-negative integer"):
+            fsdp.set_prefetch(net, forward=bad)
+    with pytest.raises(DeviceOutOfMemory, match="over its budget"):
+        train(strategy="fsdp", model="nano", steps=1, micro_batch=1, device_budget=10_000)
