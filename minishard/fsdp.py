@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 from .comm import Comm, Work
 from .fsdp_param import FlatLayout, PerParamLayout, collect_slots
 from .ledger import LiveLedger
+from .offload import Tier, TransferLog
 
 
 class UnitState(enum.Enum):
@@ -59,7 +60,8 @@ class FSDPUnit:
     """One unit: its parameters' layout, its state, and the lifecycle steps as methods."""
 
     def __init__(self, module: nn.Module, name: str, layout, comm: Comm, ledger: LiveLedger | None,
-                 reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy):
+                 reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy,
+                 tier: Tier | None = None):
         self.module, self.name, self.layout = module, name, layout
         self.comm, self.ledger = comm, ledger
         self.reshard_after_forward = reshard_after_forward
@@ -78,18 +80,23 @@ class FSDPUnit:
         self.backward_prefetch: list[FSDPUnit] | None = None
         self.prefetch_depth = (0, 0)               # (forward, backward); read on the root
         self.exposed_s = 0.0                       # seconds compute waited for this unit's comm
+        # offload: the shards and their gradients live in a tier off the device (offload.py)
+        self.tier, self.transfers = tier, TransferLog()
+        where = tier.name if tier is not None else None
+        for t in layout.shard_tensors():
+            if tier is not None:
+                t.data = tier.copy_of(t.data)
+            # the sharded gradients exist for the whole run: allocate them now (the ledger sees
+            # them, and reduce-scatters accumulate into them in place)
+            if t.requires_grad:
+                t.grad = tier.zeros_like(t) if tier is not None else torch.zeros_like(t)
         if ledger is not None:
             # with a lower-precision compute dtype the fp32 shards are the master weights
             lower = mp_policy.param_dtype not in (None, layout.slots[0].dtype)
             for i, t in enumerate(layout.shard_tensors()):
-                ledger.track("master" if lower else "params", t, f"{name}:shard{i}")
-        # the sharded gradients exist for the whole run: allocate them now (the ledger sees them,
-        # and reduce-scatters accumulate into them in place)
-        for i, t in enumerate(layout.shard_tensors()):
-            if t.requires_grad:
-                t.grad = torch.zeros_like(t)
-                if ledger is not None:
-                    ledger.track("grads", t.grad, f"{name}:shard_grad{i}")
+                ledger.track("master" if lower else "params", t, f"{name}:shard{i}", where)
+                if t.grad is not None:
+                    ledger.track("grads", t.grad, f"{name}:shard_grad{i}", where)
 
     @property
     def is_root(self) -> bool:
@@ -112,7 +119,13 @@ class FSDPUnit:
         self._set_state(UnitState.UNSHARDING)
         if self.layout.gathers_in_place:
             self._alloc_unsharded()
-        inp, out = self.layout.all_gather_input(), self.layout.all_gather_output()
+        t0 = time.perf_counter()
+        inp = self.layout.all_gather_input(self.layout.device)
+        if self.tier is not None:           # the shard came over from the tier: a transfer
+            self.transfers.add("h2d", sum(t.numel() * t.element_size()
+                                          for t in self.layout.shard_tensors()),
+                               time.perf_counter() - t0, self.comm.tracer, self.name)
+        out = self.layout.all_gather_output()
         if not self.layout.gathers_in_place and self.ledger is not None:
             self.ledger.alloc("comm_buffers", out.numel() * out.element_size(), f"{self.name}:ag")
         # gathering into the buffer whose views autograd saved must not count as modifying them
@@ -274,7 +287,11 @@ class FSDPUnit:
         work, out, _ = self._pending_rs
         if work is not None:
             self._wait(work, "wait_reduce_scatter")
+        t0 = time.perf_counter()
         self.layout.accumulate_reduced(out)
+        if self.tier is not None:           # the reduced slice goes to the tier
+            self.transfers.add("d2h", out.numel() * out.element_size(), time.perf_counter() - t0,
+                               self.comm.tracer, self.name)
         if self.ledger is not None:
             self.ledger.free(f"{self.name}:rs")
         self._pending_rs = None
@@ -356,14 +373,16 @@ def _register_hooks(unit: FSDPUnit) -> None:
 def fully_shard(module: nn.Module, *, comm: Comm, ledger: LiveLedger | None = None,
                 reshard_after_forward: bool | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, layout: str = "per_param",
-                manual: bool = False, name: str | None = None) -> nn.Module:
+                manual: bool = False, name: str | None = None,
+                offload: Tier | None = None) -> nn.Module:
     """Make ``module`` an FSDP unit owning its parameters that no child unit owns yet. Apply it
     bottom-up — blocks first, the root last. Returns the module itself (no class swapping).
 
     ``reshard_after_forward``: None (default) reshards every unit but the root after forward;
     True/False force it (True on the root gives textbook ZeRO-3: every parameter gathered twice).
     ``manual=True`` registers no hooks: call ``unshard``/``reshard``/``reduce_scatter_grads``
-    yourself (see :func:`manual_step`)."""
+    yourself (see :func:`manual_step`). ``offload``: an ``offload.Tier`` that keeps the shards,
+    their gradients (and, with ``offload.prepare_optimizer_state``, the optimizer state)."""
     name = name or type(module).__name__
     if hasattr(module, "_fsdp_unit"):
         raise ValueError(f"{name} is already an FSDP unit: fully_shard a module once")
@@ -391,7 +410,7 @@ def fully_shard(module: nn.Module, *, comm: Comm, ledger: LiveLedger | None = No
         lay = PerParamLayout(slots, comm.rank, comm.world_size, mp_policy.param_dtype)
     else:
         lay = FlatLayout(slots, comm.rank, comm.world_size, mp_policy.param_dtype, module)
-    unit = FSDPUnit(module, name, lay, comm, ledger, reshard_after_forward, mp_policy)
+    unit = FSDPUnit(module, name, lay, comm, ledger, reshard_after_forward, mp_policy, offload)
     unit.original_param_ids = original_ids
     module._fsdp_unit = unit
     if not manual:

@@ -90,6 +90,7 @@ class PerParamLayout:
                  param_dtype: torch.dtype | None):
         self.slots, self.rank, self.N = slots, rank, world_size
         self.param_dtype = param_dtype
+        self.device = slots[0].module._parameters[slots[0].name].device    # where compute runs
         self.sharded: list[nn.Parameter] = []
         self.unsharded: list[nn.Parameter] = []
         self.rows, self.inner = [], []              # rows per rank block; elements per row
@@ -131,13 +132,13 @@ class PerParamLayout:
         return self.param_dtype or self.slots[0].dtype
 
     # ---- 2. the all-gather
-    def all_gather_input(self) -> torch.Tensor:
-        """This rank's blocks, packed (and cast to the compute dtype): the copy-in."""
-        return torch.cat([p.detach().reshape(-1).to(self.gather_dtype) for p in self.sharded])
+    def all_gather_input(self, device: torch.device) -> torch.Tensor:
+        """This rank's blocks, packed on the compute device (and cast to the compute dtype)."""
+        return torch.cat([p.detach().reshape(-1).to(device=device, dtype=self.gather_dtype)
+                          for p in self.sharded])
 
     def all_gather_output(self) -> torch.Tensor:
-        return torch.empty(self.N * self.per_rank, dtype=self.gather_dtype,
-                           device=self.sharded[0].device)
+        return torch.empty(self.N * self.per_rank, dtype=self.gather_dtype, device=self.device)
 
     def alloc_unsharded(self) -> None:
         for p in self.unsharded:
@@ -181,7 +182,7 @@ class PerParamLayout:
     def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor:
         """Gradients packed rank-major like the all-gather (the copy-in); frozen and missing
         gradients contribute zeros."""
-        packed = torch.zeros(self.N, self.per_rank, dtype=dtype, device=self.sharded[0].device)
+        packed = torch.zeros(self.N, self.per_rank, dtype=dtype, device=self.device)
         offset = 0
         for p, c, inner, size in zip(self.unsharded, self.rows, self.inner, self.sizes):
             if p.grad is not None:
@@ -194,13 +195,13 @@ class PerParamLayout:
         return packed.view(-1)
 
     def reduce_scatter_output(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(self.per_rank, dtype=dtype, device=self.sharded[0].device)
+        return torch.empty(self.per_rank, dtype=dtype, device=self.device)
 
     def accumulate_reduced(self, reduced: torch.Tensor) -> None:
         """Add the reduced slice into each sharded parameter's ``.grad``."""
         for p, part in zip(self.sharded, reduced.split(self.sizes)):
             if p.requires_grad:
-                g = part.view(p.shape).to(p.dtype)
+                g = part.view(p.shape).to(device=p.device, dtype=p.dtype)
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
@@ -238,7 +239,7 @@ class FlatLayout:
         self.numel = sum(s.numel for s in slots)
         self.chunk = math.ceil(self.numel / world_size)
         self.per_rank = self.chunk
-        device = slots[0].module._parameters[slots[0].name].device
+        device = self.device = slots[0].module._parameters[slots[0].name].device
         full = torch.zeros(self.chunk * world_size, dtype=slots[0].dtype, device=device)
         for s, off in zip(slots, self.offsets):
             full[off:off + s.numel].copy_(s.module._parameters[s.name].detach().reshape(-1))
@@ -267,8 +268,8 @@ class FlatLayout:
     def gather_dtype(self) -> torch.dtype:
         return self.flat_full.dtype
 
-    def all_gather_input(self) -> torch.Tensor:
-        return self.flat_shard.detach().to(self.gather_dtype).clone()
+    def all_gather_input(self, device: torch.device) -> torch.Tensor:
+        return self.flat_shard.detach().to(device=device, dtype=self.gather_dtype, copy=True)
 
     def all_gather_output(self) -> torch.Tensor:
         return self.flat_full                     # gathered in place: no copy-out
@@ -296,14 +297,14 @@ class FlatLayout:
     def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor:
         g = self.flat_full.grad
         if g is None:
-            return torch.zeros(self.chunk * self.N, dtype=dtype, device=self.flat_shard.device)
+            return torch.zeros(self.chunk * self.N, dtype=dtype, device=self.device)
         return g.to(dtype) if g.dtype != dtype else g
 
     def reduce_scatter_output(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(self.chunk, dtype=dtype, device=self.flat_shard.device)
+        return torch.empty(self.chunk, dtype=dtype, device=self.device)
 
     def accumulate_reduced(self, reduced: torch.Tensor) -> None:
-        g = reduced.to(self.flat_shard.dtype)
+        g = reduced.to(device=self.flat_shard.device, dtype=self.flat_shard.dtype)
         if self.flat_shard.grad is None:
             self.flat_shard.grad = g.clone()
         else:

@@ -416,7 +416,8 @@ OPTIMIZER_STATE_CATEGORY = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
 
 
 def track_optimizer_state(ledger: LiveLedger, optimizer: torch.optim.Optimizer,
-                          module: torch.nn.Module | None = None, prefix: str = "") -> None:
+                          module: torch.nn.Module | None = None, prefix: str = "",
+                          device: str | None = None) -> None:
     """Enter a torch optimizer's state tensors (created lazily at its first step) by category.
 
     Idempotent: only states not yet in the ledger are added. The per-parameter ``step``
@@ -431,7 +432,7 @@ def track_optimizer_state(ledger: LiveLedger, optimizer: torch.optim.Optimizer,
                     continue
                 tag = f"{prefix}{key}:{names.get(id(p), i)}"
                 if not ledger.is_live(tag):
-                    ledger.track(cat, value, tag)
+                    ledger.track(cat, value, tag, device)
 
 
 def check_cuda(ledger: LiveLedger, tolerance: float = 0.02) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from . import model as model_mod
 from .comm import Comm, bytes_written
 from .ddp import DDP, NaiveDDP
 from . import fsdp
+from .offload import OffloadPolicy, Tier, prepare_optimizer_state
 from .zero import ZeroOptimizer
 from .launch import RankContext
 from .ledger import LiveLedger, estimate, gpt_activation_bytes, track_optimizer_state
@@ -93,7 +94,8 @@ def build(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None, 
           optimizer: str = "adamw", lr: float = 1e-3, precision: str = "fp32",
           bucket_cap_mb: float = 25.0, wrap: str = "block",
           reshard_after_forward: bool = True, reshard_root: bool = False,
-          prefetch: int = 0) -> tuple[nn.Module, Any]:
+          prefetch: int = 0, offload: str | None = None,
+          offload_dir: str | None = None) -> tuple[nn.Module, Any]:
     """Apply a strategy to a freshly built model (same weights on every rank): returns the model
     to call and the optimizer to step."""
     if strategy not in STRATEGIES:
@@ -104,13 +106,21 @@ def build(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None, 
     mixed = precision == "bf16_mixed"
     if strategy in ("fsdp", "fsdp_flat"):
         mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else None
-        kw = dict(comm=comm, ledger=ledger, mp_policy=mp,
+        tier = None
+        if offload is not None:
+            state_bytes = 16 * sum(p.numel() for p in net.parameters()) // comm.world_size
+            tier = Tier(OffloadPolicy(offload, offload_dir), comm.rank, needed_bytes=state_bytes)
+        kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier,
                   layout="flat" if strategy == "fsdp_flat" else "per_param")
         for name, m in wrap_targets(net, wrap):
             fsdp.fully_shard(m, reshard_after_forward=reshard_after_forward, name=name, **kw)
         fsdp.fully_shard(net, name="root", reshard_after_forward=True if reshard_root else None, **kw)
         fsdp.set_prefetch(net, prefetch, prefetch)
-        return net, opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
+        opt = opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
+        if tier is not None:
+            prepare_optimizer_state(opt, tier)     # the moments live in the tier too
+            opt.tier = tier
+        return net, opt
     if strategy == "torch_fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy()
@@ -159,7 +169,8 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
           data_seed: int = 1234, track_activations: bool = True, trace: bool = True,
           precision: str = "fp32", clip: float | None = None, wrap: str = "block",
           reshard_after_forward: bool = True, reshard_root: bool = False, recompute: bool = False,
-          prefetch: int = 0, device_budget: int | None = None,
+          prefetch: int = 0, device_budget: int | None = None, offload: str | None = None,
+          offload_dir: str | None = None,
           freeze: tuple[str, ...] = (), fsdp_accumulate_unsharded: bool = False,
           return_params: bool = False, return_state: bool = False, model_overrides: dict | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; each step sees ``accum`` micro-batches of
@@ -188,7 +199,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
     wrapped, opt = build(net, strategy, comm, ledger, optimizer=optimizer, lr=lr,
                          precision=precision, bucket_cap_mb=bucket_cap_mb, wrap=wrap,
                          reshard_after_forward=reshard_after_forward, reshard_root=reshard_root,
-                         prefetch=prefetch)
+                         prefetch=prefetch, offload=offload, offload_dir=offload_dir)
     no_sync = getattr(wrapped, "no_sync", None) or getattr(opt, "no_sync", None)
     if strategy in ("fsdp", "fsdp_flat"):
         # FSDP's default accumulates reduced slices (a reduce-scatter per micro-batch, little
@@ -200,12 +211,13 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
 
     out: dict[str, Any] = {"rank": rank.rank, "world_size": N, "strategy": strategy,
                            "losses": [], "step_times": [], "wire": [], "payload": [],
-                           "wchar": [], "calls": [], "exposed_comm": []}
+                           "wchar": [], "calls": [], "exposed_comm": [], "transfer": []}
     fsdp_units = fsdp.units(net) if strategy in ("fsdp", "fsdp_flat") else []
     for step in range(steps):
         tracer.step = step
         w0, c0 = bytes_written(), dict(comm.totals)
         e0 = sum(u.exposed_s for u in fsdp_units)
+        x0 = _transfers(fsdp_units)
         t0 = time.perf_counter()
         with tracer.phase("step"):
             loss_sum = 0.0
@@ -232,7 +244,8 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
                         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
                 opt.step()
                 if ledger is not None and isinstance(opt, torch.optim.Optimizer):
-                    track_optimizer_state(ledger, opt, net)
+                    track_optimizer_state(ledger, opt, net,
+                                          device=opt.tier.name if hasattr(opt, "tier") else None)
                 elif ledger is not None and isinstance(opt, MasterWeights):
                     track_optimizer_state(ledger, opt.optimizer, prefix="master_")
                 opt.zero_grad(set_to_none=False)       # DDP's grads are views into its buckets
@@ -244,6 +257,8 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
         out["payload"].append(comm.totals["payload"] - c0["payload"])
         out["calls"].append(comm.totals["calls"] - c0["calls"])
         out["exposed_comm"].append(sum(u.exposed_s for u in fsdp_units) - e0)
+        x1 = _transfers(fsdp_units)
+        out["transfer"].append({k: x1[k] - x0[k] for k in x1})
     tracer.step = None
 
     n_params = model_mod.GPT(cfg, device="meta").num_params(trainable_only=False)
@@ -276,6 +291,10 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
         out["params"] = {n: p.detach().cpu().float().clone() for n, p in full.items()}
     if return_state:
         out["optimizer_state"] = opt.state_dict()
+    if ledger is not None:
+        out["ledger"]["by_device"] = ledger.by_device()
+    if hasattr(opt, "tier"):
+        opt.tier.cleanup()
     return out
 
 
@@ -290,3 +309,13 @@ def _torch_fsdp_no_sync(net):
         yield
     finally:
         net.set_requires_gradient_sync(True)
+
+
+def _transfers(units) -> dict:
+    """Offload traffic so far, summed over units: bytes and seconds each way."""
+    out = {"h2d_bytes": 0, "d2h_bytes": 0, "h2d_s": 0.0, "d2h_s": 0.0}
+    for u in units:
+        for d in ("h2d", "d2h"):
+            out[f"{d}_bytes"] += u.transfers.bytes[d]
+            out[f"{d}_s"] += u.transfers.seconds[d]
+    return out

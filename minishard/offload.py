@@ -1,0 +1,157 @@
+"""Offload: keep the sharded training state off the device, and pay for it in transfers.
+
+FSDP already cut the state to 16Ψ/N per rank. Offload moves what remains — the sharded fp32
+parameters, their gradients and the optimizer state — to a slower, larger tier:
+
+* ``host``: CPU memory (pinned when CUDA is present, so copies can run asynchronously);
+* ``disk``: memory-mapped files, standing in for NVMe (DeepSpeed's ZeRO-Infinity idea).
+
+The optimizer step then runs where the state lives. What must still cross over each step:
+
+    before each all-gather   the unit's parameter shard      tier -> device   (h2d)
+    after each reduce-scatter the reduced gradient slice     device -> tier   (d2h)
+
+so the *transfer* bytes per step are exactly: shard bytes x (number of unshards) in, and
+gradient-shard bytes out. A capacity problem becomes a bandwidth problem: PCIe moves tens of
+GB/s, HBM several TB/s. On a CPU-only machine "device" and "host" are the same RAM, so the
+measured seconds are memcpy (and page-cache) times; the chapter labels them as such and models
+PCIe separately.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+OFFLOADABLE = ("params", "grads", "optimizer")
+TIERS = ("host", "disk")
+
+
+class OffloadError(RuntimeError):
+    """The offload tier cannot hold the state (unwritable directory, not enough space)."""
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where the sharded state lives. ``kinds`` must be the whole sharded state: the optimizer
+    step runs where parameters, gradients and moments are, so they move together."""
+    tier: str = "host"
+    directory: str | None = None                 # for tier="disk"
+    kinds: tuple[str, ...] = OFFLOADABLE
+    pin_memory: bool | None = None               # default: when CUDA is available
+
+    def __post_init__(self):
+        if self.tier not in TIERS:
+            raise ValueError(f"unknown offload tier {self.tier!r}; expected one of {TIERS}")
+        bad = [k for k in self.kinds if k not in OFFLOADABLE]
+        if bad:
+            raise ValueError(
+                f"cannot offload {bad}: minishard offloads the sharded state {OFFLOADABLE}. "
+                f"Activations and gathered parameters are needed on the device at once; to save "
+                f"activation memory use activation recomputation instead")
+        if set(self.kinds) != set(OFFLOADABLE):
+            raise ValueError(f"offload kinds {list(self.kinds)}: parameters, gradients and "
+                             f"optimizer state move together (the optimizer step runs where they "
+                             f"live); pass all of {OFFLOADABLE}")
+        if self.tier == "disk" and not self.directory:
+            raise ValueError("tier='disk' needs a directory for its memory-mapped files")
+
+
+class Tier:
+    """Allocates tensors in one tier and counts what crosses to and from the device."""
+
+    def __init__(self, policy: OffloadPolicy, rank: int = 0, needed_bytes: int = 0):
+        self.policy = policy
+        self.name = policy.tier
+        self.pin = torch.cuda.is_available() if policy.pin_memory is None else policy.pin_memory
+        self.directory: Path | None = None
+        self._files = 0
+        if policy.tier == "disk":
+            self.directory = _prepare_directory(Path(policy.directory), rank, needed_bytes)
+
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        if self.name == "host":
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+        self._files += 1
+        path = self.directory / f"t{self._files}.bin"
+        try:
+            m = torch.from_file(str(path), shared=True, size=t.numel(), dtype=t.dtype)
+        except RuntimeError as e:
+            self.cleanup()
+            raise OffloadError(f"cannot create {path}: {e}") from None
+        return m.view(t.shape)
+
+    def copy_of(self, t: torch.Tensor) -> torch.Tensor:
+        out = self.empty_like(t)
+        out.copy_(t)
+        return out
+
+    def zeros_like(self, t: torch.Tensor) -> torch.Tensor:
+        out = self.empty_like(t)
+        out.zero_()
+        return out
+
+    def cleanup(self) -> None:
+        if self.directory is not None and self.directory.exists():
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _prepare_directory(directory: Path, rank: int, needed_bytes: int) -> Path:
+    """A fresh per-rank folder for the memory-mapped files, or a clear error — before any file
+    is written, so a failure leaves nothing half-made."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OffloadError(f"offload directory {directory} cannot be created: {e}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise OffloadError(f"offload directory {directory} is not writable")
+    free = shutil.disk_usage(directory).free
+    if needed_bytes > free:
+        raise OffloadError(f"offload directory {directory} has {free / 2**20:.1f} MiB free; the "
+                           f"offloaded state needs {needed_bytes / 2**20:.1f} MiB")
+    return Path(tempfile.mkdtemp(prefix=f"rank{rank}-", dir=directory))
+
+
+def timed_copy(dst_device: torch.device | str, src: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Copy a tensor to another place, and how long it took (synchronised on CUDA)."""
+    t0 = time.perf_counter()
+    out = src.to(dst_device, copy=True)
+    if out.is_cuda or src.is_cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def prepare_optimizer_state(optimizer: torch.optim.Optimizer, tier: Tier) -> None:
+    """Create the moments of AdamW/Adam (and SGD's momentum) in the tier before the first step,
+    so that they live there and not wherever torch would allocate them. Zeros give the same
+    first step: Adam starts from zero moments, and SGD's first buffer update of a zero buffer
+    equals its clone of the gradient."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                optimizer.state[p] = {"step": torch.tensor(0.0),
+                                      "exp_avg": tier.zeros_like(p),
+                                      "exp_avg_sq": tier.zeros_like(p)}
+            elif isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0):
+                optimizer.state[p] = {"momentum_buffer": tier.zeros_like(p)}
+
+
+@dataclass
+class TransferLog:
+    """Bytes and seconds that crossed between the device and the tier, by direction."""
+    bytes: dict = field(default_factory=lambda: {"h2d": 0, "d2h": 0})
+    seconds: dict = field(default_factory=lambda: {"h2d": 0.0, "d2h": 0.0})
+
+    def add(self, direction: str, nbytes: int, seconds: float, tracer=None, tag: str = "") -> None:
+        self.bytes[direction] += nbytes
+        self.seconds[direction] += seconds
+        if tracer is not None:
+            tracer.emit("transfer", t=tracer.now() - seconds, direction=direction, bytes=nbytes,
+                        seconds=round(seconds, 7), tag=tag)
