@@ -33,6 +33,14 @@ CONTENDERS = [
      "torch DDP + ZeroRedundancyOptimizer"),
     ("minishard ZeRO-2", dict(strategy="zero2", track_activations=False),
      "torch DDP + ZeroRedundancyOptimizer"),
+    ("torch FSDP2 fully_shard (block + root)", dict(strategy="torch_fsdp"), None),
+    ("minishard FSDP, per-parameter", dict(strategy="fsdp", track_activations=False),
+     "torch FSDP2 fully_shard (block + root)"),
+    ("minishard FSDP, flat", dict(strategy="fsdp_flat", track_activations=False),
+     "torch FSDP2 fully_shard (block + root)"),
+    ("minishard FSDP, per-parameter, prefetch 1", dict(strategy="fsdp", prefetch=1,
+                                                       track_activations=False),
+     "torch FSDP2 fully_shard (block + root)"),
 ]
 
 
@@ -41,13 +49,23 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def selected(only: list[str] | None) -> list[tuple]:
+    """The contenders asked for, with the baselines they are compared against."""
+    if not only:
+        return CONTENDERS
+    keep = {c[0] for c in CONTENDERS if any(o.lower() in c[0].lower() for o in only)}
+    keep |= {c[2] for c in CONTENDERS if c[0] in keep and c[2]}
+    return [c for c in CONTENDERS if c[0] in keep]
+
+
 def bench(world_size: int, rounds: int, steps: int, warmup: int, model: str, micro_batch: int,
-          bucket_cap_mb: float) -> dict[str, dict]:
-    times: dict[str, list[float]] = {label: [] for label, _, _ in CONTENDERS}
-    sent: dict[str, list[int]] = {label: [] for label, _, _ in CONTENDERS}
+          bucket_cap_mb: float, only: list[str] | None = None) -> dict[str, dict]:
+    contenders = selected(only)
+    times: dict[str, list[float]] = {label: [] for label, _, _ in contenders}
+    sent: dict[str, list[int]] = {label: [] for label, _, _ in contenders}
     with Ranks(world_size, timeout=900) as ranks:
         for _ in range(rounds):
-            for label, kw, _ in CONTENDERS:
+            for label, kw, _ in contenders:
                 res = ranks.run(train, steps=steps, model=model, micro_batch=micro_batch,
                                 bucket_cap_mb=bucket_cap_mb, **kw)
                 # a step is as slow as its slowest rank
@@ -62,6 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", nargs="*", help="substrings of contender names to run (default: all)")
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--model", default="tiny")
@@ -74,10 +93,10 @@ def main() -> None:
           f"{args.rounds} rounds x {args.steps - args.warmup} timed steps")
     for n in args.world_sizes:
         res = bench(n, args.rounds, args.steps, args.warmup, args.model, args.micro_batch,
-                    args.bucket_cap_mb)
+                    args.bucket_cap_mb, args.only)
         print(f"\n{n} ranks")
         print(f"{'contender':<38}{'p50 s':>8}{'p99 s':>8}{'ratio':>9}{'sent/step MB':>14}")
-        for label, _, base in CONTENDERS:
+        for label, _, base in selected(args.only):
             r = res[label]
             ratio = f"{r['p50'] / res[base]['p50']:.3f}" if base else "1 (base)"
             print(f"{label:<38}{r['p50']:>8.3f}{r['p99']:>8.3f}{ratio:>9}{r['sent'] / 2**20:>14.2f}")

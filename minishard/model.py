@@ -53,6 +53,10 @@ CONFIGS = {
     "llama3-8b": GPTConfig(vocab_size=128256, seq_len=8192, d_model=4096, n_layer=32, n_head=32,
                            n_kv_head=8, ffn_hidden=14336, mlp="swiglu", norm="rmsnorm",
                            bias=False, learned_pos=False),
+    # TinyLlama-1.1B's shapes: the >= 1B model of the GPU check (scripts/gpu_check.py)
+    "tinyllama-1.1b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_layer=22,
+                                n_head=32, n_kv_head=4, ffn_hidden=5632, mlp="swiglu",
+                                norm="rmsnorm", bias=False, learned_pos=False),
     "llama3-70b": GPTConfig(vocab_size=128256, seq_len=8192, d_model=8192, n_layer=80, n_head=64,
                             n_kv_head=8, ffn_hidden=28672, mlp="swiglu", norm="rmsnorm",
                             bias=False, learned_pos=False),
