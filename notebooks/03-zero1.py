@@ -1,0 +1,399 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · ZeRO-1: shard the optimizer state
+#
+# > **Every DDP rank keeps the same 12 bytes per parameter of optimizer state and runs the same
+# > update on it. What if each rank kept, and updated, only its own 1/N of it?**
+#
+# Stage 1 of ZeRO (the *Zero Redundancy Optimizer*) cuts the fp32 master weights and Adam's two
+# moments into N slices, one per rank. After backward a rank needs the summed gradient of its
+# slice only; it updates its slice, and an all-gather hands the updated parameters to everyone.
+# The reasoning is in [tutorial/03-zero1.md](../tutorial/03-zero1.md); this notebook runs it on
+# real ranks and measures it.
+#
+# **The one-line "syntax"** — with Ψ parameters, bf16-mixed AdamW (2 + 2 + 4 + 4 + 4 bytes per
+# parameter, chapter 01), on each of N ranks:
+#
+# $$\text{memory per rank} = \underbrace{2\Psi + 2\Psi}_{\text{bf16 weights, grads: replicated}} + \underbrace{\frac{12\Psi}{N}}_{\text{master}+m+v\text{: sharded}},\qquad
+# \text{grads} \xrightarrow{\text{reduce-scatter}} \text{update my slice} \xrightarrow{\text{all-gather}} \text{params}.$$
+
+# %%
+import plotly.graph_objects as go
+import plotly.io as pio
+import torch
+from IPython.display import display
+
+from minishard import GPT, Ranks, estimate
+from minishard.train import train
+from minishard.viz import Player, ring_schedule, static_player_figure
+from minishard.viz.figures import category_order, color
+
+pio.renderers.default = "plotly_mimetype+notebook_connected"
+PSI = GPT("nano", device="meta").num_params()               # the course's smallest model
+STATE = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+GB = 1e9
+print(f"nano GPT: Ψ = {PSI:,} parameters")
+assert PSI == 217_664
+R4 = Ranks(4)                                               # one warm pool per world size
+
+# %% [markdown]
+# ## 1. The ledger of one rank, before and after
+# The same job twice on four ranks — the nano model, bf16 weights with an fp32 master copy, two
+# AdamW steps — first under DDP, then under ZeRO-1. The player follows the ZeRO-1 run live.
+
+# %%
+ddp_run = R4.run(train, strategy="ddp", steps=2, model="nano", micro_batch=2, precision="bf16_mixed")
+ddp_player = Player(R4.last_events, title="DDP, 4 ranks")
+live = Player(title="ZeRO-1, 4 ranks, nano model, bf16 mixed, 2 steps")
+display(live.widget)
+zero_run = R4.run(train, strategy="zero1", steps=2, model="nano", micro_batch=2,
+                  precision="bf16_mixed", on_event=live.feed)
+live.flush()
+zero_events = R4.last_events
+
+# %% [markdown]
+# Move both players to the end of the first optimizer step — the moment Adam's moments exist —
+# and read rank 0's ledger:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+ddp_player.jump_to_phase("optimizer", step=0, edge="end")
+live.jump_to_phase("optimizer", step=0, edge="end")
+before, after = ddp_player.snapshot(), live.snapshot()
+print(f"{'category':<12}{'DDP, rank 0':>14}{'ZeRO-1, rank 0':>16}{'ratio':>7}   bytes/param (DDP → ZeRO-1)")
+for c in STATE:
+    b, a = before[0][c], after[0][c]
+    print(f"{c:<12}{b:>14,}{a:>16,}{b / a:>7g}   {b / PSI:g} → {a / PSI:g}")
+    assert all(after[r][c] == after[0][c] for r in range(4))      # every rank holds the same share
+    assert b / a == (4 if c in ("master", "exp_avg", "exp_avg_sq") else 1)
+tot_b, tot_a = (sum(s[0][c] for c in STATE) for s in (before, after))
+print(f"{'total':<12}{tot_b:>14,}{tot_a:>16,}{tot_b / tot_a:>7.3g}   {tot_b / PSI:g} → {tot_a / PSI:g}")
+assert (tot_b, tot_a) == (16 * PSI, 4 * PSI + 12 * PSI // 4)
+
+# %% [markdown]
+# The weights and gradients are untouched; the three optimizer categories are a quarter of what
+# they were — 12 bytes per parameter down to 3 — and the total goes from 16 to 7 bytes per
+# parameter. Stepping rank 0 through that first optimizer phase shows where the difference comes
+# from: DDP's AdamW creates a moment for every one of the model's parameter tensors; ZeRO-1's
+# creates one for the rank's slice of the flat parameter buffer, and nothing else.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def optimizer_allocs(player, rank=0, step=0):
+    """The allocations rank ``rank`` makes in the optimizer phase of ``step``, one event at a time."""
+    i = player.jump_to_phase("optimizer", step=step, rank=rank)
+    end = player.jump_to_phase("optimizer", step=step, rank=rank, edge="end")
+    player.jump(i)
+    allocs = []
+    while player.index < end:
+        player.step()
+        ev = player.replay.events[player.index]
+        if ev["kind"] == "alloc" and ev["rank"] == rank:
+            allocs.append(ev)
+    return allocs
+
+allocs_by_run = {"DDP": optimizer_allocs(ddp_player), "ZeRO-1": optimizer_allocs(live)}
+for name, allocs in allocs_by_run.items():
+    print(f"{name}: {len(allocs)} allocations on rank 0, "
+          f"e.g. {allocs[0]['tag']} ({allocs[0]['bytes']:,} bytes); "
+          f"by category: " + ", ".join(f"{c} {sum(e['bytes'] for e in allocs if e['category'] == c):,}"
+                                       for c in ("exp_avg", "exp_avg_sq")))
+n_tensors = len(list(GPT("nano", device="meta").parameters()))
+assert len(allocs_by_run["DDP"]) == 2 * n_tensors and len(allocs_by_run["ZeRO-1"]) == 2
+
+# %% [markdown]
+# Static copy, side by side (it renders without a kernel):
+
+# %%
+def side_by_side(snapshots: dict[str, dict[int, dict[str, int]]], title: str) -> go.Figure:
+    """Stacked ledger bars of several runs next to each other, one bar per (run, rank)."""
+    cats = category_order(c for s in snapshots.values() for snap in s.values() for c in snap
+                          if snap[c])
+    x = [f"{name}<br>rank {r}" for name, s in snapshots.items() for r in sorted(s)]
+    fig = go.Figure([go.Bar(name=c, x=x, marker_color=color(c),
+                            y=[s[r].get(c, 0) / 1e6 for s in snapshots.values() for r in sorted(s)])
+                     for c in cats])
+    fig.update_layout(barmode="stack", title=title, yaxis_title="MB", width=760, height=380,
+                      legend=dict(traceorder="reversed"))
+    return fig
+
+side_by_side({"DDP": before, "ZeRO-1": after},
+             "after the first AdamW step, nano model, bf16 mixed, 4 ranks (MB per rank)").show()
+
+# %% [markdown]
+# And the whole ZeRO-1 run as an animation that plays without a kernel (every few events):
+
+# %%
+static_player_figure(zero_events, max_frames=60).show()
+
+# %% [markdown]
+# ## 2. The update: reduce-scatter, my slice, all-gather
+# ZeRO-1 packs the parameters into one flat buffer, cut into N equal chunks; rank r owns chunk r.
+# A step then needs two collectives, and they are exactly the two halves of DDP's all-reduce (the
+# ring of chapter 02), with the optimizer moved into the middle:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("DDP    : all-reduce = " + " | ".join(r.label for r in ring_schedule("all_reduce", 4)))
+print("ZeRO-1 : " + " | ".join(r.label for r in ring_schedule("reduce_scatter", 4))
+      + " | UPDATE MY SLICE | " + " | ".join(r.label for r in ring_schedule("all_gather", 4)))
+assert [r.label for r in ring_schedule("all_reduce", 4)] == \
+    [r.label for r in ring_schedule("reduce_scatter", 4) + ring_schedule("all_gather", 4)]
+
+# %% [markdown]
+# In the ZeRO-1 trace: which collectives rank 0 ran in step 1, in which phase, on what. The
+# layout says which slice of the flat buffer each rank updates.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+layout = zero_run[0]["layout"]
+for start, numel, chunk in layout["buckets"]:
+    print(f"bucket at {start}: {numel:,} parameters, padded to 4 x {chunk:,};",
+          ", ".join(f"rank {r} updates [{start + r * chunk:,}, {start + (r + 1) * chunk:,})"
+                    for r in range(4)))
+rp = live.replay
+for i in rp.collectives:
+    e = rp.events[i]
+    if e["rank"] == 0 and e.get("step") == 1:
+        print(f"  {rp.phase[i]:<9} {e['op']:<15} {e['tag']:<8} {e['payload']:>9,} bytes ({e['dtype']})")
+ops = [(rp.phase[i], rp.events[i]["op"]) for i in rp.collectives
+       if rp.events[i]["rank"] == 0 and rp.events[i].get("step") == 1]
+assert ops == [("backward", "reduce_scatter"), ("optimizer", "all_gather")]
+
+# %% [markdown]
+# The reduce-scatter is launched from backward (as soon as the gradient bucket is complete, like
+# DDP's all-reduce); the all-gather runs at the end of the optimizer step, after each rank has
+# updated its fp32 master slice and rounded it into its chunk of the bf16 parameters. Both move a
+# bf16 buffer of 2Ψ bytes.
+#
+# ## 3. Two versions of stage 1, measured
+# Stage 1 does not *need* the full summed gradient on every rank — only its own slice. The version
+# most write-ups describe still all-reduces the gradients as DDP does and then all-gathers the
+# parameters; the other reduce-scatters. Same memory, same result, different traffic. Counted in
+# gradient elements, with the ring formulas of chapter 02 (fp32 here, so one Ψ is 4Ψ bytes):
+#
+# | version | collectives | volume (N→∞) | each rank sends |
+# |---|---|---|---|
+# | DDP | all-reduce | 2Ψ | 2(N−1)/N · Ψ |
+# | ZeRO-1, `zero1_allreduce` | all-reduce + all-gather | 3Ψ | 3(N−1)/N · Ψ |
+# | ZeRO-1, `zero1` | reduce-scatter + all-gather | 2Ψ | 2(N−1)/N · Ψ |
+
+# %%
+R2, R3 = Ranks(2), Ranks(3)
+pools = {2: R2, 3: R3, 4: R4}
+one_step = dict(model="nano", steps=1, micro_batch=1, track_activations=False)
+traffic = {(N, s): pools[N].run(train, strategy=s, **one_step)
+           for N in pools for s in ("ddp", "zero1_allreduce", "zero1")}
+
+# %%
+# NBVAL_CHECK_OUTPUT
+PSI_B = 4 * PSI                                             # one fp32 gradient, in bytes
+print(f"{'N':>2} {'strategy':<16}{'collectives':<30}{'sent (wire)':>12}{'formula':>12}{'÷ Ψ':>7}")
+for (N, s), out in traffic.items():
+    k = {"ddp": 2, "zero1_allreduce": 3, "zero1": 2}[s]
+    formula = k * (N - 1) * PSI_B / N
+    wire = out[0]["wire"][0]
+    ops = " + ".join(out[0]["by_op"])
+    print(f"{N:>2} {s:<16}{ops:<30}{wire:>12,}{formula:>12,.0f}{wire / PSI_B:>7.3f}")
+    for o in out:                                  # every rank; padding to N chunks: < N elements
+        assert o["wire"] == out[0]["wire"] and abs(o["wire"][0] - formula) <= k * 4 * N
+    if s == "zero1":
+        assert abs(wire - traffic[(N, "ddp")][0]["wire"][0]) <= 4 * 2 * N      # DDP's volume
+    if s == "zero1_allreduce":
+        assert wire == 3 * traffic[(N, "zero1")][0]["wire"][0] // 2               # 1.5 x
+
+# %% [markdown]
+# The operating system's count of bytes each rank process wrote (`/proc/self/io`) agrees, up to
+# the few kilobytes of gloo's message headers. It also measures a version minishard did not
+# write: PyTorch's `ZeroRedundancyOptimizer` (with `DistributedDataParallel`, strategy
+# `torch_zero1`), which all-reduces the gradients and then *broadcasts* each parameter from the
+# rank that owns it.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for N in (2, 4):
+    torch_z = pools[N].run(train, strategy="torch_zero1", **one_step)
+    for s in ("ddp", "zero1_allreduce", "zero1"):
+        extra = max(o["wchar"][0] - o["wire"][0] for o in traffic[(N, s)])
+        print(f"N={N} {s:<16} OS count {traffic[(N, s)][0]['wchar'][0] / PSI_B:.3f} Ψ "
+              f"(recorded + at most {extra:,} bytes of headers)")
+        assert all(0 <= o["wchar"][0] - o["wire"][0] < 16 * 1024 for o in traffic[(N, s)])
+    ratios = [o["wchar"][0] / PSI_B for o in torch_z]
+    print(f"N={N} torch_zero1      OS count {min(ratios):.3f}–{max(ratios):.3f} Ψ per rank")
+    assert all(abs(x - 3 * (N - 1) / N) < 0.1 for x in ratios)   # the all-reduce version's 3(N-1)/N
+
+# %% [markdown]
+# So "ZeRO-1 costs 1.5× DDP's communication" and "ZeRO-1 costs the same as DDP" are both true —
+# of different implementations. The ZeRO paper's analysis reduce-scatters and finds no extra
+# traffic for stage 1; DeepSpeed's first stage-1 code all-reduced and later announced the switch
+# to a reduce-scatter as a 1.5× → 1× reduction; PyTorch's `ZeroRedundancyOptimizer` still
+# all-reduces (it sits on top of an unchanged DDP) and measures at 1.5× here. When a source quotes
+# a number, ask which collective it assumes.
+#
+# ## 4. Memory per rank: 4Ψ + 12Ψ/N, for N = 1…4
+# The ledger at the end of training, summed over the five state categories, against the formula
+# (bf16 mixed; the nano model has 217,664 parameters, which 3 does not divide: rank shares are
+# padded to equal chunks):
+
+# %%
+R1 = Ranks(1)
+pools[1] = R1
+mem_kw = dict(model="nano", steps=2, micro_batch=1, precision="bf16_mixed", track_activations=False)
+mem = {N: pools[N].run(train, strategy="zero1", **mem_kw) for N in (1, 2, 3, 4)}
+R1.close()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'N':>2}{'params':>10}{'grads':>10}{'master+m+v':>12}{'measured':>11}{'4Ψ+12Ψ/N':>11}{'gap':>8}")
+for N, out in mem.items():
+    formula = 4 * PSI + 12 * PSI / N
+    for o in out:
+        f = o["ledger"]["final"]
+        measured = sum(f.get(c, 0) for c in STATE)
+        assert abs(measured - formula) <= 0.02 * formula                       # within 2% ...
+        assert all(abs(f[c] - o["ledger"]["estimate"][c]) <= 0.02 * o["ledger"]["estimate"][c]
+                   for c in STATE)                                             # ... per category
+    f = out[0]["ledger"]["final"]
+    opt = f["master"] + f["exp_avg"] + f["exp_avg_sq"]
+    measured = sum(f.get(c, 0) for c in STATE)
+    print(f"{N:>2}{f['params']:>10,}{f['grads']:>10,}{opt:>12,}{measured:>11,}{formula:>11,.0f}"
+          f"{(measured - formula) / formula:>8.4%}")
+
+# %% [markdown]
+# Exact at N = 1, 2, 4. At N = 3 the flat buffer gets one element of padding so that it splits
+# into three equal chunks: 8 bytes more per rank. The optimizer's share falls as 1/N; the 4Ψ of
+# bf16 weights and gradients does not move.
+#
+# ## 5. Is it the same training?
+# One process on the whole global batch is the reference; PyTorch's `ZeroRedundancyOptimizer` is
+# the second oracle. fp32, three AdamW steps, two ranks, both versions of stage 1.
+
+# %%
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+single = train(strategy="single", steps=3, model="nano", micro_batch=4, return_params=True)
+torch.set_num_threads(threads)
+parity = {s: R2.run(train, strategy=s, steps=3, model="nano", micro_batch=2, return_params=True)
+          for s in ("zero1", "zero1_allreduce", "torch_zero1")}
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+for s, out in parity.items():
+    mean_loss = [sum(o["losses"][k] for o in out) / 2 for k in range(3)]
+    loss_gap = max(abs(a - b) / b for a, b in zip(mean_loss, single["losses"]))
+    print(f"{s:<16} loss within {loss_gap:.1e} (relative), params within "
+          f"{max_diff(out[0]['params'], single['params']):.1e} of one process, "
+          f"{max_diff(out[0]['params'], parity['torch_zero1'][0]['params']):.1e} of ZeroRedundancyOptimizer")
+    assert loss_gap <= 1e-6
+    assert max_diff(out[0]["params"], single["params"]) < 2e-4
+    assert all(torch.equal(out[0]["params"][n], parity["torch_zero1"][0]["params"][n])
+               for n in out[0]["params"])              # 2 ranks: a + b is b + a, bit for bit
+    assert all(torch.equal(out[1]["params"][n], out[0]["params"][n]) for n in out[0]["params"])
+
+# %% [markdown]
+# Both ranks hold the same full model after every all-gather. It is bit for bit the model
+# PyTorch's `ZeroRedundancyOptimizer` trains (with two ranks every reduction adds the same two
+# numbers, whatever the collective), and the model one process trains up to the summation-order
+# noise chapter 02 explained (Adam amplifies it wherever a gradient is nearly zero).
+#
+# ## 6. The ZeRO paper's table, regenerated
+# The ZeRO paper illustrates the stages with a 7.5B-parameter model under mixed-precision Adam
+# (K = 12 bytes of optimizer state per parameter). `estimate` gives the same per-device figures
+# from the same rules — stage 1 shards the optimizer state, stage 2 the gradients too, stage 3
+# the parameters as well (chapter 05):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+PAPER = {  # the paper's Table 1 (GB per device), columns P_os, P_os+g, P_os+g+p
+    1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88),
+    256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)}
+BIG = 7_500_000_000
+print(f"{'N':>5}{'DDP':>8}{'ZeRO-1':>9}{'ZeRO-2':>9}{'ZeRO-3':>9}   GB per device, Ψ = 7.5B")
+table = {}
+for N, paper in PAPER.items():
+    row = [estimate(n_params=BIG, world_size=N, strategy=s, precision="bf16_mixed").state_bytes / GB
+           for s in ("ddp", "zero1", "zero2", "zero3")]
+    table[N] = row
+    print(f"{N:>5}" + "".join(f"{x:>9.2f}" if k else f"{x:>8.1f}" for k, x in enumerate(row)))
+    for ours, theirs in zip(row[1:], paper):             # equal to the paper's last digit
+        digits = len(str(theirs).partition(".")[2])
+        assert abs(ours - theirs) <= 0.5 * 10 ** -digits + 1e-9, (N, ours, theirs)
+    assert row[0] == 120
+print("Figure 1 of the paper, 64 GPUs:", [round(x, 1) for x in table[64]], "GB")
+assert [round(x, 1) for x in table[64]] == [120, 31.4, 16.6, 1.9]
+
+# %%
+fig = go.Figure([go.Scatter(x=list(table), y=[row[k] for row in table.values()], name=name,
+                            mode="lines+markers")
+                 for k, name in enumerate(("DDP", "ZeRO-1: 4Ψ + 12Ψ/N", "ZeRO-2: 2Ψ + 14Ψ/N",
+                                           "ZeRO-3: 16Ψ/N"))])
+fig.add_hline(y=80, line_dash="dash", annotation_text="one 80 GB GPU")
+fig.update_layout(title="model state per device, Ψ = 7.5B, bf16-mixed AdamW", xaxis_type="log",
+                  yaxis_type="log", xaxis_title="data-parallel ranks N", yaxis_title="GB",
+                  width=700, height=400)
+fig.show()
+
+# %% [markdown]
+# ZeRO-1 flattens out at 4Ψ = 30 GB: from N ≈ 16 on, more ranks barely help, because what is
+# left is the replicated bf16 weights and gradients. Chapter 04 shards the gradients.
+
+# %%
+R2.close()
+R3.close()
+R4.close()
+
+# %% [markdown]
+# > **Takeaway.** ZeRO-1 keeps the fp32 master weights and Adam's moments — 12 of the 16 bytes
+# > per parameter — as one slice per rank, measured here at exactly 1/N of DDP's; memory per rank
+# > is 4Ψ + 12Ψ/N. The step becomes reduce-scatter the gradients → update my slice → all-gather
+# > the parameters: the two halves of DDP's all-reduce with the optimizer in between, so the
+# > reduce-scatter version sends exactly DDP's 2(N−1)/N · Ψ. The all-reduce version, which many
+# > texts and PyTorch's `ZeroRedundancyOptimizer` use, sends 1.5× that. Either way it trains the
+# > same model as one process.
+#
+# **Questions**
+#
+# 1. On 8 ranks, how many bytes per parameter does ZeRO-1 keep per rank in bf16-mixed AdamW, and
+#    how many does DDP keep?
+#
+# <details><summary>Answer</summary>
+#
+# ZeRO-1: 2 + 2 + 12/8 = 5.5 bytes per parameter. DDP: 16, whatever the number of ranks. For
+# Llama-3-8B that is 44 GB against 128.5 GB.
+# </details>
+#
+# 2. Why is the all-gather of the *parameters* needed at all, when each rank has already updated
+# its own slice?
+#
+# <details><summary>Answer</summary>
+#
+# Forward and backward still run the whole model on every rank (stage 1 does not shard the
+# working weights). After the update only the owner of a slice has its new values; the all-gather
+# brings every rank's bf16 weights up to date before the next forward. In DDP that step is not
+# needed because every rank ran the same full update itself.
+# </details>
+#
+# 3. A blog says ZeRO-1 sends 1.5× DDP's bytes; the ZeRO paper says it sends the same. Who is
+# right?
+#
+# <details><summary>Answer</summary>
+#
+# Both, for different implementations (§3). All-reduce the gradients and all-gather the
+# parameters: 2(N−1)/N + (N−1)/N = 3(N−1)/N · Ψ, 1.5× DDP. Reduce-scatter instead, since a rank
+# only needs its own slice of the summed gradient: (N−1)/N + (N−1)/N = 2(N−1)/N · Ψ, DDP's volume.
+# </details>

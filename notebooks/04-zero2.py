@@ -1,0 +1,406 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · ZeRO-2: shard the gradients too
+#
+# > **Under ZeRO-1 each rank updates only its slice, yet it still stores the whole gradient.
+# > Why keep what it never reads?**
+#
+# Stage 2 keeps, on each rank, only the summed gradient of the slice that rank updates. Backward
+# no longer accumulates into a full gradient buffer: as each bucket of gradients fills up, it is
+# reduce-scattered, the rank keeps its slice of the sum, and the bucket is dropped. The reasoning
+# is in [tutorial/04-zero2.md](../tutorial/04-zero2.md); this notebook runs and measures it.
+#
+# **The one-line "syntax"** — Ψ parameters, bf16-mixed AdamW, N ranks:
+#
+# $$\text{memory per rank} = \underbrace{2\Psi}_{\text{bf16 weights: replicated}} + \underbrace{\frac{2\Psi + 12\Psi}{N}}_{\text{grads}+\text{master}+m+v\text{: sharded}} \;(+\ \text{the buckets in flight}),\qquad
+# \text{each rank sends } \frac{2(N-1)}{N}\,\Psi \text{ per step, as DDP.}$$
+
+# %%
+import plotly.io as pio
+import torch
+from IPython.display import display
+
+from minishard import GPT, Ranks, batch, config, estimate
+from minishard.ddp import plan_buckets
+from minishard.train import train
+from minishard.viz import Player, ledger_bars, timeline_figure
+
+pio.renderers.default = "plotly_mimetype+notebook_connected"
+PSI = GPT("nano", device="meta").num_params()               # 217,664 parameters
+TINY = GPT("tiny", device="meta").num_params()              # 6,868,992 parameters
+STATE = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+GB = 1e9
+print(f"nano: Ψ = {PSI:,} parameters; tiny: Ψ = {TINY:,} parameters")
+R2 = Ranks(2)                                               # one warm pool per world size
+
+# %% [markdown]
+# ## 1. Reduce-scatter, bucket by bucket, during backward
+# Two ranks train the tiny model (fp32) under ZeRO-2 while the player follows. Buckets are capped
+# at 4 MiB, as in chapter 02's DDP run, so that there are several of them.
+
+# %%
+live = Player(title="ZeRO-2, 2 ranks, tiny model, 2 steps, 4 MiB buckets")
+display(live.widget)
+run = R2.run(train, strategy="zero2", steps=2, model="tiny", micro_batch=4, bucket_cap_mb=4,
+             on_event=live.feed)
+live.flush()
+events = R2.last_events
+n_buckets = len(run[0]["layout"]["buckets"])
+
+# %% [markdown]
+# In the timeline the reduce-scatters (purple) sit under backward: each starts as soon as its
+# bucket's last gradient arrives, while earlier layers are still being differentiated. The
+# parameter all-gathers follow in the optimizer phase.
+
+# %%
+live.timeline_figure
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def collectives_by_phase(events, rank, step):
+    """(op, launched during backward?) for each collective of ``rank`` in ``step``."""
+    bw = [e["t"] for e in events if e["kind"] == "phase" and e["name"] == "backward"
+          and e["rank"] == rank and e.get("step") == step]
+    return [(e["op"], bw[0] <= e["t"] < bw[1]) for e in events
+            if e["kind"] == "collective" and e["rank"] == rank and e.get("step") == step]
+
+for rank in (0, 1):
+    for step in (0, 1):
+        ops = collectives_by_phase(events, rank, step)
+        rs = [during for op, during in ops if op == "reduce_scatter"]
+        ag = [during for op, during in ops if op == "all_gather"]
+        print(f"rank {rank} step {step}: {sum(rs)} of {len(rs)} bucket reduce-scatters launched "
+              f"during backward; {sum(ag)} of {len(ag)} all-gathers")
+        assert len(rs) == len(ag) == n_buckets == 6 and all(rs) and not any(ag)
+
+# %% [markdown]
+# Static copy of step 1's timeline:
+
+# %%
+timeline_figure([e for e in events if e.get("step") == 1]).update_layout(
+    title="step 1: the bucket reduce-scatters run inside backward; the all-gathers after the update").show()
+
+# %% [markdown]
+# ## 2. Each rank keeps only its slice
+# Follow rank 0's gradient memory through the backward pass of step 1. A bucket's gradients are
+# copied into a temporary buffer (`grad_bucket`) as autograd produces them, and each parameter's
+# own `.grad` is dropped at once. When the bucket is complete its reduce-scatter is launched; on
+# gloo that needs a receive buffer of the same size (`rs_recv`, see `Comm.reduce_scatter`). Both
+# are freed once the rank's slice of the sum has been added to its gradient shard — and ZeRO-2
+# waits for the oldest bucket before launching a third, so at most two are in flight.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def bucket_buffers(events, rank=0, step=1):
+    """Rank ``rank``'s comm_buffers allocs and frees in ``step``'s backward: [(index, line, held)]."""
+    bw = [i for i, e in enumerate(events) if e["kind"] == "phase" and e["name"] == "backward"
+          and e["rank"] == rank and e.get("step") == step]
+    held, rows = 0, []
+    for i in range(bw[0], bw[1] + 1):
+        e = events[i]
+        if e["rank"] == rank and e["kind"] in ("alloc", "free") and e["category"] == "comm_buffers":
+            held += e["bytes"] if e["kind"] == "alloc" else -e["bytes"]
+            what = ":".join(e["tag"].split(":")[:2])        # grad_bucket:k or rs_recv:bucketk
+            rows.append((i, f"{e['kind']:<5} {what:<17} {e['bytes']:>10,}", held))
+    return rows
+
+rows = bucket_buffers(live.replay.events)
+for _, line, held in rows:
+    print(f"{line}   held {held:>11,}")
+worst_i, _, worst = max(rows, key=lambda r: r[2])
+grads = run[0]["ledger"]["final"]["grads"]
+print(f"gradient shard, held throughout: {grads:,} bytes = Ψ/2 in fp32; "
+      f"bucket buffers: at most {worst:,}; a full fp32 gradient: {4 * TINY:,}")
+assert grads == 4 * TINY // 2 and rows[-1][2] == 0 and worst < 4 * TINY
+live.jump(worst_i)
+
+# %% [markdown]
+# The player now stands at that worst moment (move it on from there). Its memory bars, as a
+# static figure:
+
+# %%
+ledger_bars(live.snapshot(), live.replay.ymax,
+            "when the bucket buffers peak: step 1, backward (MB)").show()
+
+# %% [markdown]
+# Two buckets in flight, each with its local copy and its receive buffer, plus the one filling:
+# at most five buckets' worth. With 4 MiB buckets on a 27 MB model that is most of a gradient —
+# the bound depends on the bucket size, not on the model, so it is the *ratio* that matters.
+# Smaller buckets, same model:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+one = R2.run(train, strategy="zero2", steps=2, model="tiny", micro_batch=4, bucket_cap_mb=1)
+by_cap = {4: (run, live.replay.events), 1: (one, R2.last_events)}
+print(f"{'bucket cap':>10}{'buckets':>9}{'largest':>12}{'most held':>12}{'÷ gradient':>12}")
+for cap, (out, evs) in by_cap.items():
+    largest = 4 * 2 * max(chunk for _, _, chunk in out[0]["layout"]["buckets"])   # N x chunk, fp32
+    most = max(held for _, _, held in bucket_buffers(evs))
+    n = len(out[0]["layout"]["buckets"])
+    print(f"{cap:>7} MiB{n:>9}{largest:>12,}{most:>12,}{most / (4 * TINY):>12.2f}")
+    assert most <= 5 * largest
+assert max(h for *_, h in bucket_buffers(by_cap[1][1])) < worst / 2
+
+# %% [markdown]
+# For the ZeRO paper's 7.5B model, PyTorch's default 25 MiB buckets bound the buffers at about
+# 130 MB against a 15 GB bf16 gradient; NCCL's reduce-scatter needs no separate receive copy, which
+# brings it to three buckets.
+#
+# ## 3. Memory per rank: 2Ψ + 14Ψ/N, for N = 1…4
+# bf16 mixed, the nano model, buckets capped at 0.1 MiB. The state categories at the end of
+# training against the formula; next to them the largest amount of bucket buffers (`comm_buffers`)
+# a rank held at its peak — the price of reducing during backward.
+
+# %%
+R1, R3, R4 = Ranks(1), Ranks(3), Ranks(4)
+pools = {1: R1, 2: R2, 3: R3, 4: R4}
+mem_kw = dict(model="nano", steps=2, micro_batch=1, precision="bf16_mixed",
+              track_activations=False, bucket_cap_mb=0.1)
+mem = {N: pools[N].run(train, strategy="zero2", **mem_kw) for N in pools}
+R1.close()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'N':>2}{'params':>10}{'grads':>10}{'master+m+v':>12}{'measured':>11}{'2Ψ+14Ψ/N':>11}"
+      f"{'gap':>9}{'comm_buffers':>14}{'bucket':>9}")
+for N, out in mem.items():
+    formula = 2 * PSI + 14 * PSI / N
+    largest = max(numel for _, numel, _ in out[0]["layout"]["buckets"]) * 2     # bf16 bytes
+    for o in out:
+        f, est = o["ledger"]["final"], o["ledger"]["estimate"]
+        assert abs(sum(f.get(c, 0) for c in STATE) - formula) <= 0.02 * formula
+        assert all(abs(f[c] - est[c]) <= 0.02 * est[c] for c in STATE)
+        buffers = o["ledger"]["peak_snapshot"].get("comm_buffers", 0)
+        assert buffers <= 6 * largest                      # a few buckets, never the gradient
+        assert "comm_buffers" not in f                     # and all gone after the step
+    f = out[0]["ledger"]["final"]
+    measured = sum(f.get(c, 0) for c in STATE)
+    print(f"{N:>2}{f['params']:>10,}{f['grads']:>10,}{f['master'] + f['exp_avg'] + f['exp_avg_sq']:>12,}"
+          f"{measured:>11,}{formula:>11,.0f}{(measured - formula) / formula:>9.4%}"
+          f"{out[0]['ledger']['peak_snapshot'].get('comm_buffers', 0):>14,}{largest:>9,}")
+
+# %% [markdown]
+# The state matches the formula (exact at N = 1, 2, 4; at N = 3 each bucket is padded by up to two
+# elements so that it splits into three equal chunks). The `comm_buffers` column is what the
+# formula leaves out: a few buckets' worth of gradient in transit, set by `bucket_cap_mb`, not by
+# the model size. At N = 1 nothing needs reducing: the buckets are only copied.
+#
+# ## 4. Bytes on the wire: DDP's 2(N−1)/N · Ψ
+# Same volume as DDP and as ZeRO-1's reduce-scatter version (chapter 03): a reduce-scatter of
+# the gradients, (N−1)/N · Ψ, plus an all-gather of the parameters, (N−1)/N · Ψ. fp32 here, so
+# one Ψ of traffic is 4Ψ bytes.
+
+# %%
+one_step = dict(model="nano", steps=1, micro_batch=1, track_activations=False, bucket_cap_mb=0.1)
+traffic = {(N, s): pools[N].run(train, strategy=s, **one_step)
+           for N in (2, 3, 4) for s in ("ddp", "zero2")}
+R3.close()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+PSI_B = 4 * PSI
+print(f"{'N':>2} {'strategy':<9}{'collectives':<28}{'sent (wire)':>12}{'2(N-1)/N Ψ':>12}{'÷ Ψ':>7}")
+for (N, s), out in traffic.items():
+    formula = 2 * (N - 1) * PSI_B / N
+    wire = out[0]["wire"][0]
+    calls = " + ".join(f"{v['calls']} {op}" for op, v in out[0]["by_op"].items())
+    print(f"{N:>2} {s:<9}{calls:<28}{wire:>12,}{formula:>12,.0f}{wire / PSI_B:>7.3f}")
+    n_buckets = len(traffic[(N, "zero2")][0]["layout"]["buckets"])
+    for o in out:       # padding each bucket to N equal chunks: under N elements per bucket
+        assert abs(o["wire"][0] - formula) <= 2 * 4 * N * n_buckets
+        assert 0 <= o["wchar"][0] - o["wire"][0] < 16 * 1024          # and the OS agrees
+assert all(abs(traffic[(N, "zero2")][0]["wire"][0] - traffic[(N, "ddp")][0]["wire"][0]) < 0.001 * PSI_B
+           for N in (2, 3, 4))
+
+# %% [markdown]
+# ## 5. Gradient accumulation: a reduce-scatter per micro-batch
+# With `accum=2`, DDP and ZeRO-1 accumulate the first micro-batch's gradients locally (`no_sync`)
+# and reduce once. ZeRO-2 cannot: it has no full gradient to accumulate into, only its slice, so
+# every micro-batch's buckets are reduce-scattered and the reduced slices are summed. Two ranks,
+# nano, fp32:
+
+# %%
+acc = {(s, a): R2.run(train, strategy=s, steps=2, model="nano", micro_batch=1, accum=a,
+                      bucket_cap_mb=0.1, track_activations=False, return_params=(a == 2))
+       for s in ("ddp", "zero1", "zero2") for a in (1, 2)}
+
+# %%
+# NBVAL_CHECK_OUTPUT
+GRAD_OPS = ("all_reduce", "reduce_scatter")
+def gradient_traffic(out):
+    """(gradient collectives, their bytes on the wire) per optimizer step on rank 0."""
+    ops = {op: v for op, v in out[0]["by_op"].items() if op in GRAD_OPS}
+    steps = len(out[0]["losses"])
+    return sum(v["calls"] for v in ops.values()) // steps, sum(v["wire"] for v in ops.values()) // steps
+
+print(f"{'strategy':<9}{'gradient collectives/step':>27}{'gradient bytes sent/step':>27}{'grads held':>12}")
+print(f"{'':<9}{'accum=1':>13}{'accum=2':>14}{'accum=1':>13}{'accum=2':>14}")
+for s in ("ddp", "zero1", "zero2"):
+    (c1, w1), (c2, w2) = gradient_traffic(acc[(s, 1)]), gradient_traffic(acc[(s, 2)])
+    grads = acc[(s, 2)][0]["ledger"]["final"]["grads"]
+    print(f"{s:<9}{c1:>13}{c2:>14}{w1:>13,}{w2:>14,}{grads:>12,}")
+    assert (c2, w2) == ((2 * c1, 2 * w1) if s == "zero2" else (c1, w1))
+    assert grads == (PSI_B // 2 if s == "zero2" else PSI_B)
+
+# %% [markdown]
+# The trade in one table: ZeRO-2 holds half the gradient bytes on two ranks (1/N in general), and
+# pays for it with one gradient reduction per micro-batch instead of one per optimizer step. With
+# many micro-batches per step that can make stage 1 the faster choice. (DDP's all-reduce counts
+# both halves of the ring; the ZeRO stages' other half is the parameter all-gather, which runs
+# once per optimizer step in both and is left out here.)
+#
+# Same training as one process accumulating over the same data:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+single_acc = train(strategy="single", steps=2, model="nano", micro_batch=2, accum=2,
+                   track_activations=False, return_params=True)
+torch.set_num_threads(threads)
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+for s in ("zero1", "zero2"):
+    out = acc[(s, 2)]
+    mean = [sum(o["losses"][k] for o in out) / 2 for k in range(2)]
+    print(f"{s}, accum=2: loss within {max(abs(a - b) / b for a, b in zip(mean, single_acc['losses'])):.1e}, "
+          f"params within {max_diff(out[0]['params'], single_acc['params']):.1e} of one process")
+    assert all(abs(a - b) <= 1e-6 * b for a, b in zip(mean, single_acc["losses"]))
+    assert max_diff(out[0]["params"], single_acc["params"]) < 2e-4
+
+# %% [markdown]
+# ## 6. Clipping by the global norm
+# `clip_grad_norm_(max_norm)` scales the gradient by max_norm / ‖g‖ when the norm of the *whole*
+# gradient exceeds max_norm. Under ZeRO-2 no rank has the whole gradient. The squares add up,
+# though: ‖g‖² = Σ_r ‖g_r‖². Here is the nano model's first gradient (one process, the global
+# batch), cut into the slices two ZeRO ranks would hold:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+net = GPT("nano", seed=0)                                # the weights every run below starts from
+x, y = batch(config("nano"), 0, 2)                       # step 0's global batch (2 sequences)
+net(x, y).backward()
+(group,) = plan_buckets(net, 25.0)                       # nano: one bucket, as in the runs below
+flat = torch.cat([p.grad.reshape(-1) for _, p in group])
+shards = flat.tensor_split(2)
+local = [s.norm().item() for s in shards]
+total = torch.nn.utils.clip_grad_norm_(net.parameters(), float("inf")).item()
+MAX_NORM = 1.0
+print(f"slice norms ‖g_0‖ = {local[0]:.4f}, ‖g_1‖ = {local[1]:.4f}")
+print(f"sqrt(‖g_0‖² + ‖g_1‖²) = {sum(n * n for n in local) ** 0.5:.4f}; "
+      f"torch's norm of the whole gradient = {total:.4f}")
+print(f"max_norm {MAX_NORM}: the global scale is {MAX_NORM / total:.4f} on every rank; clipping each "
+      f"slice by its own norm would scale them by {MAX_NORM / local[0]:.4f} and {MAX_NORM / local[1]:.4f}")
+assert abs(sum(n * n for n in local) ** 0.5 - total) <= 1e-5 * total
+assert total > MAX_NORM and all(MAX_NORM / n > 1.3 * MAX_NORM / total for n in local)
+
+# %% [markdown]
+# Clipping each slice by its own norm would scale every slice by more than the true factor, and
+# by a different factor on each rank: a larger update, in another direction.
+# `ZeroOptimizer.clip_grad_norm_` sums the squares of its slice and all-reduces that one number —
+# 8 bytes — so every rank applies the same global scale. Measured: one extra all-reduce per step,
+# and the same training as one process clipping the whole gradient.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+clip_kw = dict(steps=2, model="nano", track_activations=False, clip=MAX_NORM, return_params=True)
+clipped = R2.run(train, strategy="zero2", micro_batch=1, **clip_kw)
+torch.set_num_threads(1)
+single_clip = train(strategy="single", micro_batch=2, **clip_kw)
+unclipped = train(strategy="single", micro_batch=2, **dict(clip_kw, clip=None))
+torch.set_num_threads(threads)
+norm_op = clipped[0]["by_op"]["all_reduce"]
+print(f"extra collective: {norm_op['calls']} all-reduces in 2 steps, "
+      f"{norm_op['payload'] // norm_op['calls']} bytes each")
+mean = [sum(o["losses"][k] for o in clipped) / 2 for k in range(2)]
+print("ZeRO-2 + clipping matches one process clipping the whole gradient:",
+      all(abs(a - b) <= 1e-6 * b for a, b in zip(mean, single_clip["losses"]))
+      and max_diff(clipped[0]["params"], single_clip["params"]) < 2e-4)
+assert norm_op["calls"] == 2 and norm_op["payload"] == 2 * 8
+assert all(abs(a - b) <= 1e-6 * b for a, b in zip(mean, single_clip["losses"]))
+assert max_diff(clipped[0]["params"], single_clip["params"]) < 2e-4
+assert max_diff(clipped[0]["params"], unclipped["params"]) > 1e-4       # and clipping did act
+
+# %% [markdown]
+# ## 7. Why stop at 2?
+# After stage 2 every rank still holds the full bf16 weights, 2Ψ, because forward and backward
+# use them. The sharded part shrinks as 1/N; the replicated part does not. Its share of a rank's
+# state, for the ZeRO paper's 7.5B-parameter model:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+BIG = 7_500_000_000
+for N in (4, 64, 1024):
+    e2 = estimate(n_params=BIG, world_size=N, strategy="zero2", precision="bf16_mixed")
+    e3 = estimate(n_params=BIG, world_size=N, strategy="zero3", precision="bf16_mixed")
+    share = e2.per_rank["params"] / e2.state_bytes
+    print(f"N = {N:>4}: ZeRO-2 {e2.state_bytes / GB:6.2f} GB per rank, of which replicated weights "
+          f"{e2.per_rank['params'] / GB:.1f} GB ({share:.0%});  ZeRO-3: {e3.state_bytes / GB:6.2f} GB")
+    assert e2.per_rank["params"] == 2 * BIG and not e2.sharded["params"] and e3.sharded["params"]
+assert round(e2.state_bytes / GB, 1) == 15.1 and share > 0.99
+
+# %% [markdown]
+# From a few dozen ranks on, ZeRO-2's memory *is* the replicated weights: 15 GB that no number of
+# ranks removes. Sharding them too is stage 3 — each rank keeps 1/N of the weights and gathers a
+# layer's full parameters just before it computes — which changes the forward and backward
+# passes themselves, not only the optimizer. That is the next chapter.
+
+# %%
+R2.close()
+R4.close()
+
+# %% [markdown]
+# > **Takeaway.** ZeRO-2 reduce-scatters each gradient bucket during backward, as soon as it
+# > fills, and keeps only the summed slice the rank updates: memory per rank is
+# > 2Ψ + 14Ψ/N — measured within the formula for N = 1…4 — plus a few buckets in flight
+# > (`comm_buffers`), bounded by the bucket size, not the model. It sends exactly what DDP sends,
+# > 2(N−1)/N · Ψ per step. Two costs: with gradient accumulation it reduces every micro-batch
+# > instead of once per step, and clipping needs one extra all-reduce of the squared norm. The
+# > replicated bf16 weights (2Ψ) are now the floor; stage 3 removes it.
+#
+# **Questions**
+#
+# 1. With 8 micro-batches per optimizer step on 64 ranks, how much gradient traffic does each rank
+#    send per step under ZeRO-1 and under ZeRO-2?
+#
+# <details><summary>Answer</summary>
+#
+# ZeRO-1 (with `no_sync`): one reduce-scatter per step, 63/64 · Ψ ≈ Ψ. ZeRO-2: one per
+# micro-batch, 8 · 63/64 · Ψ ≈ 7.9 Ψ. The parameter all-gather (≈ Ψ) is the same for both.
+# When accumulation is deep and the network slow, stage 1 (or stage 2 with a full local
+# accumulation buffer, giving up its memory saving for gradients) can win.
+# </details>
+#
+# 2. Why must the bucket reduce-scatters be launched in the same order on every rank, and why does
+#    ZeRO-2 bound the number of buckets in flight?
+#
+# <details><summary>Answer</summary>
+#
+# Order: collectives are matched by call order, not by name (chapter 02); rank 0 reducing
+# bucket 3 against rank 1's bucket 4 would mix unrelated gradients. Bound: every bucket in flight
+# holds its local gradients and a receive buffer until it completes. Without a bound, a slow
+# network lets them pile up until the whole gradient is in flight — the memory stage 2 set out to
+# save. Waiting for the oldest bucket before launching a third keeps it to a few buckets.
+# </details>
+#
+# 3. Does clipping by the global norm change the bytes on the wire noticeably?
+#
+# <details><summary>Answer</summary>
+#
+# No: it all-reduces a single number per step (8 bytes here, §6). Its cost is latency — one more
+# synchronisation between the gradient reduction and the update — not bandwidth.
+# </details>
