@@ -198,13 +198,17 @@ def estimate(model: torch.nn.Module | None = None, *, n_params: int | None = Non
 
 
 def gpt_activation_bytes(cfg, micro_batch: int, seq_len: int | None = None,
-                         dtype_bytes: int = 4) -> int:
+                         dtype_bytes: int = 4, flash_attention: bool = False) -> int:
     """Bytes autograd saves for backward in one forward of :class:`minishard.model.GPT`.
 
     Derived op by op from what each autograd node keeps; the measured ledger (saved-tensor
     hooks) checks it exactly. B = micro_batch, T = seq_len, C = d_model, H = heads, F = MLP
     hidden, V = vocab, L = layers, x = bytes of the compute dtype. Parameters are not counted
     (they are already in the ledger), and a tensor saved by two ops is counted once.
+
+    ``flash_attention=True`` models a fused attention kernel instead (what real training uses,
+    and the planner assumes): it keeps q, k, v, its output and one log-sum-exp per row, never
+    the T x T scores.
     """
     B, T = micro_batch, seq_len or cfg.seq_len
     C, H, F, V, L = cfg.d_model, cfg.n_head, cfg.ffn_hidden, cfg.vocab_size, cfg.n_layer
@@ -218,8 +222,9 @@ def gpt_activation_bytes(cfg, micro_batch: int, seq_len: int | None = None,
         + BT * C * x                               # qkv projection: its input (ln1's output)
         + 3 * BT * C * x                           # q, k, v: contiguous copies made by the two
                                                    # batched matmuls (k, v after GQA repeat)
-        + T * T                                    # the causal mask (bool) kept by masked_fill
-        + B * H * T * T * x                        # softmax output: kept by softmax and by att @ v
+        + (B * H * T * 4 + BT * C * x if flash_attention   # fused: log-sum-exp and output
+           else T * T                              # the causal mask (bool) kept by masked_fill
+           + B * H * T * T * x)                    # softmax output: kept by softmax and by att @ v
         + BT * C * x                               # out projection: its input
         + norm                                     # ln2
         + BT * C * x                               # MLP up projection(s): their input

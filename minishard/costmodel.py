@@ -1,0 +1,260 @@
+"""The planner: memory and step time of a strategy on a cluster nobody has on a laptop.
+
+Memory comes from the *same* ledger code the live runs are checked against
+(:func:`minishard.ledger.estimate`, :func:`minishard.ledger.gpt_activation_bytes`), plus the
+terms a sharded run adds: the gathered units (root + (1 + prefetch) blocks for ZeRO-3) and the
+communication buckets. Time is compute plus the communication compute cannot hide, with each
+collective costed by the alpha-beta model of a ring::
+
+    t(collective) = steps * alpha + bytes_sent_per_rank / bandwidth
+    all_reduce: 2(N-1) steps, 2(N-1)/N * S     reduce_scatter / all_gather: (N-1) steps, (N-1)/N * S
+
+A ring is as fast as its slowest link: across nodes, that is the network, not NVLink. Hybrid
+sharding (HSDP) keeps the sharding collectives inside a node and only all-reduces the gradient
+shards across nodes.
+
+Every device and link figure below is a published peak (sources in ``docs/costmodel.md``); an
+``mfu`` (model FLOPs utilisation) turns peak FLOP/s into achieved ones.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .ledger import estimate, gpt_activation_bytes
+from .model import GPT, GPTConfig, config
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth: float          # bytes/s one rank can send (per direction)
+    latency: float            # seconds per ring step (alpha)
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory: float             # bytes usable for training
+    flops: float              # dense bf16 FLOP/s (peak)
+
+
+LINKS = {
+    "nvlink4": Link("NVLink 4 (H100 SXM)", 450e9, 5e-6),
+    "nvlink3": Link("NVLink 3 (A100 SXM)", 300e9, 5e-6),
+    "ib-ndr-400": Link("InfiniBand NDR 400 Gb/s per GPU", 50e9, 10e-6),
+    "ib-hdr-200": Link("InfiniBand HDR 200 Gb/s per GPU", 25e9, 10e-6),
+    "ethernet-100g": Link("100 Gb Ethernet", 12.5e9, 30e-6),
+    "pcie4-x16": Link("PCIe 4.0 x16 (no NVLink)", 25e9, 10e-6),
+    "pcie5-x16": Link("PCIe 5.0 x16", 50e9, 10e-6),
+}
+
+DEVICES = {
+    "h100-80gb": Device("H100 SXM 80 GB", 80 * 2**30, 989e12),
+    "h100-96gb": Device("H100 96 GB (Grand Teton)", 96 * 2**30, 989e12),
+    "a100-80gb": Device("A100 SXM 80 GB", 80 * 2**30, 312e12),
+    "a100-40gb": Device("A100 40 GB", 40 * 2**30, 312e12),
+    "h200": Device("H200 141 GB", 141e9, 989e12),
+    "rtx4090": Device("RTX 4090 24 GB", 24 * 2**30, 165e12),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: Device
+    gpus_per_node: int
+    nodes: int = 1
+    intra: Link = LINKS["nvlink4"]
+    inter: Link = LINKS["ib-ndr-400"]
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+def ring_time(op: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds for one ring collective over ``n`` ranks on ``link`` (alpha-beta)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    steps, volume = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
+                     "reduce_scatter": (n - 1, (n - 1) / n),
+                     "all_gather": (n - 1, (n - 1) / n)}[op]
+    return steps * link.latency + volume * nbytes / link.bandwidth
+
+
+def train_flops_per_token(cfg: GPTConfig, seq_len: int, recompute: bool) -> float:
+    """6 FLOPs per parameter per token (2 forward, 4 backward) for the matrix multiplies, plus
+    attention's scores and weighted sum (12 L d T per token); recomputation adds a forward."""
+    dense = sum(p.numel() for n, p in GPT(cfg, device="meta").named_parameters()
+                if p.dim() == 2 and "emb" not in n)
+    attention = 12 * cfg.n_layer * cfg.d_model * seq_len / 2      # causal: half the scores
+    per_pass = 2 * dense + attention / 3
+    return per_pass * (4 if recompute else 3)
+
+
+@dataclass
+class Plan:
+    """What the planner says about one configuration (bytes per rank, seconds per step)."""
+    strategy: str
+    world_size: int
+    memory: dict[str, float]
+    device_memory: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    tokens_per_rank: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_memory(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total_memory <= self.device_memory
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s
+
+    @property
+    def tokens_per_s_per_rank(self) -> float:
+        return self.tokens_per_rank / self.step_s
+
+    def verdict(self) -> str:
+        use = self.total_memory / 2**30
+        cap = self.device_memory / 2**30
+        if not self.fits:
+            return f"does not fit: {use:.1f} GiB per GPU > {cap:.0f} GiB"
+        return (f"fits: {use:.1f} of {cap:.0f} GiB per GPU; {self.step_s:.2f} s/step, "
+                f"{self.tokens_per_s_per_rank:,.0f} tokens/s/GPU, "
+                f"{self.exposed_comm_s / self.step_s:.0%} of the step waiting on the network")
+
+
+def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
+         micro_batch: int = 1, seq_len: int | None = None, precision: str = "bf16_mixed",
+         optimizer: str = "adamw", prefetch: int = 1, recompute: bool = False,
+         offload: bool = False, hybrid: bool = False, mfu: float = 0.4,
+         bucket_mb: float = 25.0, flash_attention: bool = True) -> Plan:
+    """Per-GPU memory by ledger category and step time for one configuration.
+
+    ``strategy``: ddp, zero1, zero2, zero3/fsdp. ``hybrid``: shard inside a node, replicate
+    across nodes (HSDP). ``offload``: the sharded state lives in host memory (its bytes leave
+    the device; PCIe traffic is added to the exposed time)."""
+    cfg = config(model) if isinstance(model, str) else model
+    T = seq_len or cfg.seq_len
+    N = cluster.world_size
+    if not isinstance(micro_batch, int) or micro_batch < 1 or T < 1:
+        raise ValueError(f"micro_batch and seq_len must be positive (got {micro_batch}, {T})")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu is a fraction of peak FLOP/s in (0, 1], got {mfu}")
+    if strategy == "fsdp":
+        strategy = "zero3"
+    shard_n = cluster.gpus_per_node if hybrid else N
+    net = GPT(cfg, device="meta")
+    n_params = sum(p.numel() for p in net.parameters())
+    if shard_n > n_params:
+        raise ValueError(f"{shard_n} ranks cannot each hold a shard of {n_params} parameters")
+    x = 2 if precision.startswith("bf16") else 4
+    est = estimate(net, world_size=shard_n, strategy=strategy, precision=precision,
+                   optimizer=optimizer)
+    memory = dict(est.per_rank)
+    notes = []
+    if offload:
+        for cat in [c for c in memory if c != "params" or strategy == "zero3"]:
+            memory.pop(cat)
+        notes.append("sharded state offloaded to host memory")
+
+    # activations: every layer's saved tensors, or with recomputation only each block's input
+    # plus one block's worth recomputed at a time
+    acts = gpt_activation_bytes(cfg, micro_batch, T, x, flash_attention)
+    if recompute:
+        one_layer = gpt_activation_bytes(replace(cfg, n_layer=1), micro_batch, T, x, flash_attention) - \
+            gpt_activation_bytes(replace(cfg, n_layer=0), micro_batch, T, x, flash_attention)
+        acts = acts - cfg.n_layer * one_layer + cfg.n_layer * micro_batch * T * cfg.d_model * x \
+            + one_layer
+    block = sum(p.numel() for p in net.blocks[0].parameters())
+    root = n_params - cfg.n_layer * block
+    grad_bytes = 4 if precision in ("bf16_fsdp", "bf16_mixed_fp32_grads") else x
+    if strategy == "zero3":
+        # the peak is one of two moments (the live runs show both):
+        # end of forward / start of backward: every activation, the root gathered, and
+        #   `prefetch` blocks already gathered for backward;
+        # inside a block's backward: the root and 1 + prefetch blocks gathered, the block's
+        #   full gradients and their reduce-scatter buffer, all but one block's activations.
+        end_of_forward = acts + x * (root + prefetch * block)
+        in_backward = acts * (1 - 1 / cfg.n_layer) + x * (root + (1 + prefetch) * block) \
+            + 2 * grad_bytes * block
+        if end_of_forward >= in_backward:
+            memory["unsharded"] = x * (root + prefetch * block)
+        else:
+            memory["unsharded"] = x * (root + (1 + prefetch) * block)
+            memory["comm_buffers"] = 2 * grad_bytes * block
+            acts = int(acts * (1 - 1 / cfg.n_layer))
+            notes.append("peak inside backward")
+    elif strategy == "zero2":        # buckets of gradients waiting for their reduce-scatter
+        memory["comm_buffers"] = min(2 * bucket_mb * 2**20, grad_bytes * n_params)
+    memory["activations"] = acts
+
+    # time: compute, then the collectives and how much of them compute hides
+    tokens = micro_batch * T
+    compute = train_flops_per_token(cfg, T, recompute) * tokens / (cluster.device.flops * mfu)
+    backward = compute * (2 / 3 if not recompute else 2 / 4)
+    link = cluster.intra if (cluster.nodes == 1 or hybrid) else _slowest(cluster)
+    S = n_params * x
+    if strategy == "ddp":
+        comm = ring_time("all_reduce", S, shard_n, link)
+        exposed = max(0.0, comm - backward)
+    elif strategy in ("zero1", "zero2"):
+        comm = ring_time("reduce_scatter", S, shard_n, link) + ring_time("all_gather", S, shard_n, link)
+        exposed = max(0.0, comm - backward) if strategy == "zero2" else \
+            ring_time("all_gather", S, shard_n, link) + max(0.0, comm / 2 - backward)
+    else:
+        units = cfg.n_layer + 1
+        gather = 2 * sum(ring_time("all_gather", x * s, shard_n, link)
+                         for s in [root] + [block] * cfg.n_layer)
+        scatter = sum(ring_time("reduce_scatter", grad_bytes * s, shard_n, link)
+                      for s in [root] + [block] * cfg.n_layer)
+        comm = gather + scatter
+        # with prefetch, unit i+1 travels while unit i computes; without, every gather waits
+        exposed = max(0.0, comm - compute) if prefetch else gather + max(0.0, scatter - backward)
+        notes.append(f"{units} units, {3 * units} collectives per step")
+    if hybrid and cluster.nodes > 1:         # gradient shards all-reduced across the nodes
+        cross = ring_time("all_reduce", grad_bytes * n_params / shard_n, cluster.nodes, cluster.inter)
+        comm += cross
+        exposed += cross
+        notes.append("hybrid: shard within a node, replicate across nodes")
+    if offload:
+        pcie = LINKS["pcie5-x16"].bandwidth
+        traffic = (x + grad_bytes) * n_params / shard_n
+        exposed += traffic / pcie + 3 * 4 * 4 * n_params / shard_n / 100e9   # CPU Adam: ~100 GB/s
+        notes.append(f"offload: {traffic / 1e9:.1f} GB over PCIe per step")
+    return Plan(strategy, N, memory, cluster.device.memory, compute, comm, exposed, tokens, notes)
+
+
+def _slowest(cluster: Cluster) -> Link:
+    a, b = cluster.intra, cluster.inter
+    return a if a.bandwidth < b.bandwidth else b
+
+
+def choose(model: str | GPTConfig, cluster: Cluster, **kw) -> list[Plan]:
+    """Every strategy for one model and cluster, fitting ones first, fastest first."""
+    plans = [plan(model, cluster, s, **kw) for s in ("ddp", "zero1", "zero2", "zero3")]
+    return sorted(plans, key=lambda p: (not p.fits, p.step_s))
+
+
+# --------------------------------------------------------------------------- this machine
+
+def calibrate(measured: list[dict]) -> tuple[Link, float]:
+    """Fit a loopback link and a CPU's achieved FLOP/s to minishard's own gloo runs.
+
+    ``measured``: results of ``train`` for one strategy at different world sizes/models
+    (``step_times``, ``by_op``, ``n_params``...), each with ``tokens`` and ``flops_per_token``
+    and ``cores`` added. Returns (link, achieved FLOP/s per core)."""
+    # compute: tokens * flops / step time, on runs where the ranks did not share a core
+    rates = [m["flops_per_token"] * m["tokens"] / m["compute_s"] for m in measured]
+    flops = sorted(rates)[len(rates) // 2]
+    # bandwidth: wire bytes over the time spent in collectives
+    bw = [m["wire_bytes"] / m["comm_s"] for m in measured if m["comm_s"] > 0]
+    link = Link("loopback (gloo, measured)", sorted(bw)[len(bw) // 2], 100e-6)
+    return link, flops
