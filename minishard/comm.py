@@ -182,17 +182,37 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
                   tag: str = "") -> Work | None:
+        """``src`` is a rank of this communicator's group (not a global rank)."""
         ev = self._begin("broadcast", tensor, tensor.numel() * tensor.element_size(), tag, src=src)
-        return self._run(ev, lambda: dist.broadcast(tensor, src, group=self.group, async_op=True),
-                         async_op)
+        return self._run(ev, lambda: dist.broadcast(tensor, group=self.group, group_src=src,
+                                                    async_op=True), async_op)
 
     def gather_object(self, obj, dst: int = 0) -> list | None:
         """Small Python objects (tables, summaries) to rank ``dst``; not traced as training traffic."""
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst, group=self.group)
+        dist.gather_object(obj, out, group=self.group, group_dst=dst)
         return out
+
+    def split(self, shard_size: int) -> tuple["Comm", "Comm"]:
+        """Two communicators for hybrid sharding on a grid of ranks: *shard* groups of
+        ``shard_size`` consecutive ranks (a node: fast links) and *replicate* groups joining the
+        ranks that hold the same shard across nodes. Every rank must call this (it creates
+        process groups, a collective)."""
+        N = self.world_size
+        if shard_size < 1 or N % shard_size:
+            raise ValueError(f"shard size {shard_size} does not divide the world size {N}")
+        mine_shard = mine_rep = None
+        for start in range(0, N, shard_size):            # every rank creates every group
+            g = dist.new_group(list(range(start, start + shard_size)))
+            if start <= self.rank < start + shard_size:
+                mine_shard = g
+        for offset in range(shard_size):
+            g = dist.new_group(list(range(offset, N, shard_size)))
+            if self.rank % shard_size == offset:
+                mine_rep = g
+        return (Comm(self.tracer, mine_shard, self.ledger), Comm(self.tracer, mine_rep, self.ledger))
 
     def barrier(self) -> None:
         if self.world_size > 1:

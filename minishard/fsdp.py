@@ -61,9 +61,10 @@ class FSDPUnit:
 
     def __init__(self, module: nn.Module, name: str, layout, comm: Comm, ledger: LiveLedger | None,
                  reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy,
-                 tier: Tier | None = None):
+                 tier: Tier | None = None, replicate: Comm | None = None):
         self.module, self.name, self.layout = module, name, layout
         self.comm, self.ledger = comm, ledger
+        self.replicate = replicate                 # hybrid sharding: the same shard elsewhere
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.state = UnitState.SHARDED
@@ -271,7 +272,8 @@ class FSDPUnit:
         self._set_state(UnitState.REDUCE_SCATTERING)
         dtype = self.mp_policy.reduce_dtype or self.layout.sharded[0].dtype
         inp = self.layout.reduce_scatter_input(dtype)
-        inp.div_(self.comm.world_size)        # sum / N: the gradient of the global mean loss
+        replicas = self.replicate.world_size if self.replicate is not None else 1
+        inp.div_(self.comm.world_size * replicas)   # sum / N: the gradient of the global mean loss
         out = self.layout.reduce_scatter_output(dtype)
         self._release_full_grads()
         if self.ledger is not None:
@@ -287,6 +289,8 @@ class FSDPUnit:
         work, out, _ = self._pending_rs
         if work is not None:
             self._wait(work, "wait_reduce_scatter")
+        if self.replicate is not None:      # hybrid: sum the slice with its replicas' (slow link)
+            self.replicate.all_reduce(out, tag=self.name)
         t0 = time.perf_counter()
         self.layout.accumulate_reduced(out)
         if self.tier is not None:           # the reduced slice goes to the tier
@@ -374,7 +378,7 @@ def fully_shard(module: nn.Module, *, comm: Comm, ledger: LiveLedger | None = No
                 reshard_after_forward: bool | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, layout: str = "per_param",
                 manual: bool = False, name: str | None = None,
-                offload: Tier | None = None) -> nn.Module:
+                offload: Tier | None = None, replicate: Comm | None = None) -> nn.Module:
     """Make ``module`` an FSDP unit owning its parameters that no child unit owns yet. Apply it
     bottom-up — blocks first, the root last. Returns the module itself (no class swapping).
 
@@ -382,7 +386,9 @@ def fully_shard(module: nn.Module, *, comm: Comm, ledger: LiveLedger | None = No
     True/False force it (True on the root gives textbook ZeRO-3: every parameter gathered twice).
     ``manual=True`` registers no hooks: call ``unshard``/``reshard``/``reduce_scatter_grads``
     yourself (see :func:`manual_step`). ``offload``: an ``offload.Tier`` that keeps the shards,
-    their gradients (and, with ``offload.prepare_optimizer_state``, the optimizer state)."""
+    their gradients (and, with ``offload.prepare_optimizer_state``, the optimizer state).
+    ``replicate``: hybrid sharding (HSDP) — ``comm`` is the shard group (a node), ``replicate``
+    joins the ranks holding the same shard on other nodes (see ``Comm.split``)."""
     name = name or type(module).__name__
     if hasattr(module, "_fsdp_unit"):
         raise ValueError(f"{name} is already an FSDP unit: fully_shard a module once")
@@ -410,7 +416,8 @@ def fully_shard(module: nn.Module, *, comm: Comm, ledger: LiveLedger | None = No
         lay = PerParamLayout(slots, comm.rank, comm.world_size, mp_policy.param_dtype)
     else:
         lay = FlatLayout(slots, comm.rank, comm.world_size, mp_policy.param_dtype, module)
-    unit = FSDPUnit(module, name, lay, comm, ledger, reshard_after_forward, mp_policy, offload)
+    unit = FSDPUnit(module, name, lay, comm, ledger, reshard_after_forward, mp_policy, offload,
+                    replicate)
     unit.original_param_ids = original_ids
     module._fsdp_unit = unit
     if not manual:

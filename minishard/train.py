@@ -34,12 +34,13 @@ from .ledger import LiveLedger, estimate, gpt_activation_bytes, track_optimizer_
 from .trace import Tracer
 
 STRATEGIES = ("single", "ddp_naive", "ddp", "torch_ddp", "zero1", "zero1_allreduce", "zero2",
-              "torch_zero1", "fsdp", "fsdp_flat", "torch_fsdp")
+              "torch_zero1", "fsdp", "fsdp_flat", "torch_fsdp", "hsdp")
 WRAPS = ("block", "model", "linear")
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
 PRECISIONS = ("fp32", "bf16_mixed")
 LEDGER_STRATEGY = {"single": "ddp", "ddp_naive": "ddp", "ddp": "ddp", "zero1": "zero1",
-                   "zero1_allreduce": "zero1", "zero2": "zero2", "fsdp": "zero3", "fsdp_flat": "zero3"}
+                   "zero1_allreduce": "zero1", "zero2": "zero2", "fsdp": "zero3", "fsdp_flat": "zero3",
+                   "hsdp": "zero3"}
 
 
 def optimizer_spec(name: str, lr: float) -> tuple[type, dict]:
@@ -95,7 +96,7 @@ def build(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None, 
           bucket_cap_mb: float = 25.0, wrap: str = "block",
           reshard_after_forward: bool = True, reshard_root: bool = False,
           prefetch: int = 0, offload: str | None = None,
-          offload_dir: str | None = None) -> tuple[nn.Module, Any]:
+          offload_dir: str | None = None, shard_size: int = 2) -> tuple[nn.Module, Any]:
     """Apply a strategy to a freshly built model (same weights on every rank): returns the model
     to call and the optimizer to step."""
     if strategy not in STRATEGIES:
@@ -104,13 +105,17 @@ def build(net: nn.Module, strategy: str, comm: Comm, ledger: LiveLedger | None, 
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
     opt_class, opt_kwargs = optimizer_spec(optimizer, lr)
     mixed = precision == "bf16_mixed"
-    if strategy in ("fsdp", "fsdp_flat"):
+    if strategy in ("fsdp", "fsdp_flat", "hsdp"):
         mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else None
+        replicate = None
+        if strategy == "hsdp":          # shard inside "nodes" of shard_size ranks, replicate across
+            comm, replicate = comm.split(shard_size)
+            net._hsdp_comms = (comm, replicate)
         tier = None
         if offload is not None:
             state_bytes = 16 * sum(p.numel() for p in net.parameters()) // comm.world_size
             tier = Tier(OffloadPolicy(offload, offload_dir), comm.rank, needed_bytes=state_bytes)
-        kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier,
+        kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier, replicate=replicate,
                   layout="flat" if strategy == "fsdp_flat" else "per_param")
         for name, m in wrap_targets(net, wrap):
             fsdp.fully_shard(m, reshard_after_forward=reshard_after_forward, name=name, **kw)
@@ -170,7 +175,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
           precision: str = "fp32", clip: float | None = None, wrap: str = "block",
           reshard_after_forward: bool = True, reshard_root: bool = False, recompute: bool = False,
           prefetch: int = 0, device_budget: int | None = None, offload: str | None = None,
-          offload_dir: str | None = None,
+          offload_dir: str | None = None, shard_size: int = 2,
           freeze: tuple[str, ...] = (), fsdp_accumulate_unsharded: bool = False,
           return_params: bool = False, return_state: bool = False, model_overrides: dict | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; each step sees ``accum`` micro-batches of
@@ -199,23 +204,26 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
     wrapped, opt = build(net, strategy, comm, ledger, optimizer=optimizer, lr=lr,
                          precision=precision, bucket_cap_mb=bucket_cap_mb, wrap=wrap,
                          reshard_after_forward=reshard_after_forward, reshard_root=reshard_root,
-                         prefetch=prefetch, offload=offload, offload_dir=offload_dir)
+                         prefetch=prefetch, offload=offload, offload_dir=offload_dir,
+                         shard_size=shard_size)
     no_sync = getattr(wrapped, "no_sync", None) or getattr(opt, "no_sync", None)
-    if strategy in ("fsdp", "fsdp_flat"):
+    if strategy in ("fsdp", "fsdp_flat", "hsdp"):
         # FSDP's default accumulates reduced slices (a reduce-scatter per micro-batch, little
         # memory); no_sync keeps full gradients until the last micro-batch (one reduce-scatter)
         no_sync = (lambda: fsdp.no_sync(net)) if fsdp_accumulate_unsharded else None
     elif strategy == "torch_fsdp":
         no_sync = lambda: _torch_fsdp_no_sync(net)  # noqa: E731
-    comm.reset_counters()                              # count training traffic, not the set-up
+    for c in [comm, *getattr(net, "_hsdp_comms", ())]:
+        c.reset_counters()                             # count training traffic, not the set-up
 
     out: dict[str, Any] = {"rank": rank.rank, "world_size": N, "strategy": strategy,
                            "losses": [], "step_times": [], "wire": [], "payload": [],
                            "wchar": [], "calls": [], "exposed_comm": [], "transfer": []}
-    fsdp_units = fsdp.units(net) if strategy in ("fsdp", "fsdp_flat") else []
+    fsdp_units = fsdp.units(net) if strategy in ("fsdp", "fsdp_flat", "hsdp") else []
+    comms = [comm, *getattr(net, "_hsdp_comms", ())]   # hybrid: count every group's traffic
     for step in range(steps):
         tracer.step = step
-        w0, c0 = bytes_written(), dict(comm.totals)
+        w0, c0 = bytes_written(), _totals(comms)
         e0 = sum(u.exposed_s for u in fsdp_units)
         x0 = _transfers(fsdp_units)
         t0 = time.perf_counter()
@@ -253,9 +261,10 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
         out["losses"].append(loss_sum)
         w1 = bytes_written()
         out["wchar"].append(None if w0 is None else w1 - w0)
-        out["wire"].append(comm.totals["wire"] - c0["wire"])
-        out["payload"].append(comm.totals["payload"] - c0["payload"])
-        out["calls"].append(comm.totals["calls"] - c0["calls"])
+        c1 = _totals(comms)
+        out["wire"].append(c1["wire"] - c0["wire"])
+        out["payload"].append(c1["payload"] - c0["payload"])
+        out["calls"].append(c1["calls"] - c0["calls"])
         out["exposed_comm"].append(sum(u.exposed_s for u in fsdp_units) - e0)
         x1 = _transfers(fsdp_units)
         out["transfer"].append({k: x1[k] - x0[k] for k in x1})
@@ -263,7 +272,12 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
 
     n_params = model_mod.GPT(cfg, device="meta").num_params(trainable_only=False)
     out["n_params"] = n_params
-    out["by_op"] = comm.by_op
+    out["by_op"] = {}
+    for c in comms:
+        for op, v in c.by_op.items():
+            acc = out["by_op"].setdefault(op, {"payload": 0, "wire": 0, "calls": 0})
+            for k in acc:
+                acc[k] += v[k]
     if hasattr(opt, "layout"):
         out["layout"] = opt.layout()
     if ledger is not None:
@@ -282,7 +296,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
                          "phase_peaks": ledger.phase_peaks, "final": ledger.current(),
                          "estimate": est.per_rank}
     if return_params:
-        if strategy in ("fsdp", "fsdp_flat"):
+        if strategy in ("fsdp", "fsdp_flat", "hsdp"):
             full = fsdp.full_parameters(net)
         elif strategy == "torch_fsdp":
             full = {n: p.full_tensor() for n, p in net.named_parameters()}
@@ -319,3 +333,7 @@ def _transfers(units) -> dict:
             out[f"{d}_bytes"] += u.transfers.bytes[d]
             out[f"{d}_s"] += u.transfers.seconds[d]
     return out
+
+
+def _totals(comms) -> dict:
+    return {k: sum(c.totals[k] for c in comms) for k in ("payload", "wire", "calls")}

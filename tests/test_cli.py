@@ -39,3 +39,23 @@ def test_demo_without_torchrun_and_the_ledger_command(tmp_path, capsys):
 def test_bad_model_name_is_an_error_not_a_traceback(capsys):
     assert main(["ledger", "--model", "gpt-9"]) == 2
     assert "unknown model config 'gpt-9'" in capsys.readouterr().err
+
+
+def test_two_torchrun_agents_as_two_nodes(tmp_path):
+    """The multi-node launch a cluster uses, on one machine: two torchrun agents (--nnodes 2),
+    c10d rendezvous on 127.0.0.1, hybrid sharding across the two "nodes"."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t",
+           "-m", "minishard", "demo", "--strategy", "hsdp", "--steps", "2", "--model", "nano",
+           "--trace", str(tmp_path)]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    outs = [a.communicate(timeout=240) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    printed = "".join(o for o, _ in outs)
+    assert "strategy=hsdp world_size=4" in printed
+    assert {e["rank"] for e in trace.load(tmp_path)} == {0, 1, 2, 3}

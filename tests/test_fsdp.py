@@ -189,3 +189,19 @@ def test_bad_input_is_named():
     late(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="before the first forward"):
         fsdp.fully_shard(torch.nn.Sequential(late), comm=comm, name="outer")
+
+
+@pytest.mark.parametrize("shard_size", [2, 1, 4])
+def test_hybrid_sharding_on_2_nodes_of_2_ranks(pools, shard_size):
+    """HSDP: shard inside a "node" of ``shard_size`` ranks, replicate across nodes. Same
+    training; the sharding collectives stay inside a node, and only the gradient shards cross."""
+    kw = dict(NANO, optimizer="sgd_momentum", lr=0.05)
+    res = pools(4).run(train, strategy="hsdp", shard_size=shard_size, micro_batch=MB,
+                       return_params=True, **kw)
+    assert_parity(res, reference(4, MB, **kw), param_atol=1e-6)
+    by_op = res[0]["by_op"]
+    if shard_size == 1:                     # pure replication: DDP by another name
+        assert "all_gather" not in by_op or by_op["all_gather"]["wire"] == 0
+    if 1 < shard_size < 4:                  # the cross-node all-reduce moves 1/shard_size
+        state = 4 * 217_664
+        assert by_op["all_reduce"]["payload"] == pytest.approx(STEPS * state / shard_size, rel=0.01)
