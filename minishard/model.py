@@ -146,6 +146,7 @@ class GPT(nn.Module):
         cfg = config(cfg) if isinstance(cfg, str) else cfg
         self.cfg = cfg
         self.recompute_activations = False          # activation checkpointing, per block
+        self.loss_chunk_tokens: int | None = None   # chunked cross-entropy (see chunked_loss)
         with torch.device(device or "cpu"):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.learned_pos else None
@@ -183,10 +184,28 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = self.head(self.ln_f(x))                            # (B, T, V)
+        h = self.ln_f(x)                                            # (B, T, C)
         if targets is None:
-            return logits
+            return self.head(h)                                     # (B, T, V)
+        if self.loss_chunk_tokens:
+            return self.chunked_loss(h, targets)
+        logits = self.head(h)                                       # (B, T, V)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def chunked_loss(self, h, targets):
+        """Cross-entropy without ever holding the (B*T, V) logits: the head and the loss run
+        on ``loss_chunk_tokens`` tokens at a time, each chunk recomputed in backward, so only one
+        chunk's logits exist at once. The fix for a big-vocabulary head's memory spike."""
+        h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)     # (B*T, C), (B*T,)
+        n = self.loss_chunk_tokens
+        total = h.new_zeros(())
+        for i in range(0, h.size(0), n):
+            total = total + checkpoint(self._chunk_loss_sum, h[i:i + n], targets[i:i + n],
+                                       use_reentrant=False)
+        return total / h.size(0)
+
+    def _chunk_loss_sum(self, h, targets):
+        return F.cross_entropy(self.head(h), targets, reduction="sum")
 
 
 def batch(cfg: GPTConfig, step: int, micro_batch: int, rank: int = 0, world_size: int = 1,

@@ -176,6 +176,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
           reshard_after_forward: bool = True, reshard_root: bool = False, recompute: bool = False,
           prefetch: int = 0, device_budget: int | None = None, offload: str | None = None,
           offload_dir: str | None = None, shard_size: int = 2,
+          loss_chunk_tokens: int | None = None,
           freeze: tuple[str, ...] = (), fsdp_accumulate_unsharded: bool = False,
           return_params: bool = False, return_state: bool = False, model_overrides: dict | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; each step sees ``accum`` micro-batches of
@@ -198,6 +199,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
 
     net = model_mod.GPT(cfg, seed=seed).to(rank.device)
     net.recompute_activations = recompute
+    net.loss_chunk_tokens = loss_chunk_tokens
     for name, p in net.named_parameters():
         if any(name.startswith(f) for f in freeze):
             p.requires_grad_(False)
