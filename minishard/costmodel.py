@@ -135,12 +135,13 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
          micro_batch: int = 1, seq_len: int | None = None, precision: str = "bf16_mixed",
          optimizer: str = "adamw", prefetch: int = 1, recompute: bool = False,
          offload: bool = False, hybrid: bool = False, mfu: float = 0.4,
-         bucket_mb: float = 25.0, flash_attention: bool = True) -> Plan:
+         bucket_mb: float = 25.0, flash_attention: bool = True, overlap: bool = True) -> Plan:
     """Per-GPU memory by ledger category and step time for one configuration.
 
     ``strategy``: ddp, zero1, zero2, zero3/fsdp. ``hybrid``: shard inside a node, replicate
     across nodes (HSDP). ``offload``: the sharded state lives in host memory (its bytes leave
-    the device; PCIe traffic is added to the exposed time)."""
+    the device; PCIe traffic is added to the exposed time). ``overlap=False``: communication
+    cannot hide behind compute (e.g. CPU ranks with every core busy computing)."""
     cfg = config(model) if isinstance(model, str) else model
     T = seq_len or cfg.seq_len
     N = cluster.world_size
@@ -219,6 +220,8 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
         # with prefetch, unit i+1 travels while unit i computes; without, every gather waits
         exposed = max(0.0, comm - compute) if prefetch else gather + max(0.0, scatter - backward)
         notes.append(f"{units} units, {3 * units} collectives per step")
+    if not overlap:
+        exposed = comm
     if hybrid and cluster.nodes > 1:         # gradient shards all-reduced across the nodes
         cross = ring_time("all_reduce", grad_bytes * n_params / shard_n, cluster.nodes, cluster.inter)
         comm += cross
@@ -245,16 +248,24 @@ def choose(model: str | GPTConfig, cluster: Cluster, **kw) -> list[Plan]:
 
 # --------------------------------------------------------------------------- this machine
 
-def calibrate(measured: list[dict]) -> tuple[Link, float]:
-    """Fit a loopback link and a CPU's achieved FLOP/s to minishard's own gloo runs.
+def measure_all_reduce(rank, sizes: list[int], repeats: int = 5) -> list[float]:
+    """A rank task: median seconds of an fp32 all-reduce of each size (elements), to calibrate
+    the loopback link (see benchmarks/bench_planner.py)."""
+    import statistics
+    import time
 
-    ``measured``: results of ``train`` for one strategy at different world sizes/models
-    (``step_times``, ``by_op``, ``n_params``...), each with ``tokens`` and ``flops_per_token``
-    and ``cores`` added. Returns (link, achieved FLOP/s per core)."""
-    # compute: tokens * flops / step time, on runs where the ranks did not share a core
-    rates = [m["flops_per_token"] * m["tokens"] / m["compute_s"] for m in measured]
-    flops = sorted(rates)[len(rates) // 2]
-    # bandwidth: wire bytes over the time spent in collectives
-    bw = [m["wire_bytes"] / m["comm_s"] for m in measured if m["comm_s"] > 0]
-    link = Link("loopback (gloo, measured)", sorted(bw)[len(bw) // 2], 100e-6)
-    return link, flops
+    import torch
+
+    from .comm import Comm
+    comm = Comm()
+    out = []
+    for n in sizes:
+        x = torch.ones(n)
+        times = []
+        for _ in range(repeats):
+            comm.barrier()
+            t0 = time.perf_counter()
+            comm.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return out
