@@ -95,6 +95,28 @@ def plan_buckets(module: nn.Module, cap_mb: float, first_mb: float = 1.0
     return groups
 
 
+class BucketedReduction:
+    """What DDP and ZeRO share: as backward marks gradients ready, launch each bucket's reduction
+    as soon as it is full — strictly in bucket order, so every rank issues the same collectives
+    in the same order — and queue one end-of-backward callback that finishes the rest.
+    Subclasses provide ``buckets``, ``_reduce_bucket(b)`` and ``_finish_gradient_sync()``."""
+
+    _next_launch = 0
+    _callback_queued = False
+
+    def _mark_ready(self, bucket, index: int) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_gradient_sync)
+        bucket.ready.add(index)
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if len(b.ready) < len(b.params):
+                return
+            self._reduce_bucket(b)
+            self._next_launch += 1
+
+
 @dataclass
 class Bucket:
     """A flat gradient buffer: its parameters' ``.grad`` are views into it."""
@@ -107,7 +129,7 @@ class Bucket:
     work: Work | None = None
 
 
-class DDP(nn.Module):
+class DDP(BucketedReduction, nn.Module):
     """Bucketed, overlapped gradient all-reduce (see the module docstring).
 
     Buckets are filled in reverse parameter order (roughly the order backward produces
@@ -130,8 +152,6 @@ class DDP(nn.Module):
                 ledger.track("grads", b.buffer, f"grad_bucket:{b.index}")
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._sync = True
-        self._next_launch = 0
-        self._callback_queued = False
         # the one place hooks are registered: each is a single call to a named method
         for p in self._where:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -175,25 +195,12 @@ class DDP(nn.Module):
             # move it into the bucket (one copy) and point .grad back at the bucket
             view.copy_(p.grad)
             p.grad = view
-        if not self._sync:
-            return
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_gradient_sync)
-        bucket.ready.add(i)
-        self._launch_ready_buckets()
+        if self._sync:
+            self._mark_ready(bucket, i)
 
-    def _launch_ready_buckets(self) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if len(b.ready) < len(b.params):
-                return
-            self._all_reduce_bucket(b)
-
-    def _all_reduce_bucket(self, b: Bucket) -> None:
+    def _reduce_bucket(self, b: Bucket) -> None:
         b.buffer.div_(self.comm.world_size)           # sum of grads / N = grad of the mean loss
         b.work = self.comm.all_reduce(b.buffer, async_op=True, tag=f"bucket{b.index}")
-        self._next_launch += 1
 
     def _finish_gradient_sync(self) -> None:
         """Runs once at the end of backward: launch buckets whose params got no gradient (unused
@@ -203,7 +210,8 @@ class DDP(nn.Module):
             for i, p in enumerate(b.params):
                 if i not in b.ready and p.grad is None:        # unused: contributes zero
                     b.buffer[b.offsets[i]:b.offsets[i] + p.numel()].zero_()
-            self._all_reduce_bucket(b)
+            self._reduce_bucket(b)
+            self._next_launch += 1
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from .comm import Comm, Work
-from .ddp import plan_buckets, replicate_from_rank0
+from .ddp import BucketedReduction, plan_buckets, replicate_from_rank0
 from .ledger import LiveLedger, track_optimizer_state
 
 # Optimizers whose update is element-wise, so running them on flat slices is exact. Their state
@@ -53,7 +53,7 @@ class ShardedBucket:
     reduced: torch.Tensor | None = None  # stage 2: where the reduce-scatter delivers our slice
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(BucketedReduction):
     """ZeRO-1/2 sharded optimizer (see the module docstring).
 
     ``ZeroOptimizer(model, torch.optim.AdamW, stage=1, comm=comm, lr=1e-3)``; then the usual loop:
@@ -141,7 +141,7 @@ class ZeroOptimizer:
             if self.master is not None:
                 ledger.track("master", self.master, "master_shard")
 
-        self._sync, self._next_launch, self._callback_queued = True, 0, False
+        self._sync = True
         self._in_flight: list[ShardedBucket] = []
         # the one place hooks are registered: each is a single call to a named method
         for p in self._where:
@@ -179,20 +179,8 @@ class ZeroOptimizer:
                     self.ledger.track("comm_buffers", b.buffer, f"grad_bucket:{b.index}")
             b.buffer[b.offsets[k]:b.offsets[k] + p.numel()].copy_(p.grad.view(-1))
             p.grad = None
-        if not self._sync:
-            return
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_gradient_sync)
-        b.ready.add(k)
-        self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if len(b.ready) < len(b.params):
-                return
-            self._reduce_bucket(b)
+        if self._sync:
+            self._mark_ready(b, k)
 
     def _reduce_bucket(self, b: ShardedBucket) -> None:
         N = self.comm.world_size
@@ -214,7 +202,6 @@ class ZeroOptimizer:
             b.reduced = torch.empty(b.chunk, dtype=b.buffer.dtype, device=b.buffer.device)
             b.work = self.comm.reduce_scatter(b.reduced, b.buffer, async_op=True, tag=tag)
             self._in_flight.append(b)
-        self._next_launch += 1
 
     def _finish_bucket(self, b: ShardedBucket) -> None:
         if b.work is not None:
@@ -237,6 +224,7 @@ class ZeroOptimizer:
                 if self.ledger is not None:
                     self.ledger.track("comm_buffers", b.buffer, f"grad_bucket:{b.index}")
             self._reduce_bucket(b)
+            self._next_launch += 1
         for b in self.buckets:
             self._finish_bucket(b)
         self._in_flight = []
