@@ -258,14 +258,19 @@ class ZeroOptimizer(BucketedReduction):
                              f"ZeroOptimizer does not know how to shard")
         if self.ledger is not None:
             track_optimizer_state(self.ledger, self.optimizer, prefix="shard_")
+        works = []
         for b, s in zip(self.buckets, self.shards):
             mine = self._mine(self.flat_params, b)
             if self.master is not None:
                 mine.copy_(s)                   # round the updated master to the working dtype
                 s.grad = None
-            # gather into the region; our own chunk goes in as a copy (gloo wants no aliasing)
+            # gather into the region; our own chunk goes in as a copy (gloo wants no aliasing).
+            # All buckets' gathers are started before waiting on any: they travel together.
             region = self.flat_params[b.start:b.start + b.chunk * self.comm.world_size]
-            self.comm.all_gather(region, mine.clone(), tag=f"params{b.index}")
+            works.append(self.comm.all_gather(region, mine.clone(), async_op=True,
+                                              tag=f"params{b.index}"))
+        for w in works:
+            w.wait()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients in place (they live in flat buffers the hooks rely on)."""
