@@ -11,13 +11,14 @@ allocated, gathered and reduced by :mod:`minishard.fsdp` and :mod:`minishard.fsd
 * :func:`layout_views` and :func:`mixed_dtypes` show what the per-parameter (FSDP2) and flat
   (FSDP1) layouts look like to ``model.parameters()``, to a checkpoint and to mixed dtypes;
   :func:`padding_table` computes each layout's padding for any world size without ranks.
-* :func:`unsharded_series`, :func:`unit_state_figure` and :func:`with_unit_states` turn a trace's
-  ``unit`` events into the chapter's pictures (plotly and ipywidgets are imported lazily, so the
-  rank processes that import this module for its tasks do not pay for them).
+* :func:`race` times strategies (or FSDP wrappings) on the same ranks, alternating step by
+  step, wall-clock and CPU seconds — fair timing on a machine other jobs share.
+* :func:`lifecycle_order`, :func:`unsharded_series`, :func:`unit_state_figure` and
+  :func:`with_unit_states` turn a trace's ``unit`` events into the chapters' tables and pictures
+  (plotly and ipywidgets are imported lazily, so the rank processes that import this module for
+  its tasks do not pay for them).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn as nn
@@ -28,9 +29,6 @@ from .comm import Comm
 from .ledger import LiveLedger, track_optimizer_state
 from .model import GPT, batch, config
 from .trace import LedgerTimeline
-
-STATE_SHORT = {"sharded": "S", "unsharding": "~", "unsharded": "U", "reduce_scattering": "R"}
-
 
 # --------------------------------------------------------------------------- 06: by hand
 
@@ -150,6 +148,44 @@ def lifecycle_by_hand(rank, model: str = "nano", micro_batch: int = 2, seed: int
     return {"rows": rows, "loss": loss.item(),
             "matches_hooks": loss.item() == loss2.item()
             and all(torch.equal(by_hand[k], by_hooks[k]) for k in by_hooks)}
+
+
+# --------------------------------------------------------------------------- 05: a fair race
+
+def race(rank, variants: dict[str, dict] | None = None, model: str = "tiny", steps: int = 6,
+         micro_batch: int = 4, warmup: int = 1) -> dict[str, list[float]]:
+    """Train one model per variant side by side on the same ranks, *alternating step by step*
+    (A, B, B, A, A, B, ...), so that load from other processes on a shared machine falls on all
+    alike. ``variants`` maps a label to :func:`minishard.train.build` options (default: ``ddp``
+    and ``fsdp``). Every step starts from a barrier. Returns this rank's wall-clock step times per
+    label, and (key ``"cpu:<label>"``) the CPU seconds the rank process burned in each step, all
+    threads included — a figure other processes' load hardly changes. The ``warmup`` first steps
+    of each are dropped."""
+    import time
+
+    from .train import build
+    variants = variants or {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}}
+    cfg = config(model)
+    runs = {}
+    for label, opts in variants.items():
+        opts = dict(opts)
+        comm = Comm()
+        runs[label] = (comm, *build(GPT(cfg).to(rank.device), opts.pop("strategy"), comm, None, **opts))
+    labels = list(variants)
+    times = {k: [] for s in labels for k in (s, f"cpu:{s}")}
+    for step in range(warmup + steps):
+        x, y = batch(cfg, step, micro_batch, rank.rank, rank.world_size)
+        for s in (labels if step % 2 == 0 else labels[::-1]):
+            comm, wrapped, opt = runs[s]
+            comm.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            wrapped(x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            if step >= warmup:
+                times[s].append(time.perf_counter() - t0)
+                times[f"cpu:{s}"].append(time.process_time() - c0)
+    return times
 
 
 # --------------------------------------------------------------------------- 06: two layouts

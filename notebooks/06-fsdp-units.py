@@ -1,0 +1,451 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · FSDP units: the ZeRO-3 idea as a module lifecycle
+#
+# > **What exactly happens to a wrapped module during one training step — and are ZeRO-3 and
+# > FSDP the same thing?**
+#
+# Chapter 05 measured what stage 3 saves and costs. This chapter opens the mechanism PyTorch's
+# FSDP uses to do it: the model is cut into *units*, and every unit walks the same lifecycle each
+# step. We walk it by hand first, then watch the hooks walk it, then turn the knobs that decide
+# how well it works — the wrapping granularity, the parameter layout (FSDP1's flat buffer or
+# FSDP2's per-parameter shards) and `reshard_after_forward`. The reasoning is in
+# [tutorial/06-fsdp-units.md](../tutorial/06-fsdp-units.md).
+#
+# **The one-line "syntax"** — for every unit, every step:
+#
+# $$\underbrace{\text{all-gather}}_{\texttt{unshard}}\to\text{forward}\to\underbrace{\text{free}}_{\texttt{reshard}}
+# \;\cdots\;\underbrace{\text{all-gather}}_{\texttt{unshard}}\to\text{backward}\to
+# \underbrace{\text{reduce-scatter}}_{\texttt{reduce\_scatter\_grads}}\to\underbrace{\text{free}}_{\texttt{reshard}}$$
+#
+# ```python
+# for block in model.blocks:
+#     fully_shard(block, comm=comm)          # one unit per transformer block
+# fully_shard(model, comm=comm)              # the root: everything left (embeddings, head)
+# ```
+
+# %%
+import hashlib
+import statistics
+
+import plotly.io as pio
+import torch
+from IPython.display import display
+
+from minishard import GPT, Ranks
+from minishard.lessons_fsdp import (layout_views, lifecycle_by_hand, lifecycle_order, mixed_dtypes,
+                                    padding_table, race, unit_state_figure, with_unit_states)
+from minishard.train import train, wrap_targets
+from minishard.viz import Player
+
+pio.renderers.default = "plotly_mimetype+notebook_connected"
+NANO = GPT("nano", device="meta")                     # 3 blocks: small enough to read every event
+PSI = NANO.num_params()
+ROOT = sum(p.numel() for n, p in NANO.named_parameters() if not n.startswith("blocks."))
+BLOCK = sum(p.numel() for p in NANO.blocks[0].parameters())
+print(f"nano GPT: Ψ = {PSI:,} parameters: root unit {ROOT:,}, each of 3 blocks {BLOCK:,}")
+R2 = Ranks(2)
+
+# %% [markdown]
+# ## 1. The lifecycle by hand
+# `fully_shard(..., manual=True)` makes the units but registers no hooks, so nothing happens
+# unless we call it. [`lifecycle_by_hand`](../minishard/lessons_fsdp.py) runs one AdamW step on
+# two ranks calling every lifecycle method itself, in the order the hooks would, and takes a
+# snapshot of rank 0 after each call. Columns: the state of each unit (**S**harded,
+# **~** gathering, **U**nsharded, **R**educe-scattering); the shape of `blocks[0].attn.qkv.weight`
+# as the module sees it; the bytes of storage behind the *full* qkv tensor (the one autograd
+# saves); then the ledger.
+
+# %%
+hand = R2.run(lifecycle_by_hand)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+SHORT = {"sharded": "S", "unsharding": "~", "unsharded": "U", "reduce_scattering": "R"}
+print(f"{'call':<32}{'root b0 b1 b2':<15}{'qkv seen':<10}{'full qkv':>9}{'unsharded':>10}{'grads':>9}"
+      f"{'activ.':>11}  collective")
+for r in hand[0]["rows"]:
+    st = "   ".join(SHORT[s] for s in r["states"].values())
+    led = r["ledger"]
+    print(f"{r['call']:<32}{st:<15}{str(r['qkv_shape']):<10}{r['qkv_full_bytes']:>9,}"
+          f"{led.get('unsharded', 0):>10,}{led.get('grads', 0):>9,}{led.get('activations', 0):>11,}  "
+          + " ".join(dict.fromkeys(r["collectives"])))
+rows = hand[0]["rows"]
+for r in rows:                        # the module computes with the full weight only while gathered
+    gathered = r["states"]["blocks.0"] in ("unsharded", "reduce_scattering")
+    assert (r["qkv_shape"] == (192, 64)) == gathered
+    assert r["qkv_full_bytes"] == (192 * 64 * 4 if gathered else 0)
+assert max(r["ledger"].get("unsharded", 0) for r in rows) == 4 * (ROOT + BLOCK)
+assert rows[-1]["ledger"] == {c: 4 * PSI // 2 for c in ("params", "grads", "exp_avg", "exp_avg_sq")}
+assert all(h["matches_hooks"] for h in hand)   # bit for bit the step the hooks take
+
+# %% [markdown]
+# Read the table top to bottom:
+#
+# * **At rest** a rank stores only shards: `params` and `grads` are Ψ/2 each, and
+#   `blocks[0].attn.qkv.weight` *is* a (96, 64) row block — that is what `model.parameters()`
+#   returns, so a plain `torch.optim.AdamW` updates shards and never knows.
+# * **`unshard()`** allocates the full parameters and all-gathers them. With `async_op=True` the
+#   call returns at once (state **~**; the packed all-gather buffer shows up as `comm_buffers`,
+#   not in this table) and `wait_for_unshard()` finishes it — the hook that lets FSDP prefetch.
+# * **After forward, `reshard()`** frees the full weight's *storage* (0 bytes) although autograd
+#   still holds the tensor object for backward. In backward `unshard()` re-grows the same storage
+#   and refills it; autograd never notices. This is the whole trick of stage 3.
+# * **Backward** runs the head first (the root stays gathered throughout), then each block:
+#   gather, compute its gradients (`grads` rises by one unit's full gradients), reduce-scatter
+#   them into the shards' `.grad`, free. The embeddings come last.
+# * **`optimizer.step()`** touches only shards; Adam's moments are born sharded.
+#
+# ## 2. The same lifecycle, driven by hooks
+# Without `manual=True`, `fully_shard` registers the hooks that make these calls (all in one
+# place: `_register_hooks` in [`minishard/fsdp.py`](../minishard/fsdp.py)): a forward pre-hook
+# unshards, a forward hook reshards, a hook on the unit's outputs unshards again when backward
+# reaches them, and an autograd node on the unit's inputs reduce-scatters when its backward is
+# done. Two steps of the nano model, the player following; the table under it shows each unit's
+# state.
+
+# %%
+player = Player(title="FSDP, 2 ranks, nano model (3 blocks), 2 steps")
+view, panel = with_unit_states(player)
+display(view)
+hooked = R2.run(train, strategy="fsdp", steps=2, model="nano", micro_batch=2, on_event=player.feed)
+player.flush()
+events = R2.last_events
+
+# %% [markdown]
+# The order of rank 0's unit state changes and collectives in step 1, as recorded:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+order = lifecycle_order(events, rank=0, step=1)
+line = []
+for item in order + ["END"]:
+    if item in ("FORWARD", "BACKWARD", "OPTIMIZER", "END") and line:
+        print(" -> ".join(line))
+        line = []
+    line.append(item)
+by_hand = [c for r in rows for c in r["collectives"] if "replicate" not in c]
+assert [x for x in order if "(" in x] == by_hand          # the same collectives as by hand, in order
+assert order.count("all_gather(root)") == 1               # the root: gathered once per step
+assert all(order.count(f"all_gather(blocks.{i})") == 2 for i in range(3))
+
+# %% [markdown]
+# Each unit's states over time, as a figure (it needs no kernel):
+
+# %%
+unit_state_figure(events, rank=0, step=1,
+                  title="rank 0, step 1: when each unit is gathering, gathered, reduce-scattering").show()
+
+# %% [markdown]
+# ## 3. Wrapping granularity: one unit, one per block, one per Linear
+# Which modules become units is FSDP's most consequential setting. `wrap="model"` makes the whole
+# model one unit; `"block"` one per transformer block (plus the root); `"linear"` one per
+# `nn.Linear`. Two steps each on two ranks; the peak and the collectives per step, measured:
+
+# %%
+sweep = {w: R2.run(train, strategy="fsdp", wrap=w, steps=2, model="nano", micro_batch=2)
+         for w in ("model", "block", "linear")}
+ddp = R2.run(train, strategy="ddp", steps=2, model="nano", micro_batch=2)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'wrap':<8}{'units':>6}{'collectives/step':>18}{'bytes/step':>12}{'unsharded at peak':>19}"
+      f"{'params+unsharded':>18}{'peak':>11}")
+for w, out in [*sweep.items(), ("(ddp)", ddp)]:
+    o = out[0]
+    snap = o["ledger"]["peak_snapshot"]
+    n_units = str(len(wrap_targets(GPT("nano", device="meta"), w)) + 1) if w in sweep else "-"
+    print(f"{w:<8}{n_units:>6}{o['calls'][-1]:>18}{o['wire'][-1]:>12,}{snap.get('unsharded', 0):>19,}"
+          f"{snap.get('params', 0) + snap.get('unsharded', 0):>18,}{o['ledger']['peak']:>11,}")
+un = {w: out[0]["ledger"]["peak_snapshot"].get("unsharded", 0) for w, out in sweep.items()}
+calls = {w: out[0]["calls"][-1] for w, out in sweep.items()}
+assert un["model"] == 4 * PSI > un["block"] > un["linear"]       # whole model gathered at once
+assert calls["model"] < calls["block"] < calls["linear"]
+for w in sweep:                       # U units: 2 gathers each but the root's 1, U reduce-scatters
+    U = len(wrap_targets(GPT("nano", device="meta"), w)) + 1
+    assert calls[w] == 2 * (U - 1) + 1 + U
+assert 4 * PSI // 2 + un["model"] > 4 * PSI                        # more than DDP's own parameters
+
+# %% [markdown]
+# And how long a step takes with each: the three wrappings side by side on the same ranks,
+# alternating step by step ([`race`](../minishard/lessons_fsdp.py), as in chapter 05), wall-clock
+# time and the CPU seconds each rank burned:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+out = R2.run(race, {w: {"strategy": "fsdp", "wrap": w} for w in ("model", "block", "linear")},
+             model="nano", steps=20, micro_batch=2)
+t = {k: [max(a, b) for a, b in zip(out[0][k], out[1][k])] for k in out[0]}     # the slower rank
+for w in ("model", "block", "linear"):
+    print(f"wrap={w:<7} median step {statistics.median(t[w]) * 1e3:5.1f} ms wall-clock, "
+          f"{statistics.median(t['cpu:' + w]) * 1e3:5.1f} ms CPU; {calls[w]} collectives per step")
+
+# %% [markdown]
+# This is the trade-off in numbers. `wrap="model"` gathers the whole model at once: at its peak a
+# rank holds its shards *and* a full copy, 1,305,984 bytes of parameters against DDP's 870,656 —
+# sharding the parameters saved nothing at the moment that matters (the total peak stays below
+# DDP's only because gradients and Adam state are still sharded). It is also the fastest here: two
+# collectives a step, DDP's bytes. `wrap="linear"` has the smallest peak but 41 collectives, so
+# small that their fixed cost dominates: its step took about 1.7× the per-block one in the run
+# committed here. (It also sends more bytes than per-block: the head, a Linear, leaves the root
+# and becomes a unit that is gathered twice.) One unit per block sits between, and is the usual
+# choice: a block is large enough that its gather carries real payload, and one gathered block is a
+# small fraction of the model.
+#
+# ## 4. Two layouts of the same unit: flat (FSDP1) and per-parameter (FSDP2)
+# FSDP1 concatenates a unit's parameters into one flat buffer and shards that; FSDP2 shards
+# every parameter on its own along its first dimension. The mathematics is the same, so training
+# is too — bit for bit:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def fingerprint(params: dict) -> str:
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+kw = dict(steps=3, model="nano", micro_batch=2, return_params=True)
+per_param = R2.run(train, strategy="fsdp", **kw)
+flat = R2.run(train, strategy="fsdp_flat", **kw)
+for name, out in [("per-parameter (fsdp)", per_param), ("flat (fsdp_flat)", flat)]:
+    print(f"{name:<22} losses {[round(x, 6) for x in out[0]['losses']]}  params {fingerprint(out[0]['params'])}")
+assert [o["losses"] for o in per_param] == [o["losses"] for o in flat]
+assert all(torch.equal(per_param[0]["params"][k], flat[0]["params"][k]) for k in per_param[0]["params"])
+
+# %% [markdown]
+# Everything *around* the mathematics differs. What `model.named_parameters()` shows on rank 0,
+# which is also what an optimizer gets and what `model.state_dict()` — a checkpoint — saves:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+views = R2.run(layout_views)
+v = views[0]
+print(f"per-parameter: {len(v['per_param']['parameters'])} parameters, the model's own names, "
+      f"each a row block of the original:")
+for n, shape, dtype in v["per_param"]["parameters"][:6]:
+    print(f"    {n:<28}{str(shape):<12}{dtype}")
+print(f"    ... ({len(v['per_param']['parameters']) - 6} more)")
+print(f"flat: {len(v['flat']['parameters'])} parameters, one 1-D buffer per unit:")
+for n, shape, dtype in v["flat"]["parameters"]:
+    print(f"    {n:<28}{str(shape):<12}{dtype}")
+print("state_dict keys: per-parameter", len(v["per_param"]["state_dict"]), "| flat", len(v["flat"]["state_dict"]),
+      "-> e.g.", v["flat"]["state_dict"][1])
+print("elements stored on this rank: per-parameter", v["per_param"]["stored"], "| flat", v["flat"]["stored"],
+      "| Ψ/2 =", PSI // 2)
+assert len(v["per_param"]["parameters"]) == len(list(NANO.parameters())) and len(v["flat"]["parameters"]) == 4
+assert [n for n, _, _ in v["per_param"]["parameters"]] == [n for n, _ in NANO.named_parameters()]
+assert v["per_param"]["full_names"] == v["flat"]["full_names"]
+assert sorted(v["flat"]["full_names"]) == sorted(n for n, _ in NANO.named_parameters())
+
+# %% [markdown]
+# A per-parameter checkpoint is a set of named tensors, each a known row range of a known
+# shape: another world size can reslice it by name. A flat checkpoint is four anonymous blobs;
+# reading them needs the layout (which parameter starts at which offset, how much padding), so
+# FSDP1 converts to full or named state dicts on save. Both gather back the same named full
+# parameters (`full_parameters`, the last assert).
+#
+# **Padding.** Per-parameter sharding pads *each parameter's rows* up to a multiple of N; the
+# flat layout pads *each unit's buffer* to a multiple of N. Elements of padding per rank (summed
+# over the units), computed from the two layout classes for several world sizes:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'model':<10}{'N':>5}{'per-parameter: worst rank':>28}{'all ranks':>12}{'flat: worst':>13}{'all ranks':>11}")
+for model, N in [("nano", 2), ("nano", 3), ("nano", 8), ("nano", 128), ("tiny", 3), ("tiny", 1024),
+                 ("llama3-8b", 1024)]:
+    pad = padding_table(model, N)
+    psi = GPT(model, device="meta").num_params()
+    pp, fl = pad["per_param"], pad["flat"]
+    print(f"{model:<10}{N:>5}{max(pp):>28,}{sum(pp) / psi:>12.2%}{max(fl):>13,}{sum(fl) / psi:>11.4%}")
+    n_units = GPT(model, device="meta").cfg.n_layer + 1
+    assert max(fl) <= sum(fl) <= n_units * (N - 1)                 # < N elements per unit
+assert views[0]["per_param"]["padding"] == views[1]["per_param"]["padding"] == dict.fromkeys(
+    ["root", "blocks.0", "blocks.1", "blocks.2"], 0)                 # N = 2 divides every row count
+
+# %% [markdown]
+# The flat layout never wastes more than N − 1 elements per unit. Per-parameter sharding wastes
+# nothing while N divides every first dimension, and then grows quickly: each parameter is padded
+# to a multiple of N *rows*, so once N exceeds a parameter's row count (a 64-element bias on 128
+# ranks) half the ranks store a row of nothing. At N = 128 the nano model's per-parameter shards
+# are 37% padding (its flat buffers 0.09%), and the tiny model spread over 1,024 ranks would be
+# mostly padding. What matters is rows against N: Llama-3-8B's parameters have thousands of rows,
+# and on 1,024 ranks per-parameter sharding pads 0.08% — the price FSDP2 pays for what follows.
+#
+# **Frozen parameters inside a unit.** Freeze the positional embedding and the first block's
+# first norm: both live in units with trainable parameters. The flat buffer has one
+# `requires_grad`, so the flat layout refuses:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+FREEZE = ("pos_emb", "blocks.0.ln1")
+try:
+    train(strategy="fsdp_flat", model="nano", steps=1, freeze=FREEZE)
+    raise AssertionError("the flat layout should refuse")
+except ValueError as e:
+    print("fsdp_flat:", e)
+    assert "cannot mix frozen and trainable" in str(e)
+
+# %% [markdown]
+# The per-parameter layout keeps `requires_grad` per parameter, trains, and matches one process
+# that freezes the same parameters (plain SGD, so that the comparison can be tight):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+fkw = dict(model="nano", steps=3, optimizer="sgd_momentum", lr=0.05, freeze=FREEZE, return_params=True)
+single_frozen = train(strategy="single", micro_batch=4, **fkw)
+start = train(strategy="single", micro_batch=4, **dict(fkw, steps=1, lr=0.0))   # the initial weights
+torch.set_num_threads(threads)
+frozen = R2.run(train, strategy="fsdp", micro_batch=2, **fkw)
+print(f"per-parameter FSDP with {FREEZE} frozen: params within {max_diff(frozen[0]['params'], single_frozen['params']):.1e} "
+      f"of one process; frozen parameters moved by "
+      f"{max(max_diff({k: v}, {k: start['params'][k]}) for k, v in frozen[0]['params'].items() if k.startswith(FREEZE)):g}")
+assert max_diff(frozen[0]["params"], single_frozen["params"]) < 1e-6
+assert all(torch.equal(frozen[0]["params"][k], start["params"][k]) for k in start["params"] if k.startswith(FREEZE))
+frozen_n = sum(p.numel() for n, p in NANO.named_parameters() if n.startswith(FREEZE))
+assert frozen[0]["ledger"]["final"]["grads"] == 4 * (PSI - frozen_n) // 2   # no gradient shards for them
+
+# %% [markdown]
+# **Mixed dtypes inside a unit.** Keep the first block's norms in fp32 and cast its Linears to
+# bf16 (a common recipe). Per-parameter: each shard keeps its own dtype, and a gather gives back
+# every value exactly. Flat: one buffer, one dtype — refused.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+md = R2.run(mixed_dtypes)[0]
+dtypes = {}
+for fqn, (dtype, shape) in md["per_param"]["shards"].items():
+    dtypes.setdefault(dtype, []).append(fqn)
+for dtype, names in dtypes.items():
+    print(f"per-parameter, {dtype} shards: {', '.join(names)}")
+print("per-parameter gather gives back every value exactly:", md["per_param"]["gather_exact"])
+print("flat:", md["flat"]["error"][:60] + " ... " + md["flat"]["error"][-30:])
+assert set(dtypes) == {"float32", "bfloat16"} and md["per_param"]["gather_exact"]
+assert "one dtype per unit" in md["flat"]["error"]
+
+# %% [markdown]
+# ## 5. `reshard_after_forward=False`: less traffic, more memory
+# If the blocks keep their full parameters from forward to backward, the backward all-gathers
+# disappear: one gather and one reduce-scatter per unit, DDP's 2(N−1)/N·Ψ. The price is holding
+# the whole model gathered at the end of forward.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+keep = R2.run(train, strategy="fsdp", steps=2, model="nano", micro_batch=2, reshard_after_forward=False)
+print(f"{'':<30}{'collectives':>12}{'bytes/step':>12}{'unsharded at peak':>19}{'peak':>11}")
+for name, out in [("reshard_after_forward=True", sweep["block"]), ("reshard_after_forward=False", keep),
+                  ("(ddp)", ddp)]:
+    o = out[0]
+    print(f"{name:<30}{o['calls'][-1]:>12}{o['wire'][-1]:>12,}"
+          f"{o['ledger']['peak_snapshot'].get('unsharded', 0):>19,}{o['ledger']['peak']:>11,}")
+assert keep[0]["wire"][-1] == ddp[0]["wire"][-1] == 2 * (2 - 1) * 4 * PSI // 2    # DDP's volume
+assert keep[0]["wire"][-1] < sweep["block"][0]["wire"][-1]
+assert keep[0]["ledger"]["peak_snapshot"]["unsharded"] == 4 * PSI                   # everything gathered
+assert keep[0]["ledger"]["peak"] > sweep["block"][0]["ledger"]["peak"]
+
+# %% [markdown]
+# Between steps the state is still 1/N (the parameters rest sharded), so this is neither DDP nor
+# textbook ZeRO-3: PyTorch FSDP1 calls it `SHARD_GRAD_OP`, often described as "ZeRO-2 with
+# sharded parameters at rest".
+#
+# ## 6. Parity: one process and PyTorch's FSDP2
+# One process on the whole global batch (4 sequences) is the reference; PyTorch's own
+# `fully_shard` on the same two ranks (one unit per block plus the root, as ours) the second
+# oracle.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+torch.set_num_threads(1)
+single = train(strategy="single", steps=3, model="nano", micro_batch=4, return_params=True)
+torch.set_num_threads(threads)
+theirs = R2.run(train, strategy="torch_fsdp", **kw)
+mean_loss = [sum(o["losses"][s] for o in per_param) / 2 for s in range(3)]
+print("single-process loss      :", [f"{x:.6f}" for x in single["losses"]])
+print("minishard FSDP (mean)    :", [f"{x:.6f}" for x in mean_loss])
+print("params vs single process : within 2e-4:", max_diff(per_param[0]["params"], single["params"]) < 2e-4)
+print("params vs torch FSDP2    : bitwise equal:",
+      all(torch.equal(per_param[0]["params"][k], theirs[0]["params"][k]) for k in single["params"]))
+assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mean_loss, single["losses"]))
+assert max_diff(per_param[0]["params"], single["params"]) < 2e-4
+assert [o["losses"] for o in per_param] == [o["losses"] for o in theirs]
+assert all(torch.equal(per_param[0]["params"][k], theirs[0]["params"][k]) for k in single["params"])
+
+# %%
+R2.close()
+
+# %% [markdown]
+# ## 7. So: are ZeRO-3 and FSDP the same thing?
+# Not quite, and this notebook holds the evidence. **ZeRO-3 is a partitioning of the training
+# state**: every rank stores 1/N of the parameters, gradients and optimizer state, and parameters
+# are gathered for use (chapter 05: 16Ψ/N, 3(N−1)/N·Ψ on the wire). **FSDP is PyTorch's
+# implementation framework** around that idea — units, a lifecycle driven by module hooks, wrap
+# policies, layouts, reshard and prefetch options — and its settings reach well beyond stage 3:
+#
+# | FSDP setting (measured above) | what it behaves like |
+# |---|---|
+# | one unit per block, `reshard_after_forward=True` | ZeRO-3 (with the root kept gathered: 1.345× DDP's bytes, not 1.5×) |
+# | `reshard_after_forward=False` | DDP's traffic, sharded only at rest (`SHARD_GRAD_OP`, "ZeRO-2-like") |
+# | `wrap="model"` | the whole model gathered at once: at the peak, more parameter memory than DDP |
+# | flat (FSDP1) vs per-parameter (FSDP2) | the same bits; different parameters, checkpoints, frozen and dtype support |
+#
+# And DeepSpeed's ZeRO-3 is a different implementation of the same stage, with its own
+# parameter-level hooks, prefetch and bucketing. Same goal, different machinery: related, not
+# synonyms.
+#
+# > **Takeaway.** An FSDP unit lives through gather → forward → free → gather → backward →
+# > reduce-scatter → free every step; `manual=True` lets you make each call yourself, and the
+# > hooks make exactly the same calls (same collectives, same bits). Its storage trick: freeing a
+# > full parameter's *storage* while autograd keeps the tensor, and refilling it for backward.
+# > Wrap per block: one unit for the model gathers everything (no saving at the peak), one per
+# > Linear multiplies the collectives. FSDP1's flat buffer and FSDP2's per-parameter shards train
+# > identically, but only per-parameter sharding keeps names, `requires_grad` and dtype per
+# > parameter. ZeRO-3 names what is sharded; FSDP is one framework that does it, among other
+# > things.
+#
+# **Questions**
+#
+# 1. Why does `reshard()` free the storage of the full parameter instead of deleting the tensor?
+#
+# <details><summary>Answer</summary>
+#
+# Autograd saved a reference to that tensor during forward (a Linear saves its weight for the
+# gradient of its input). Deleting our reference would not free the memory — autograd's would
+# keep it alive, and stage 3 would save nothing. Shrinking the storage to zero bytes frees the
+# memory under both references; re-growing and refilling it before backward hands autograd the
+# same object with the right values.
+# </details>
+#
+# 2. A model has a 50k × 4096 embedding and a tied output head. Where should the tied weight go
+# when you wrap per block?
+#
+# <details><summary>Answer</summary>
+#
+# In one unit together with *every* module that uses it — here the root, which holds both the
+# embedding and the head. If the head were its own unit, two units would own one tensor;
+# minishard refuses that ("shared with unit"), and PyTorch's FSDP needs the same care.
+# </details>
+#
+# 3. You switch a job from FSDP1 to FSDP2 and your checkpoint loader breaks. Why, given that
+# training is bitwise identical?
+#
+# <details><summary>Answer</summary>
+#
+# The loader read what the model exposes: under FSDP1 per-unit `_flat_param` blobs (or the
+# converted full/named dicts), under FSDP2 the original parameter names with row-sharded values.
+# The numbers agree; the names, shapes and sharding metadata in the files do not.
+# </details>
