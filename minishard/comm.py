@@ -214,6 +214,15 @@ class Comm:
                 mine_rep = g
         return (Comm(self.tracer, mine_shard, self.ledger), Comm(self.tracer, mine_rep, self.ledger))
 
+    def all_gather_object(self, obj) -> list:
+        """Small Python objects from every rank, on every rank (a checkpoint's piece tables, and
+        the ranks' agreement that all succeeded); not traced as training traffic."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

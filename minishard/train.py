@@ -178,9 +178,12 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
           offload_dir: str | None = None, shard_size: int = 2,
           loss_chunk_tokens: int | None = None,
           freeze: tuple[str, ...] = (), fsdp_accumulate_unsharded: bool = False,
-          return_params: bool = False, return_state: bool = False, model_overrides: dict | None = None) -> dict[str, Any]:
+          return_params: bool = False, return_state: bool = False, model_overrides: dict | None = None,
+          resume_from: str | None = None, save_to: str | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; each step sees ``accum`` micro-batches of
-    ``micro_batch`` sequences per rank. Returns this rank's measurements (see module doc)."""
+    ``micro_batch`` sequences per rank. Returns this rank's measurements (see module doc).
+    ``resume_from``: start from a checkpoint (any world size or strategy) at its step;
+    ``save_to``: save a checkpoint after the last step (``minishard.checkpoint``, chapter 09)."""
     if rank is None:                                   # plain single process, no launcher
         rank = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
     if strategy not in STRATEGIES:
@@ -215,6 +218,11 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
         no_sync = (lambda: fsdp.no_sync(net)) if fsdp_accumulate_unsharded else None
     elif strategy == "torch_fsdp":
         no_sync = lambda: _torch_fsdp_no_sync(net)  # noqa: E731
+    first_step, ckpt = 0, {}
+    if resume_from is not None:
+        from . import checkpoint
+        ckpt["load"] = checkpoint.load(wrapped, opt, resume_from, comm=comm)
+        first_step = ckpt["load"]["step"]
     for c in [comm, *getattr(net, "_hsdp_comms", ())]:
         c.reset_counters()                             # count training traffic, not the set-up
 
@@ -223,7 +231,7 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
                            "wchar": [], "calls": [], "exposed_comm": [], "transfer": []}
     fsdp_units = fsdp.units(net) if strategy in ("fsdp", "fsdp_flat", "hsdp") else []
     comms = [comm, *getattr(net, "_hsdp_comms", ())]   # hybrid: count every group's traffic
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         tracer.step = step
         w0, c0 = bytes_written(), _totals(comms)
         e0 = sum(u.exposed_s for u in fsdp_units)
@@ -297,6 +305,11 @@ def train(rank: RankContext | None = None, *, strategy: str = "ddp", steps: int 
                                             if d == ledger.device},
                          "phase_peaks": ledger.phase_peaks, "final": ledger.current(),
                          "estimate": est.per_rank}
+    if save_to is not None:
+        from . import checkpoint
+        ckpt["save"] = checkpoint.save(wrapped, opt, save_to, comm=comm, step=first_step + steps)
+    if ckpt:
+        out["checkpoint"] = ckpt
     if return_params:
         if strategy in ("fsdp", "fsdp_flat", "hsdp"):
             full = fsdp.full_parameters(net)

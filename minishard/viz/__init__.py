@@ -9,3 +9,4 @@ from .ring import ring_figure, ring_schedule
 __all__ = ["Player", "Replay", "ledger_bars", "ring_figure", "ring_schedule", "timeline_figure",
            "static_player_figure"]
 from .calculator import LedgerCalculator  # noqa: E402  (the ledger calculator widget, chapter 01)
+from .reshard import reshard_figure  # noqa: E402  (the reshard map, chapter 09)

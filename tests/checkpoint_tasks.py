@@ -1,0 +1,103 @@
+"""Rank tasks of the checkpoint tests (importable by the rank processes). Each runs several
+scenarios per launch: starting ranks costs seconds, a nano model's save or load milliseconds."""
+import os
+import signal
+
+import torch
+
+from minishard import checkpoint
+from minishard.comm import Comm
+from minishard.model import GPT, batch, config
+from minishard.train import build, train
+
+MODEL = "nano"
+MICRO_BATCH = 2
+
+
+def _trained(rank, strategy: str, precision: str, steps: int = 2, seed: int = 0):
+    """A nano model and its optimizer under ``strategy``, after ``steps`` AdamW steps."""
+    comm = Comm(rank.tracer)
+    cfg = config(MODEL)
+    model, opt = build(GPT(cfg, seed=seed), strategy, comm, None, precision=precision)
+    for step in range(steps):
+        x, y = batch(cfg, step, MICRO_BATCH, rank.rank, rank.world_size)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt, comm
+
+
+def portable(dump: dict) -> dict:
+    """``{name: [(start, tensor)]}`` as bytes: hundreds of tensors through the pool's queue would
+    each take a file descriptor (torch shares tensors between processes through them)."""
+    return {n: [(s, str(v.dtype).removeprefix("torch."), v.contiguous().view(torch.uint8).numpy().tobytes())
+                for s, v in parts] for n, parts in dump.items()}
+
+
+def _steps(opt) -> set:
+    inner = getattr(opt, "optimizer", opt)
+    return {float(st["step"]) for st in inner.state.values() if "step" in st}
+
+
+def save_runs(rank, root: str, runs: list) -> dict:
+    """For each ``(name, strategy, precision)``: train 2 steps, save to ``root/name``, and return
+    what this rank holds (to compare with what every later layout loads)."""
+    out = {}
+    for name, strategy, precision in runs:
+        model, opt, comm = _trained(rank, strategy, precision)
+        checkpoint.save(model, opt, os.path.join(root, name), comm=comm, step=2)
+        out[name] = portable(checkpoint.local_state(model, opt, comm))
+    return out
+
+
+def load_runs(rank, root: str, loads: list) -> list:
+    """For each ``(name, strategy, precision)``: a model with *other* initial weights and no
+    optimizer state is built under ``strategy`` and loads ``root/name``. Each rank compares what
+    it then holds with the checkpoint's whole tensors (``read_full``, itself checked against the
+    savers by the test) and returns the elements it covered, any mismatch, its optimizer step and
+    the reads it made — small answers, so that many loads fit one launch."""
+    out, files = [], {}
+    for name, strategy, precision in loads:
+        comm = Comm(rank.tracer)
+        model, opt = build(GPT(config(MODEL), seed=1), strategy, comm, None, precision=precision)
+        info = checkpoint.load(model, opt, os.path.join(root, name), comm=comm)
+        if name not in files:
+            files[name] = {n: t.reshape(-1) for n, t in checkpoint.read_full(os.path.join(root, name)).items()}
+        full = files[name]
+        cover, wrong = {}, []
+        for g in checkpoint.describe(model, opt, comm).regions:
+            if not g.load:
+                continue
+            want = full[g.name][g.start:g.start + g.numel]
+            if g.cast:                      # a bf16 working copy: the master, rounded
+                want = want.to(g.view.dtype)
+            else:
+                cover.setdefault(g.name, []).append((g.start, g.numel))
+            if not torch.equal(g.view, want):
+                wrong.append((g.name, g.start, g.cast))
+        out.append({"name": name, "strategy": strategy, "cover": cover, "wrong": wrong,
+                    "casts": sum(g.cast for g in checkpoint.describe(model, opt, comm).regions),
+                    "steps": _steps(opt), "lr": getattr(opt, "optimizer", opt).param_groups[0]["lr"],
+                    "reads": info["reads"], "bytes_read": info["bytes_read"], "step": info["step"]})
+    return out
+
+
+def save_then_die(rank, path: str, die_rank: int) -> None:
+    """Save a good checkpoint; train on from it; then, inside the second save, rank ``die_rank``
+    writes half of its file and SIGKILLs itself — a node lost in the middle of a checkpoint."""
+    kw = dict(strategy="zero1", model=MODEL, micro_batch=MICRO_BATCH, track_activations=False)
+    train(rank, steps=2, save_to=path, **kw)
+
+    real_write = checkpoint._write_safetensors
+
+    def dying_write(file, entries, tensors):
+        if rank.rank == die_rank:
+            with open(file, "wb") as f:
+                f.write(b"\0" * 1000)                 # a partial file...
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)    # ...and the process is gone
+        return real_write(file, entries, tensors)
+
+    checkpoint._write_safetensors = dying_write
+    train(rank, steps=1, resume_from=path, save_to=path, **kw)

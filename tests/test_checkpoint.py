@@ -1,0 +1,345 @@
+"""Sharded checkpoints: N ranks save under one strategy, M ranks load under another, bit-exact;
+training resumes with the same losses; a save killed midway leaves the previous checkpoint; the
+export equals single-process weights within a bounded buffer; bad input is named and changes
+nothing; the reshard plan is what load reads, and is computable without ranks."""
+import hashlib
+import json
+import os
+import resource
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from minishard import checkpoint
+from minishard.checkpoint import CheckpointError
+from minishard.comm import Comm
+from minishard.launch import RankError, Ranks
+from minishard.model import GPT, batch, config
+from minishard.train import train
+from minishard.viz import reshard_figure
+
+import checkpoint_tasks
+from parity import reference
+
+NANO = config("nano")
+
+# saved world size -> checkpoints (name, strategy, precision) its pool writes
+SAVES = {1: [("n1_single", "single", "fp32")],
+         2: [("n2_zero1", "zero1", "fp32"), ("n2_fsdp", "fsdp", "fp32"),
+             ("n2_zero1_bf16", "zero1", "bf16_mixed")],
+         3: [("n3_zero2", "zero2", "fp32"), ("n3_fsdp_flat", "fsdp_flat", "fp32")],
+         4: [("n4_ddp", "ddp", "fp32"), ("n4_fsdp", "fsdp", "fp32")],
+         8: [("n8_fsdp", "fsdp", "fp32"), ("n8_zero1", "zero1", "fp32")]}
+LOADERS = ("fsdp", "zero1", "fsdp_flat", "ddp", "zero2")
+
+
+def _loads(M: int) -> list:
+    """Each checkpoint under three strategies (two on 8 ranks sharing 2 cores), rotating with M
+    so that across the world sizes every saved strategy meets every loading one; 'single' too on
+    one rank."""
+    out = []
+    for i, (name, _, precision) in enumerate(x for runs in SAVES.values() for x in runs):
+        strategies = tuple(LOADERS[(i + M + k) % 5] for k in range(2 if M == 8 else 3))
+        if precision == "bf16_mixed":           # bf16 working weights under an fp32 master
+            strategies = ("zero1", "fsdp", "ddp") if M < 8 else ("zero2",)
+        out += [(name, s, precision) for s in strategies + (("single",) if M == 1 else ())]
+    return out
+
+
+def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+    """Whole tensors from the ranks' ``{name: [(start, dtype, bytes)]}``; replicated elements must agree
+    across ranks, and every element must be held by some rank."""
+    parts: dict[str, list] = {}
+    for dump in per_rank:
+        for name, ps in dump.items():
+            parts.setdefault(name, []).extend(
+                (s, torch.frombuffer(bytearray(b), dtype=getattr(torch, d))) for s, d, b in ps)
+    full, seen = {}, {}
+    for name, ps in parts.items():
+        n = max(s + v.numel() for s, v in ps)
+        t = full[name] = torch.zeros(n, dtype=ps[0][1].dtype)
+        mask = seen[name] = torch.zeros(n, dtype=torch.bool)
+        for s, v in ps:
+            old, both = t[s:s + v.numel()], mask[s:s + v.numel()]
+            assert torch.equal(old[both], v[both]), f"{name}: replicas disagree"
+            old.copy_(v)
+            both.fill_(True)
+    for name, mask in seen.items():
+        assert mask.all(), f"{name}: elements held by no rank"
+    return full
+
+
+def _flat(tensors: dict) -> dict:
+    return {n: t.reshape(-1) for n, t in tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def saved(pools, tmp_path_factory):
+    """Every checkpoint of SAVES, written by real ranks, and what the savers held."""
+    root = tmp_path_factory.mktemp("ckpt")
+    held = {}
+    for N, runs in SAVES.items():
+        per_rank = pools(N).run(checkpoint_tasks.save_runs, str(root), runs)
+        for name, _, _ in runs:
+            held[name] = assemble([r[name] for r in per_rank])
+    return root, held
+
+
+def test_reshard_n_to_m_bit_exact_across_strategies(pools, saved):
+    root, held = saved
+    pairs: set = set()
+    for name, tensors in held.items():                     # the files hold what the ranks held
+        on_disk = _flat(checkpoint.read_full(root / name))
+        assert on_disk.keys() == tensors.keys()
+        assert all(torch.equal(on_disk[n], tensors[n]) for n in tensors), name
+    strategy_of = {name: s for runs in SAVES.values() for name, s, _ in runs}
+    for M in SAVES:
+        results = pools(M).run(checkpoint_tasks.load_runs, str(root), _loads(M))
+        for k, (name, strategy, precision) in enumerate(_loads(M)):
+            per_rank = [r[k] for r in results]
+            what = f"{name} -> {M} ranks x {strategy}"
+            # every rank holds exactly the checkpoint's values (model, optimizer state, and the
+            # bf16 working copies of an fp32 master), and together they hold every element
+            assert all(not r["wrong"] for r in per_rank), (what, per_rank[0]["wrong"][:3])
+            covered: dict[str, list] = {}
+            for r in per_rank:
+                for n, spans in r["cover"].items():
+                    covered.setdefault(n, []).extend(spans)
+            assert covered.keys() == held[name].keys(), what
+            for n, spans in covered.items():
+                at = 0
+                for s, c in sorted(spans):
+                    assert s <= at, f"{what}: {n} elements {at}..{s} not loaded"
+                    at = max(at, s + c)
+                assert at == held[name][n].numel(), f"{what}: {n} not fully loaded"
+            assert all(r["steps"] == {2.0} and r["step"] == 2 and r["lr"] == 1e-3 for r in per_rank)
+            if precision == "bf16_mixed" and strategy != "fsdp":
+                assert all(r["casts"] > 0 for r in per_rank), what     # the copies were checked
+            pairs.add((int(name[1]), M, strategy_of[name], strategy))
+    assert {(n, m) for n, m, *_ in pairs} == {(n, m) for n in SAVES for m in SAVES}
+    crosses = {(a, b) for *_, a, b in pairs}
+    for cross in [("zero1", "fsdp"), ("fsdp", "zero1"), ("ddp", "fsdp_flat"), ("fsdp_flat", "ddp")]:
+        assert cross in crosses, cross
+
+
+def test_plan_is_what_load_reads_and_needs_no_ranks(pools, saved):
+    root, _ = saved
+    meta = checkpoint.read_metadata(root / "n4_fsdp")
+    for M, strategy in ((3, "zero2"), (2, "fsdp_flat")):
+        loads = [("n4_fsdp", strategy, "fp32")]
+        real = pools(M).run(checkpoint_tasks.load_runs, str(root), loads)
+        p = checkpoint.plan(meta, strategy, M, NANO)
+        assert p.reads == [r[0]["reads"] for r in real]
+        assert p.bytes_read() == [r[0]["bytes_read"] for r in real]
+        assert all(r >= n for r, n in zip(p.bytes_read(), p.needed_bytes))
+    # the metadata a save would write, computed from the layout math, is the real one (less hashes)
+    imagined = checkpoint.layout_metadata("zero2", 3, NANO, step=2)
+    real = checkpoint.read_metadata(root / "n3_zero2")
+    assert imagined["files"] == real["files"]
+    for name, t in real["tensors"].items():
+        assert [{k: v for k, v in p.items() if k != "sha256"} for p in t["pieces"]] == \
+            imagined["tensors"][name]["pieces"], name
+
+
+def test_64_ranks_resharded_to_32_from_metadata_alone():
+    cfg = config("nano", seq_len=64)         # every dim 0 now divides by 64 (positions: 64 rows)
+    meta = checkpoint.layout_metadata("fsdp", 64, cfg)
+    assert len(meta["files"]) == 64
+    p = checkpoint.plan(meta, "fsdp", 32)
+    # new rank r's rows are exactly saved ranks 2r and 2r+1's rows
+    assert p.files_read() == [[2 * r, 2 * r + 1] for r in range(32)]
+    data = sum(info["bytes"] for info in meta["files"].values())
+    assert sum(p.bytes_read()) == sum(p.needed_bytes) <= data        # each byte read once
+    m = p.bytes_matrix()
+    fig = reshard_figure(p)
+    assert [[round(b / 1e6, 9) for b in row] for row in m] == \
+        [[round(z, 9) for z in row] for row in fig.data[0].z]
+    assert "64 → 32" in fig.layout.title.text
+    # under ZeRO-1 the parameters are replicas: every new rank reads from every file
+    z = checkpoint.plan(meta, "zero1", 32)
+    assert all(len(f) == 64 for f in z.files_read())
+
+
+def test_training_continues_with_identical_losses(pools, tmp_path):
+    kw = dict(model="nano", track_activations=False, return_params=True)
+    ck = str(tmp_path / "run")
+    whole = pools(4).run(train, strategy="fsdp", steps=4, micro_batch=3, **kw)
+    pools(4).run(train, strategy="fsdp", steps=2, micro_batch=3, save_to=ck, **kw)
+    same = pools(4).run(train, strategy="fsdp", steps=2, micro_batch=3, resume_from=ck, **kw)
+    assert [o["losses"] for o in same] == [o["losses"][2:] for o in whole]      # bitwise
+    assert all(torch.equal(same[0]["params"][n], whole[0]["params"][n]) for n in whole[0]["params"])
+    want = [sum(o["losses"][s] for o in whole) / 4 for s in (2, 3)]
+    # the same global batch of 12 sequences on 2, 3 (uneven: 3 divides no parameter) and 1 ranks
+    for M, strategy in ((2, "zero1"), (3, "fsdp_flat"), (3, "ddp"), (1, "single")):
+        if M == 1:
+            out = [train(strategy=strategy, steps=2, micro_batch=12, resume_from=ck, **kw)]
+        else:
+            out = pools(M).run(train, strategy=strategy, steps=2, micro_batch=12 // M,
+                               resume_from=ck, **kw)
+        assert out[0]["checkpoint"]["load"]["step"] == 2
+        got = [sum(o["losses"][s] for o in out) / M for s in range(2)]
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want)), (M, strategy, got, want)
+        err = max((out[0]["params"][n] - whole[0]["params"][n]).abs().max().item() for n in whole[0]["params"])
+        assert err <= 2e-4, (M, strategy, err)
+
+
+def _digest(path: Path) -> dict:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    ck = tmp_path / "run"
+    with Ranks(2, timeout=120) as own:          # its own pool: a rank is killed on purpose
+        # rank 1 dies; whichever rank the pool hears from first (rank 1's exit code -9, or rank
+        # 0's "connection closed" in the collective after the write), the save failed
+        with pytest.raises(RankError, match="code -9|Connection"):
+            own.run(checkpoint_tasks.save_then_die, str(ck), 1)
+    assert (tmp_path / ".run.saving").exists()             # the half-written new one, aside
+    assert checkpoint.read_metadata(ck)["step"] == 2        # the previous one, untouched
+    before = _digest(ck)
+    reloaded = train(strategy="single", model="nano", steps=1, micro_batch=4, resume_from=str(ck),
+                     track_activations=False, save_to=str(ck))  # loads, trains, saves again
+    assert reloaded["checkpoint"]["load"]["saved_world_size"] == 2
+    assert checkpoint.read_metadata(ck)["step"] == 3
+    assert not (tmp_path / ".run.saving").exists() and _digest(ck) != before
+
+
+def test_export_equals_single_process_weights(pools, tmp_path):
+    kw = dict(model="nano", steps=2, track_activations=False, return_params=True)
+    single = train(strategy="single", micro_batch=4, save_to=str(tmp_path / "one"), **kw)
+    ranks = pools(2).run(train, strategy="fsdp_flat", micro_batch=2, save_to=str(tmp_path / "two"), **kw)
+    for ck, params, exact in ((tmp_path / "one", single["params"], True),
+                              (tmp_path / "two", ranks[0]["params"], True),
+                              (tmp_path / "two", single["params"], False)):
+        out = tmp_path / f"export-{ck.name}"
+        report = checkpoint.export(ck, out)
+        model = GPT(NANO, seed=7)
+        model.load_state_dict(checkpoint.load_exported(out), strict=True)
+        for n, p in model.named_parameters():
+            if exact:
+                assert torch.equal(p.detach(), params[n]), n
+            else:                            # 2 ranks vs one process: summation order only
+                assert (p.detach() - params[n]).abs().max() <= 2e-4, n
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) == NANO.n_layer + 1     # a file per block + rest
+        assert set(index["weight_map"]) == set(params)
+        assert index["metadata"]["total_size"] == sum(p.numel() * 4 for p in params.values())
+        assert report["peak_buffer_bytes"] <= 2 * report["largest_tensor_bytes"]
+    ref = reference(2, 2, model="nano", steps=2)
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in
+               zip([sum(r["losses"][s] for r in ranks) / 2 for s in range(2)], ref["losses"]))
+    half = checkpoint.export(tmp_path / "two", tmp_path / "bf16", dtype=torch.bfloat16)
+    assert half["total_size"] * 2 == report["total_size"]
+    assert torch.equal(checkpoint.load_exported(tmp_path / "bf16")["head.weight"],
+                       ranks[0]["params"]["head.weight"].to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------- bad input, one process
+
+def _model(seed=0, **overrides):
+    cfg = config("nano", **overrides)
+    net = GPT(cfg, seed=seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = batch(cfg, 0, 2)
+    net(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return net, opt
+
+
+def _fingerprint(net, opt) -> str:
+    h = hashlib.sha256()
+    for p in net.parameters():
+        h.update(p.detach().float().numpy().tobytes())
+        for v in opt.state.get(p, {}).values():
+            h.update(v.float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _broken(good: Path, where: Path, how) -> Path:
+    shutil.copytree(good, where)
+    how(where)
+    return where
+
+
+def test_bad_input_is_named_and_changes_nothing(tmp_path, monkeypatch):
+    comm = Comm()                                         # one process, no process group
+    net, opt = _model()
+    good = tmp_path / "good"
+    checkpoint.save(net, opt, good, comm=comm, step=1)
+    digest = _digest(good)
+    target, topt = _model(seed=3)
+    before = _fingerprint(target, topt)
+
+    def flip(d):                                          # one byte in the middle of the data
+        f = d / "rank0.safetensors"
+        b = bytearray(f.read_bytes())
+        b[len(b) // 2] ^= 0xFF
+        f.write_bytes(bytes(b))
+
+    def bump_version(d):
+        m = json.loads((d / "metadata.json").read_text())
+        m["version"] = 2
+        (d / "metadata.json").write_text(json.dumps(m))
+
+    cases = [
+        (lambda d: (d / "rank0.safetensors").unlink(), r"missing shard file \S*rank0.safetensors: it holds param/"),
+        (flip, r"rank0.safetensors: checksum mismatch in \w+/[\w.]+, elements \[\d+, \d+\)"),
+        (lambda d: os.truncate(d / "rank0.safetensors", 5000), r"rank0.safetensors is 5,000 bytes.*truncated.*param/"),
+        (bump_version, r"metadata.json has format version 2"),
+    ]
+    for k, (how, message) in enumerate(cases):
+        with pytest.raises(CheckpointError, match=message):
+            checkpoint.load(target, topt, _broken(good, tmp_path / f"bad{k}", how), comm=comm)
+        assert _fingerprint(target, topt) == before       # nothing overwritten
+    for overrides, message in [
+        (dict(n_layer=2), r"metadata.json: parameter names do not match — the model lacks \['blocks.2.attn.proj.bias'"),
+        (dict(d_model=32), r"metadata.json: tok_emb.weight has shape \[512, 32\] in the model, \[512, 64\]"),
+    ]:
+        other, oopt = _model(**overrides)
+        with pytest.raises(CheckpointError, match=message):
+            checkpoint.load(other, oopt, good, comm=comm)
+    half = GPT(NANO).to(torch.bfloat16)
+    with pytest.raises(CheckpointError, match="dtype mismatch for param/tok_emb.weight: saved as float32, "
+                                              "the model holds bfloat16"):
+        checkpoint.load(half, None, good, comm=comm)
+    sgd = torch.optim.SGD(target.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match="saved by AdamW does not fit this SGD.*optimizer=None"):
+        checkpoint.load(target, sgd, good, comm=comm)
+    checkpoint.load(target, None, good, comm=comm)        # weights only: fine
+    assert all(torch.equal(a, b) for a, b in zip(target.parameters(), net.parameters()))
+
+    # the target directory: not creatable, not ours, full, or filling up during the write
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointError, match=r"cannot create the checkpoint directory \S*a_file"):
+        checkpoint.save(net, opt, blocker / "ck", comm=comm, step=1)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="notes exists and is not a minishard checkpoint"):
+        checkpoint.save(net, opt, tmp_path / "notes", comm=comm, step=1)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    other, oopt = _model(seed=5)
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                        lambda p: real_usage(p)._replace(free=1 << 20))
+    with pytest.raises(CheckpointError, match=r"has 1.0 MiB free; the checkpoint needs 2.\d MiB"):
+        checkpoint.save(other, oopt, good, comm=comm, step=9)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", real_usage)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))     # the disk fills up mid-file
+    try:
+        with pytest.raises(CheckpointError, match=r"cannot write \S*rank0.safetensors \(pieces of "
+                                                  r"param/tok_emb.weight .*File too large"):
+            checkpoint.save(other, oopt, good, comm=comm, step=9)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert _digest(good) == digest                        # the previous checkpoint, untouched
+    assert not (tmp_path / ".good.saving").exists()
+    checkpoint.load(target, topt, good, comm=comm)
+    assert _fingerprint(target, topt) == _fingerprint(net, opt)
