@@ -270,7 +270,7 @@ class FSDPUnit:
         for u in (self.root.units if self.root else [self]):
             u.wait_for_reduce_scatter()
         self._set_state(UnitState.REDUCE_SCATTERING)
-        dtype = self.mp_policy.reduce_dtype or self.layout.sharded[0].dtype
+        dtype = self.mp_policy.reduce_dtype or self.layout.reduce_dtype
         inp = self.layout.reduce_scatter_input(dtype)
         replicas = self.replicate.world_size if self.replicate is not None else 1
         inp.div_(self.comm.world_size * replicas)   # sum / N: the gradient of the global mean loss

@@ -116,6 +116,13 @@ class PerParamLayout:
         # rank-major packing: [rank 0: block of p0 | block of p1 | ...][rank 1: ...]
         self.sizes = [c * i for c, i in zip(self.rows, self.inner)]
         self.per_rank = sum(self.sizes)
+        # parameters of several dtypes and no common compute dtype: gather their raw bytes (a
+        # cast to one dtype would round the others), reduce their gradients in fp32
+        self.mixed = param_dtype is None and len({s.dtype for s in slots}) > 1
+        self.bytes_per = [s.dtype.itemsize if self.mixed else 1 for s in slots]
+        self.gather_sizes = [n * b for n, b in zip(self.sizes, self.bytes_per)]
+        self.gather_per_rank = sum(self.gather_sizes)
+        self.reduce_dtype = torch.float32 if self.mixed else slots[0].dtype
 
     # ---- what the ledger and the optimizer see
     def shard_tensors(self) -> list[torch.Tensor]:
@@ -129,16 +136,20 @@ class PerParamLayout:
 
     @property
     def gather_dtype(self) -> torch.dtype:
-        return self.param_dtype or self.slots[0].dtype
+        return torch.uint8 if self.mixed else (self.param_dtype or self.slots[0].dtype)
 
     # ---- 2. the all-gather
     def all_gather_input(self, device: torch.device) -> torch.Tensor:
         """This rank's blocks, packed on the compute device (and cast to the compute dtype)."""
+        if self.mixed:
+            return torch.cat([p.detach().reshape(-1).view(torch.uint8).to(device)
+                              for p in self.sharded])
         return torch.cat([p.detach().reshape(-1).to(device=device, dtype=self.gather_dtype)
                           for p in self.sharded])
 
     def all_gather_output(self) -> torch.Tensor:
-        return torch.empty(self.N * self.per_rank, dtype=self.gather_dtype, device=self.device)
+        return torch.empty(self.N * self.gather_per_rank, dtype=self.gather_dtype,
+                           device=self.device)
 
     def alloc_unsharded(self) -> None:
         for p in self.unsharded:
@@ -146,16 +157,19 @@ class PerParamLayout:
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Rank q's block of parameter p goes to rows [q*c, (q+1)*c) of the full parameter."""
-        by_rank = gathered.view(self.N, self.per_rank)
+        by_rank = gathered.view(self.N, self.gather_per_rank)
         offset = 0
-        for p, c, inner, size in zip(self.unsharded, self.rows, self.inner, self.sizes):
+        for p, c, inner, size, b in zip(self.unsharded, self.rows, self.inner, self.gather_sizes,
+                                        self.bytes_per):
             rows = p.view(-1, inner) if inner else p.view(-1, 1)
             with torch.no_grad(), _preserve_version(p):
                 for q in range(self.N):
                     lo, hi = q * c, min((q + 1) * c, rows.shape[0])
                     if hi > lo:
-                        rows[lo:hi].copy_(by_rank[q, offset:offset + (hi - lo) * max(inner, 1)]
-                                          .view(hi - lo, -1))
+                        block = by_rank[q, offset:offset + (hi - lo) * max(inner, 1) * b]
+                        if self.mixed:
+                            block = block.view(p.dtype)       # the raw bytes, as they were
+                        rows[lo:hi].copy_(block.view(hi - lo, -1))
             offset += size
 
     def free_unsharded(self) -> None:
@@ -246,6 +260,7 @@ class FlatLayout:
         self.flat_shard = nn.Parameter(full[rank * self.chunk:(rank + 1) * self.chunk].clone(),
                                        requires_grad=slots[0].requires_grad)
         self.flat_shard._fsdp_shard = True
+        self.reduce_dtype = slots[0].dtype
         self.flat_full = nn.Parameter(torch.empty(self.chunk * world_size,
                                                   dtype=param_dtype or slots[0].dtype, device=device),
                                       requires_grad=slots[0].requires_grad)
