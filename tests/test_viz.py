@@ -366,3 +366,23 @@ def test_static_player_figure_has_frames_and_a_slider(single_run):
         assert tr.y[0] == pytest.approx(fold.at(len(single_run) - 1)[0][c] / MB)
     html = fig.to_html(include_plotlyjs=False, auto_play=False)   # no widget, no kernel needed
     assert "Plotly.addFrames" in html and '"sliders"' in html
+
+
+def test_player_shows_fsdp_unit_states_next_to_the_bars():
+    from minishard.launch import RankContext
+    from minishard.trace import Tracer
+    from minishard.train import train
+    from minishard.viz import Player
+
+    ctx = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
+    train(ctx, strategy="fsdp", model="nano", steps=1, micro_batch=1, track_activations=False)
+    p = Player(ctx.tracer.events)
+    i = next(k for k, e in enumerate(p.replay.events)
+             if e["kind"] == "unit" and e["name"] == "blocks.1" and e["state"] == "unsharded")
+    p.jump(i)
+    states = p.unit_states()[0]
+    assert states["blocks.1"] == "unsharded" and states["root"] == "unsharded"
+    assert states["blocks.2"] == "sharded"
+    assert "blocks.1" in p.units_panel.value and "unsharded" in p.units_panel.value
+    p.jump(len(p.replay.events) - 1)
+    assert set(p.unit_states()[0].values()) == {"sharded"}

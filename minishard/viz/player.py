@@ -19,6 +19,7 @@ time spans), and a redraw touches only the plotly traces whose values changed.
 """
 from __future__ import annotations
 
+import bisect
 import html
 import time
 
@@ -31,6 +32,7 @@ from .figures import (MB, PhaseTracker, category_order, describe, ledger_bars, s
 from .ring import ring_figure, ring_view
 
 NO_PHASE = "—"
+UNIT_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2"}
 
 
 class Replay:
@@ -46,6 +48,8 @@ class Replay:
         self.t: list[float] = []                 # time of each event
         self.phase: list[str] = []               # phase its rank was in ("" outside any)
         self.collectives: list[int] = []         # indices of the collective events
+        self.unit_events: list[tuple] = []       # (index, rank, unit, state) of unit events
+        self.unit_names: dict[str, None] = {}    # units in the order they first appear
         self.phases = PhaseTracker()
         self._coll_cache = (0, np.empty(0), np.empty(0))
         timeline = trace.LedgerTimeline.build(list(events))
@@ -91,6 +95,9 @@ class Replay:
         self.phase.append(self.phases.add(ev))
         if ev["kind"] == "collective":
             self.collectives.append(self.n - 1)
+        elif ev["kind"] == "unit":
+            self.unit_events.append((self.n - 1, ev["rank"], ev["name"], ev["state"]))
+            self.unit_names.setdefault(ev["name"])
 
     # ---- lookups
     def bytes_at(self, i: int) -> np.ndarray:
@@ -105,6 +112,14 @@ class Replay:
         row = self.bytes_at(i)
         return {r: {c: int(row[a, b]) for b, c in enumerate(self.categories)}
                 for a, r in enumerate(self.ranks)}
+
+    def unit_states(self, i: int) -> dict[int, dict[str, str]]:
+        """``{rank: {unit: state}}`` after event ``i``; a unit not seen yet is sharded."""
+        states = {r: dict.fromkeys(self.unit_names, "sharded") for r in self.ranks}
+        end = bisect.bisect_right(self.unit_events, (i, float("inf")))
+        for _, rank, name, state in self.unit_events[:end]:
+            states[rank][name] = state
+        return states
 
     def collective_at(self, t: float) -> dict | None:
         """The collective in flight at time ``t`` on any rank. When several are (every rank
@@ -182,9 +197,13 @@ class Player:
                                       description="jump to phase")
         self._phase_menu.observe(self._on_phase_menu, names="value")
         head = [W.HTML(f"<b>{html.escape(self.title)}</b>")] if self.title else []
+        # FSDP traces: every unit's state on every rank, next to the memory bars
+        self.units_panel = W.HTML(layout=W.Layout(
+            display="" if self.replay.unit_names else "none"))
         self.widget = W.VBox(head + [
             W.HBox([self._play, self._slider, back, forward, self._phase_menu]),
             W.HBox([self.memory_figure, self.ring_figure]),
+            self.units_panel,
             self.timeline_figure])
 
     def _phase_options(self) -> list[str]:
@@ -313,8 +332,28 @@ class Player:
                     tr.y = self._shown_bars[c] = y
             self.memory_figure.layout.title.text = rp.title(i)
         self._render_ring(i)
+        if rp.unit_names:
+            self._render_units(i)
         x = rp.t[i] * 1e3                          # the timeline's cursor, in ms
         self.timeline_figure.layout.shapes[0].update(x0=x, x1=x, visible=True)
+
+    def _render_units(self, i: int) -> None:
+        states = self.replay.unit_states(i)
+        names = list(self.replay.unit_names)
+        head = "".join(f"<th style='padding:2px 6px'>{html.escape(n)}</th>" for n in names)
+        rows = "".join(
+            f"<tr><th style='padding:2px 6px'>rank {r}</th>" + "".join(
+                f"<td style='padding:2px 6px;background:{UNIT_COLORS.get(st[n], '#f4f4f4')}'>"
+                f"{st[n]}</td>" for n in names) + "</tr>"
+            for r, st in states.items())
+        value = f"<table><tr><th>unit states</th>{head}</tr>{rows}</table>"
+        self.units_panel.layout.display = ""
+        if self.units_panel.value != value:
+            self.units_panel.value = value
+
+    def unit_states(self) -> dict[int, dict[str, str]]:
+        """Every FSDP unit's state on every rank at the current event."""
+        return self.replay.unit_states(self._index)
 
     def _render_ring(self, i: int) -> None:
         view = ring_view(max(len(self.replay.ranks), 1), self.current_collective(),
