@@ -1,0 +1,284 @@
+"""Rank tasks and views of traces for the course's chapters 07 (prefetch) and 08 (offload).
+
+Nothing here is a strategy: every gather, wait and transfer is made by :mod:`minishard.fsdp`
+and :mod:`minishard.offload`. The tasks run on real ranks and return plain data; the views read
+a trace's events only (plotly is imported lazily, so rank processes do not pay for it).
+
+* :func:`prefetch_race` trains one model per prefetch depth side by side on the same ranks,
+  alternating step by step, and returns each depth's step times and *exposed* communication
+  (seconds compute waited for an all-gather or reduce-scatter) — a fair comparison on a
+  shared machine.
+* :func:`gathered_peaks` folds a rank's trace into the peak of gathered parameters, of
+  parameters still in flight in packed all-gather buffers, and of both together.
+* :func:`who_is_gathered` lists, at the moment each unit starts computing, which other units
+  hold their full parameters and which are still arriving — the prefetch schedule, read from
+  the unit state events.
+* :func:`gather_waits` and :func:`prefetch_timeline` put each all-gather next to the time
+  compute spent waiting for it: the overlap that prefetch buys, as numbers and as a figure.
+* :func:`transfer_table` sums a trace's ``transfer`` events (offload) by direction and unit.
+"""
+from __future__ import annotations
+
+import time
+
+from .comm import Comm
+from .model import GPT, batch, config
+
+PASSES = ("forward", "backward")
+
+
+# --------------------------------------------------------------------------- 07: a fair race
+
+def prefetch_race(rank, depths=(0, 1, 2, 3), model: str = "tiny", steps: int = 5,
+                  micro_batch: int = 4, strategy: str = "fsdp_flat", warmup: int = 1) -> dict:
+    """One FSDP model per prefetch depth on the same ranks, trained side by side, alternating
+    the order step by step (0, 1, 2, 3, then 3, 2, 1, 0, ...) so that load from other processes
+    falls on every depth alike. Each step starts from a barrier.
+
+    Returns ``{"step_s": {k: [...]}, "exposed_s": {k: [...]}, "cpu_s": {k: [...]}}`` for this
+    rank: wall-clock seconds per step, seconds compute waited on communication per step (the
+    sum over units of :attr:`FSDPUnit.exposed_s`), CPU seconds the rank process burned. The
+    ``warmup`` first steps are dropped."""
+    from . import fsdp
+    from .train import build
+    cfg = config(model)
+    runs = {}
+    for k in depths:
+        comm = Comm()
+        net, opt = build(GPT(cfg).to(rank.device), strategy, comm, None, prefetch=k)
+        runs[k] = (comm, net, opt, fsdp.units(net))
+    out = {"step_s": {k: [] for k in depths}, "exposed_s": {k: [] for k in depths},
+           "cpu_s": {k: [] for k in depths}}
+    for step in range(warmup + steps):
+        x, y = batch(cfg, step, micro_batch, rank.rank, rank.world_size)
+        for k in (depths if step % 2 == 0 else depths[::-1]):
+            comm, net, opt, units = runs[k]
+            comm.barrier()
+            e0 = sum(u.exposed_s for u in units)
+            t0, c0 = time.perf_counter(), time.process_time()
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            if step >= warmup:
+                out["step_s"][k].append(time.perf_counter() - t0)
+                out["cpu_s"][k].append(time.process_time() - c0)
+                out["exposed_s"][k].append(sum(u.exposed_s for u in units) - e0)
+    return out
+
+
+# --------------------------------------------------------------------------- 07: views of a trace
+
+def _rank_events(events: list[dict], rank: int, step: int | None = None) -> list[dict]:
+    """One rank's events in the order they were recorded (``seq``), optionally one step."""
+    evs = [e for e in events if e["rank"] == rank and (step is None or e.get("step") == step)]
+    return sorted(evs, key=lambda e: e["seq"])
+
+
+def gathered_peaks(events: list[dict], rank: int = 0) -> dict[str, int]:
+    """Peaks, over the whole trace, of the bytes of full parameters on ``rank``:
+
+    * ``unsharded`` — gathered parameters a module can compute with (ledger category);
+    * ``in_flight`` — packed all-gather buffers (``comm_buffers`` tagged ``<unit>:ag``): the
+      per-parameter layout gathers into one, then copies out into the parameters;
+    * ``both`` — the two together, at the same moment: every byte of full parameters held."""
+    live = {"unsharded": 0, "in_flight": 0}
+    peaks = {"unsharded": 0, "in_flight": 0, "both": 0}
+    for e in _rank_events(events, rank):
+        if e["kind"] not in ("alloc", "free"):
+            continue
+        if e["category"] == "unsharded":
+            key = "unsharded"
+        elif e["category"] == "comm_buffers" and e.get("tag", "").endswith(":ag"):
+            key = "in_flight"
+        else:
+            continue
+        live[key] += e["bytes"] if e["kind"] == "alloc" else -e["bytes"]
+        peaks[key] = max(peaks[key], live[key])
+        peaks["both"] = max(peaks["both"], live["unsharded"] + live["in_flight"])
+    return peaks
+
+
+def who_is_gathered(events: list[dict], rank: int = 0, step: int = 1) -> list[dict]:
+    """The prefetch schedule of one step, read from the trace.
+
+    One row each time a unit starts computing: the pass, the unit, and the units whose
+    all-gather is then in flight (``unsharding``) — the ones prefetched behind it. A unit
+    becomes ``unsharded`` when its own all-gather is done, then issues its prefetches; the row
+    is read when compute begins, i.e. at the first event that is not gathering bookkeeping (an
+    activation saved or freed, a gradient, another state change). Needs a trace recorded with
+    activations tracked (``train``'s default)."""
+    state: dict[str, str] = {}
+    rows, current, pending = [], "forward", None
+
+    def bookkeeping(e) -> bool:
+        return ((e["kind"] == "unit" and e["state"] == "unsharding")
+                or (e["kind"] in ("alloc", "free") and e["category"] in ("unsharded", "comm_buffers"))
+                or e["kind"] in ("collective", "transfer", "mark")
+                or (e["kind"] == "phase" and e["name"].startswith("wait_")))
+
+    for e in _rank_events(events, rank, step):
+        if pending is not None and not bookkeeping(e):
+            pending["in_flight"] = [u for u, s in state.items() if s == "unsharding"]
+            rows.append(pending)
+            pending = None
+        if e["kind"] == "phase" and e["name"] in PASSES and e["edge"] == "begin" and not e.get("unit"):
+            current = e["name"]
+        if e["kind"] != "unit":
+            continue
+        state[e["name"]] = e["state"]
+        if e["state"] == "unsharded":
+            pending = {"pass": current, "unit": e["name"]}
+    return rows
+
+
+def gather_waits(events: list[dict], rank: int = 0, step: int = 1) -> list[dict]:
+    """Every all-gather of one step on ``rank``: its unit and pass, when it was issued and
+    completed, and how long compute then waited for it (the ``wait_unshard`` phase). ``hidden``
+    is the part of the all-gather's time that compute did not wait through."""
+    evs = _rank_events(events, rank, step)
+    bounds = {}
+    for e in evs:
+        if e["kind"] == "phase" and e["name"] in PASSES and not e.get("unit"):
+            bounds.setdefault(e["name"], {})[e["edge"]] = e["t"]
+    waits = {}
+    open_ = {}
+    for e in evs:
+        if e["kind"] == "phase" and e["name"] == "wait_unshard":
+            if e["edge"] == "begin":
+                open_[e["unit"]] = e["t"]
+            else:
+                waits.setdefault(e["unit"], []).append((open_.pop(e["unit"]), e["t"]))
+
+    def pass_of(t: float) -> str:
+        for p in PASSES:
+            if bounds.get(p, {}).get("begin", float("inf")) <= t <= bounds.get(p, {}).get("end", -1.0):
+                return p
+        return "outside"
+
+    rows = []
+    for e in sorted((e for e in evs if e["kind"] == "collective" and e["op"] == "all_gather"),
+                    key=lambda e: e["t"]):
+        t0, t1 = e["t"], e["t_end"]
+        # the unit's waits that overlap this gather's flight (a wait ends just after completion)
+        waited = sum(max(0.0, min(b, t1 + 1e-3) - max(a, t0))
+                     for a, b in waits.get(e["tag"], []) if a < t1 + 1e-3 and b > t0)
+        where = pass_of(t0)
+        dur = max(t1 - t0, 1e-9)
+        rows.append({"unit": e["tag"], "pass": where, "t0": t0, "t1": t1, "seconds": t1 - t0,
+                     "waited": min(waited, dur), "hidden": max(0.0, 1 - waited / dur)})
+    return rows
+
+
+COLORS = {"gathering": "#B7DDE0", "gathered": "#72B7B2", "reduce_scatter": "#B279A2",
+          "waiting": "#E45756"}
+LABELS = {"gathering": "all-gather in flight", "gathered": "gathered (computing)",
+          "reduce_scatter": "reduce-scatter", "waiting": "compute waits"}
+WIDTHS = {"gathering": 0.75, "gathered": 0.45, "reduce_scatter": 0.75, "waiting": 0.25}
+
+
+def _unit_spans(evs: list[dict]) -> tuple[list[str], dict[str, list[tuple]], list[tuple]]:
+    """Units in order of appearance, spans ``(unit, t0, t1)`` by kind, and the passes."""
+    order, bars = [], {k: [] for k in COLORS}
+    opened: dict[str, float] = {}
+    waits: dict[tuple, float] = {}
+    for e in evs:
+        if e["kind"] == "unit":
+            n = e["name"]
+            if n not in order:
+                order.append(n)
+            if e["state"] == "unsharded":
+                opened[n] = e["t"]
+            elif n in opened and e["state"] in ("sharded", "unsharding"):
+                bars["gathered"].append((n, opened.pop(n), e["t"]))
+        elif e["kind"] == "collective" and e["op"] in ("all_gather", "reduce_scatter") \
+                and e["tag"] != "replicate":
+            key = "gathering" if e["op"] == "all_gather" else "reduce_scatter"
+            bars[key].append((e["tag"], e["t"], e["t_end"]))
+        elif e["kind"] == "phase" and e["name"] in ("wait_unshard", "wait_reduce_scatter"):
+            if e["edge"] == "begin":
+                waits[(e["unit"], e["name"])] = e["t"]
+            else:
+                bars["waiting"].append((e["unit"], waits.pop((e["unit"], e["name"])), e["t"]))
+    t_end = max((e["t"] for e in evs), default=0.0)
+    bars["gathered"] += [(n, t0, t_end) for n, t0 in opened.items()]
+    passes = []
+    for e in evs:
+        if e["kind"] == "phase" and e["name"] in PASSES and not e.get("unit") and e["edge"] == "begin":
+            end = next(f["t"] for f in evs if f["kind"] == "phase" and f["name"] == e["name"]
+                       and not f.get("unit") and f["edge"] == "end" and f["t"] >= e["t"])
+            passes.append((e["name"], e["t"], end))
+    return order, bars, passes
+
+
+def prefetch_timeline(runs: dict[str, list[dict]], rank: int = 0, step: int = 1, title: str = ""):
+    """One panel per run (``{label: events}``), one row per unit, time in ms since the step
+    began: the all-gather in flight (launch to completion), the unit gathered (from the end of
+    its wait until it is freed: it computes in there), its reduce-scatter, and in red the time
+    compute *waited* for the unit's communication. Forward and backward are shaded behind.
+    Without prefetch a red bar covers each all-gather; with prefetch the all-gather of the next
+    unit runs under this unit's compute and the red shrinks."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=len(runs), cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=list(runs))
+    n_units = 1
+    for row, (label, events) in enumerate(runs.items(), start=1):
+        evs = _rank_events(events, rank, step)
+        t0 = min(e["t"] for e in evs)
+        order, bars, passes = _unit_spans(evs)
+        n_units = max(n_units, len(order))
+        for name in ("gathering", "reduce_scatter", "gathered", "waiting"):
+            bs = bars[name]
+            fig.add_trace(go.Bar(name=LABELS[name], legendgroup=name, showlegend=row == 1,
+                                 orientation="h", y=[b[0] for b in bs],
+                                 base=[(b[1] - t0) * 1e3 for b in bs],
+                                 x=[max(b[2] - b[1], 0) * 1e3 for b in bs], width=WIDTHS[name],
+                                 marker_color=COLORS[name],
+                                 hovertext=[f"{b[0]}: {LABELS[name]} {(b[2] - b[1]) * 1e3:.1f} ms"
+                                            for b in bs], hoverinfo="text"), row=row, col=1)
+        for name, a, b in passes:
+            fig.add_vrect(x0=(a - t0) * 1e3, x1=(b - t0) * 1e3, opacity=0.08, line_width=0,
+                          fillcolor="#4C78A8" if name == "forward" else "#F58518",
+                          annotation_text=name, annotation_position="top left", row=row, col=1)
+        fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], row=row, col=1)
+    fig.update_xaxes(title_text="ms since the step began", row=len(runs), col=1)
+    fig.update_layout(barmode="overlay", title=title, width=950,
+                      height=120 + len(runs) * (60 + 26 * n_units),
+                      margin=dict(l=80, r=10, t=70, b=40))
+    return fig
+
+
+# --------------------------------------------------------------------------- 08: transfers
+
+def transfer_table(events: list[dict], rank: int = 0, step: int | None = None) -> dict:
+    """``transfer`` events of ``rank`` (in ``step``) summed: ``{(direction, unit): [count,
+    bytes, seconds]}``."""
+    out: dict[tuple, list] = {}
+    for e in _rank_events(events, rank, step):
+        if e["kind"] == "transfer":
+            row = out.setdefault((e["direction"], e["tag"]), [0, 0, 0.0])
+            row[0] += 1
+            row[1] += e["bytes"]
+            row[2] += e["seconds"]
+    return out
+
+
+def disk_tier_files(rank, directory: str, model: str = "tiny", micro_batch: int = 2) -> dict:
+    """Build FSDP (flat layout) with the sharded state in memory-mapped files under
+    ``directory``, train one step, and list what the tier holds on disk before cleaning up:
+    ``{"files": n, "bytes": total, "sizes": sorted sizes}`` for this rank."""
+    import os
+
+    from .train import build
+    cfg = config(model)
+    comm = Comm()
+    net, opt = build(GPT(cfg).to(rank.device), "fsdp_flat", comm, None, offload="disk",
+                     offload_dir=directory)
+    x, y = batch(cfg, 0, micro_batch, rank.rank, rank.world_size)
+    net(x, y).backward()
+    opt.step()
+    tier_dir = opt.tier.directory
+    sizes = sorted(os.path.getsize(tier_dir / f) for f in os.listdir(tier_dir))
+    opt.tier.cleanup()
+    return {"files": len(sizes), "bytes": sum(sizes), "sizes": sizes,
+            "left_behind": os.path.exists(tier_dir)}

@@ -1,0 +1,337 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · Prefetch: start the next gather early, and pay for it in memory
+#
+# > **An FSDP unit gathers its parameters just before it computes. Who waits while they travel —
+# > and what does it cost to stop waiting?**
+#
+# Chapter 06 walked one unit through its lifecycle: gather, compute, free. Done strictly in that
+# order, compute stops at every unit until its all-gather has arrived. *Prefetch* issues the
+# all-gather of the next units while this one computes (in backward, the units before it, since
+# backward runs the model in reverse). This notebook measures what that buys and what it costs on
+# real ranks; the reasoning is in [tutorial/07-prefetch.md](../tutorial/07-prefetch.md).
+#
+# **The one-line "syntax"** — prefetch depth k, N ranks, fp32 AdamW; the peak comes at the start
+# of backward, when every activation is alive, the root computes the head and k blocks are
+# already gathered for backward:
+#
+# $$\text{peak per rank} = \frac{16\,\Psi}{N} + \text{root} + k\cdot\text{block} + \text{activations},
+# \qquad \text{full parameters held} = \text{root} + (k+1)\cdot\text{block}.$$
+#
+# ```python
+# set_prefetch(model, forward=k, backward=k)               # depth k for every unit of the root
+# set_modules_to_forward_prefetch(model.blocks[0], [model.blocks[1]])   # or explicit, per unit
+# ```
+
+# %%
+import statistics
+
+import plotly.io as pio
+from IPython.display import display
+
+from minishard import GPT, Ranks, config
+from minishard.launch import RankError
+from minishard.ledger import gpt_activation_bytes
+from minishard.lessons_prefetch import (gather_waits, gathered_peaks, prefetch_race,
+                                        prefetch_timeline, who_is_gathered)
+from minishard.train import train
+from minishard.viz import Player
+
+pio.renderers.default = "plotly_mimetype+notebook_connected"
+TINY = GPT("tiny", device="meta")
+PSI = TINY.num_params()
+ROOT = 4 * sum(p.numel() for n, p in TINY.named_parameters() if not n.startswith("blocks."))
+BLOCK = 4 * sum(p.numel() for p in TINY.blocks[0].parameters())      # fp32 bytes
+ACT = gpt_activation_bytes(config("tiny"), 4)                        # micro-batch 4
+STATE = 16 * PSI // 2                                                # 16 Ψ / N, N = 2
+print(f"tiny GPT, 2 ranks, micro-batch 4: 16Ψ/N = {STATE:,} B, root unit {ROOT:,} B, "
+      f"one block {BLOCK:,} B, activations {ACT:,} B")
+R2 = Ranks(2)                                                        # one warm pool for the chapter
+
+# %% [markdown]
+# ## 1. The schedule: what is in flight while each unit computes
+# Two training steps for each depth k = 0, 1, 2, 3, in both layouts: FSDP1's flat buffer
+# (`fsdp_flat`) and FSDP2's per-parameter shards (`fsdp`). Everything else is the same: tiny
+# model, one unit per block plus the root, micro-batch 4.
+
+# %%
+DEPTHS = (0, 1, 2, 3)
+sweep, traces = {}, {}
+for layout in ("fsdp_flat", "fsdp"):
+    for k in DEPTHS:
+        sweep[layout, k] = R2.run(train, strategy=layout, model="tiny", micro_batch=4, steps=2, prefetch=k)
+        traces[layout, k] = R2.last_events
+
+# %% [markdown]
+# Read from rank 0's trace of the second step (`step=1`: steps count from 0), at the moment each
+# unit starts computing: which units' all-gathers are then in flight behind it.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def short(units):
+    return ",".join(u.replace("blocks.", "b") for u in units) or "-"
+
+blocks = [f"blocks.{i}" for i in range(len(TINY.blocks))]
+for k in DEPTHS:
+    rows = who_is_gathered(traces["fsdp_flat", k], rank=0, step=1)
+    for p in ("forward", "backward"):
+        line = "  ".join(f"{short([r['unit']])}[{short(r['in_flight'])}]" for r in rows if r["pass"] == p)
+        print(f"k={k} {p:<9} {line}")
+    order = {"forward": blocks, "backward": blocks[::-1]}
+    for r in rows:                            # the rule: the next k units of the pass, in its order
+        seq = order[r["pass"]]
+        nxt = seq[:k] if r["unit"] == "root" else seq[seq.index(r["unit"]) + 1:seq.index(r["unit"]) + 1 + k]
+        assert sorted(r["in_flight"]) == sorted(nxt), (k, r)
+    # the same schedule in the per-parameter layout
+    assert who_is_gathered(traces["fsdp", k], rank=0, step=1) == rows
+
+# %% [markdown]
+# `b2[b3,b4]` reads: block 2 computes while the all-gathers of blocks 3 and 4 travel. With k = 0
+# nothing is ever in flight: each unit gathers when it is reached, and compute waits. In
+# backward the order is reversed, and the root (which computes the head first) prefetches the
+# *last* blocks. (The root itself is gathered once per step and kept: chapter 06.)
+#
+# ## 2. Peak memory: one block more per unit of depth
+# Each prefetched unit has to hold its full parameters from the moment its gather starts, so
+# depth costs memory. Measured on rank 0, next to the formula; then where the full parameters
+# sit in each layout.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def formula(k):
+    return STATE + ROOT + k * BLOCK + ACT
+
+print(f"{'k':>2}{'formula':>14}{'peak flat':>14}{'peak per-param':>16}{'flat − formula':>16}")
+for k in DEPTHS:
+    flat, pp = (sweep[s, k][0]["ledger"]["peak"] for s in ("fsdp_flat", "fsdp"))
+    print(f"{k:>2}{formula(k):>14,}{flat:>14,}{pp:>16,}{flat - formula(k):>16,}")
+    for s in ("fsdp_flat", "fsdp"):
+        for o in sweep[s, k]:
+            assert abs(o["ledger"]["peak"] - formula(k)) <= 0.02 * formula(k)
+            assert sum(v for c, v in o["ledger"]["estimate"].items() if c != "activations") == STATE
+    assert flat == formula(k)                                      # to the byte, in the flat layout
+    if k >= 1:
+        assert pp == flat                                          # the same peak in both layouts
+for k in DEPTHS[1:]:                                               # one block per unit of depth
+    assert sweep["fsdp_flat", k][0]["ledger"]["peak"] - sweep["fsdp_flat", k - 1][0]["ledger"]["peak"] == BLOCK
+
+# %% [markdown]
+# The formula is exact to the byte for the flat layout; the per-parameter layout peaks at the
+# same bytes from k = 1 on (at k = 0 its peak falls inside backward, 0.8% above). Each unit of
+# depth costs one block: 3.16 MB here, 436 MB of bf16 for a Llama-3-8B block, 1.7 GB for a
+# Llama-3-70B block — on every rank, whatever N is.
+#
+# Where do the full parameters sit? `gathered_peaks` folds rank 0's trace: `unsharded` are
+# parameters a module can compute with; *in flight* are the packed all-gather buffers the
+# per-parameter layout receives into before it copies out (`comm_buffers` tagged `<unit>:ag`).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'':>2}{'flat layout':>15}{'per-parameter layout':>54}")
+print(f"{'k':>2}{'unsharded':>15}{'unsharded':>15}{'in flight':>13}{'both at once':>15}"
+      f"{'root+(k+1)·block':>19}")
+for k in DEPTHS:
+    f, p = gathered_peaks(traces["fsdp_flat", k]), gathered_peaks(traces["fsdp", k])
+    print(f"{k:>2}{f['unsharded']:>15,}{p['unsharded']:>15,}{p['in_flight']:>13,}{p['both']:>15,}"
+          f"{ROOT + (k + 1) * BLOCK:>19,}")
+    assert f["unsharded"] == ROOT + (k + 1) * BLOCK and f["in_flight"] == 0   # gathered in place
+    assert sweep["fsdp_flat", k][0]["ledger"]["category_peaks"]["unsharded"] == ROOT + (k + 1) * BLOCK
+    assert p["unsharded"] == ROOT + BLOCK                  # only the unit computing is unpacked
+    assert p["in_flight"] == max(ROOT, k * BLOCK)          # the root's buffer, or k blocks in flight
+    assert p["both"] == max(2 * ROOT, ROOT + (k + 1) * BLOCK)
+
+# %% [markdown]
+# * **Flat (FSDP1)** gathers straight into the unit's full buffer, allocated when the gather
+#   starts: a prefetched unit is `unsharded` memory at once, and the category peaks at
+#   root + (k+1) blocks.
+# * **Per-parameter (FSDP2)** gathers into one packed buffer per unit and allocates the
+#   parameters only at the copy-out, when the unit is about to compute. So `unsharded` never
+#   exceeds the root and one block, and the prefetched units are *in flight* instead: k blocks
+#   of buffers (or the root's buffer, the largest single gather here). Counting both, the same
+#   root + (k+1) blocks come back as soon as depth dominates (k = 2, 3) — plus, at every
+#   copy-out, the unit's packed buffer and its parameters side by side for a moment, which is
+#   2 × root when the root copies out. Same bytes, different ledger lines: when you read an OOM
+#   report, prefetched parameters may be filed under communication buffers.
+#
+# ## 3. The overlap, on the timeline
+# One step on rank 0 without prefetch and with depth 1. Each row is a unit: the pale bar is its
+# all-gather in flight (from launch to completion), the teal bar the unit gathered and
+# computing, purple its gradients' reduce-scatter, and red the time compute **waited** for that
+# unit's communication (`wait_unshard` / `wait_reduce_scatter`, what `FSDPUnit.exposed_s` sums).
+
+# %%
+prefetch_timeline({"k = 0 (no prefetch)": traces["fsdp_flat", 0], "k = 1": traces["fsdp_flat", 1]},
+                  rank=0, step=1,
+                  title="rank 0, step 1, flat layout: all-gathers, compute, and compute waiting").show()
+
+# %% [markdown]
+# Without prefetch every block's pale bar sits *before* its teal bar, with red across it: compute
+# stopped until the bytes arrived. With k = 1 the pale bar of block i+1 lies under the teal bar
+# of block i — it traveled while block i computed — and most red is gone. Measured per
+# all-gather (the root's, issued first in the step, can hide behind nothing):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for k in (0, 1):
+    rows = [r for r in gather_waits(traces["fsdp_flat", k], rank=0, step=1) if r["unit"] != "root"]
+    for p in ("forward", "backward"):
+        rs = [r for r in rows if r["pass"] == p]
+        print(f"k={k} {p:<9}: {len(rs)} block all-gathers, {sum(r['seconds'] for r in rs) * 1e3:6.1f} ms "
+              f"in flight, compute waited {sum(r['waited'] for r in rs) * 1e3:6.1f} ms "
+              f"({statistics.mean(r['hidden'] for r in rs):.0%} hidden on average)")
+
+# %% [markdown]
+# The step-through player replays the same trace. Its timeline draws the top-level phases and
+# every collective on each rank's communication lane; the per-unit waits are phases *inside*
+# forward and backward, so they are not drawn as lanes but named in the title as you step —
+# "jump to phase" → `wait_unshard` goes to the next one. Blocks.0 was prefetched by the root,
+# so when blocks.0 waits for it, its parameters are already allocated (flat layout), and the
+# gather of blocks.1 is issued right after:
+
+# %%
+player = Player(traces["fsdp_flat", 1], title="FSDP (flat), prefetch depth 1, 2 ranks, tiny model")
+display(player.widget)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+player.jump_to_phase("wait_unshard", step=1, rank=0)      # the root's: first in the step
+player.jump_to_phase("wait_unshard", rank=0)              # the next one: blocks.0, prefetched
+title = player.replay.title(player.index)
+print(title[title.index("·") + 2:title.rindex("·")].strip())
+print("rank 0 now holds unsharded:", f"{player.snapshot()[0]['unsharded']:,} B = root + one block")
+assert "wait_unshard blocks.0" in title and "begin" in title
+assert player.snapshot()[0]["unsharded"] == ROOT + BLOCK  # blocks.0 arrived; blocks.1 not yet issued
+ag = [e for e in player.replay.events if e["kind"] == "collective" and e["op"] == "all_gather"
+      and e["rank"] == 0 and e.get("step") == 1]
+assert len(ag) == 1 + 2 * len(TINY.blocks)               # the root once, every block twice
+
+# %% [markdown]
+# ## 4. Exposed communication and step time against depth
+# Timing on this machine is noisy: two CPU cores shared with other work. To compare depths
+# fairly, [`prefetch_race`](../minishard/lessons_prefetch.py) builds one model per depth (0, 1
+# and 3 here) on the same two ranks and trains them side by side, alternating the order every
+# step, each step starting from a barrier. For each depth: the median over steps of the slower
+# rank's step time, of the seconds compute waited on communication, and of the CPU seconds the
+# rank burned.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+RACE = (0, 1, 3)
+race = R2.run(prefetch_race, depths=RACE, model="tiny", steps=3, micro_batch=4)
+med = {key: {k: statistics.median(max(a, b) for a, b in zip(race[0][key][k], race[1][key][k]))
+             for k in RACE} for key in ("step_s", "exposed_s", "cpu_s")}
+print(f"{'k':>2}{'step (ms)':>11}{'waited (ms)':>13}{'CPU (ms)':>10}")
+for k in RACE:
+    print(f"{k:>2}{med['step_s'][k] * 1e3:>11.0f}{med['exposed_s'][k] * 1e3:>13.1f}{med['cpu_s'][k] * 1e3:>10.0f}")
+print("exposed communication with k=1 below k=0:", med["exposed_s"][1] < med["exposed_s"][0])
+
+# %% [markdown]
+# What to expect, and why it is not asserted here. Prefetch removes the *waiting* — the time
+# compute sits idle while bytes travel — not the work of moving them. On a GPU that work runs
+# elsewhere (NCCL's kernels and the network card), so hidden communication is close to free, and
+# the waits of §3 turn into step time saved. On this machine there is nothing elsewhere: gloo's
+# threads copy the bytes over loopback on the same two cores the ranks compute on, and other
+# processes take turns on them too. What prefetch still hides here is mostly *skew*: a gather
+# cannot complete until the slower rank has joined it, and without prefetch the faster rank
+# idles at every unit. In our runs the waits drop as soon as k ≥ 1 (§3's single step shows
+# them vanish for the blocks), while the step time follows less clearly and deeper prefetch
+# sometimes helps a little more, sometimes not — under this much noise, not a claim to assert.
+# The memory cost of §2, in contrast, is exact on every run. (`scripts/gpu_check.py` is where the GPU side gets measured.)
+#
+# ## 5. The OOM that prefetch causes
+# Give each rank a device of 136 MB (`device_budget=136_000_000`: the ledger raises
+# `DeviceOutOfMemory` when an allocation would cross it). Sharding is unchanged; only the depth
+# moves. The formula predicts which depths fit:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+BUDGET = 136_000_000
+for k in DEPTHS:
+    verdict = "fits" if formula(k) <= BUDGET else f"over by {formula(k) - BUDGET:,} B"
+    print(f"k={k}: peak {formula(k):,} B -> {verdict}")
+assert [formula(k) <= BUDGET for k in DEPTHS] == [True, True, False, False]
+
+# %% [markdown]
+# Run depth 1 and depth 3 under that budget:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+budget_kw = dict(strategy="fsdp_flat", model="tiny", micro_batch=4, steps=2, device_budget=BUDGET)
+fits = R2.run(train, prefetch=1, **budget_kw)
+print("k=1: peak per rank", [o["ledger"]["peak"] for o in fits], "<= budget:",
+      all(o["ledger"]["peak"] <= BUDGET for o in fits))
+assert all(o["ledger"]["peak"] == formula(1) for o in fits)
+try:
+    R2.run(train, prefetch=3, **budget_kw)
+    raise AssertionError("depth 3 should not fit")
+except RankError as e:
+    print("k=3:", e.error.split(" would take")[0] + " ... over its budget")
+    assert e.error.startswith("DeviceOutOfMemory") and "over its budget of 129.7 MiB" in e.error
+
+# %% [markdown]
+# Same model, same sharding, same budget: depth 1 trains; depth 3 dies at the start of
+# backward of the second step (the first with Adam's moments), where the root's backward
+# prefetch gathers blocks 5, 4 and 3 on top of every activation — the second of the three does
+# not fit. A rank that runs out of memory closes the pool; the chapter is done with it.
+
+# %%
+R2.close()
+
+# %% [markdown]
+# ## 6. So: what does prefetch buy, and what does it cost?
+#
+# > **Takeaway.** Prefetch depth k issues the all-gathers of the next k units (the previous k in
+# > backward) while this one computes, so their bytes travel under compute instead of in front
+# > of it. The price is exact: k more blocks' full parameters resident at the peak,
+# > 16Ψ/N + root + k·block + activations at the start of backward — measured to the byte.
+# > Depth 1 hides most of what can be hidden (it needs one unit's compute to cover one unit's
+# > gather); more depth only helps when compute per unit is uneven, and costs a block each time.
+# > So when FSDP runs out of memory with sharding on, look at the prefetch depth before you
+# > blame sharding: many FSDP OOMs are aggressive prefetch.
+#
+# **Questions**
+#
+# 1. Whatever the depth, the root's all-gather is never hidden (§3). Why not?
+#
+# <details><summary>Answer</summary>
+#
+# It is the first collective of the step: forward starts with the embeddings, which belong to the
+# root, and nothing computes before them that the gather could hide behind. (The previous step's
+# optimizer could cover it in principle — prefetching across steps; minishard does not.)
+# </details>
+#
+# 2. In §5, depth 2 was over the 136 MB budget by 11,780 bytes. Name three ways to make depth 2
+#    fit without changing the budget.
+#
+# <details><summary>Answer</summary>
+#
+# Shrink any other term of the formula: a smaller micro-batch (activations are 66 MB of it),
+# activation recomputation (keep each block's input, recompute the rest in backward), or more
+# ranks (on four ranks 16Ψ/N drops by 27.5 MB). Or keep depth 2 in forward and use depth 1 in
+# backward, where the peak is — `set_prefetch(model, forward=2, backward=1)`.
+# </details>
+#
+# 3. In §2's per-parameter table, "both at once" is 2 × root at k = 0 and 1, not
+#    root + (k+1) blocks. When does that moment matter on a real model?
+#
+# <details><summary>Answer</summary>
+#
+# When the root is large: at its copy-out, the root exists packed and unpacked at once. Llama-3-8B's
+# root (embeddings plus an untied head over a 128k vocabulary) is 1.05 billion parameters, 2.1 GB
+# in bf16 — 4.2 GB for that moment, more than nine blocks. Wrapping the embeddings and the head as
+# units of their own splits it; it is the "large unwrapped tensor" item of the OOM checklist.
+# </details>

@@ -1,0 +1,343 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · Offload: keep the state off the device, pay for it in transfers
+#
+# > **Fully sharded, and it still does not fit. Can the state live somewhere else — and what does
+# > every step then pay to bring it back?**
+#
+# After FSDP a rank holds 16Ψ/N bytes of training state plus what one step needs on the spot:
+# activations and a few gathered units. Offload moves the first part — the parameter shards,
+# their gradients, Adam's moments — to a larger, slower tier: host memory, or files on an NVMe
+# drive. The device keeps only what compute touches right now. This notebook shows a
+# configuration that runs out of device memory become one that trains, and measures what
+# crosses between the tiers every step; the reasoning is in
+# [tutorial/08-offload.md](../tutorial/08-offload.md).
+#
+# **The one-line "syntax"** — fp32 shards, a model of L blocks plus a root unit, N ranks:
+#
+# $$\text{device} = \text{activations} + \text{gathered units} + \text{buffers},\qquad
+# \text{host} = \frac{16\,\Psi}{N},$$
+# $$\text{per step:}\quad \text{in} = \big(2L\cdot\text{block} + \text{root}\big)\frac{4}{N}\ \text{bytes},
+# \qquad \text{out} = \big(L\cdot\text{block} + \text{root}\big)\frac{4}{N} = \frac{4\,\Psi}{N}\ \text{bytes}.$$
+#
+# ```python
+# train(rank, strategy="fsdp_flat", offload="host")                       # CPU memory
+# train(rank, strategy="fsdp_flat", offload="disk", offload_dir="/nvme")  # memory-mapped files
+# ```
+
+# %%
+import math
+import statistics
+import tempfile
+from pathlib import Path
+
+from minishard import GPT, Ranks
+from minishard.costmodel import DEVICES, LINKS, Cluster, plan
+from minishard.launch import RankError
+from minishard.lessons_prefetch import disk_tier_files, transfer_table
+from minishard.train import train
+
+TINY = GPT("tiny", device="meta")
+PSI = TINY.num_params()
+N = 2
+BLOCK_SHARD = 4 * math.ceil(sum(p.numel() for p in TINY.blocks[0].parameters()) / N)   # bytes
+ROOT_SHARD = 4 * math.ceil(sum(p.numel() for n, p in TINY.named_parameters()
+                               if not n.startswith("blocks.")) / N)
+L = len(TINY.blocks)
+print(f"tiny GPT, {N} ranks: 16Ψ/N = {16 * PSI // N:,} B of state per rank; one block's shard "
+      f"{BLOCK_SHARD:,} B, the root's {ROOT_SHARD:,} B")
+R2 = Ranks(2)
+
+# %% [markdown]
+# ## 1. A configuration that does not fit
+# Give each rank a device of 80 MiB (`device_budget`: the ledger raises `DeviceOutOfMemory` when
+# an allocation would cross it) and train the tiny model with FSDP, micro-batch 2. First without
+# a budget, to see what it needs:
+
+# %%
+BUDGET = 80 * 2**20
+KW = dict(strategy="fsdp_flat", model="tiny", micro_batch=2, steps=2)
+plain = R2.run(train, **KW)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"needs {plain[0]['ledger']['peak']:,} B per rank at its peak; the device has {BUDGET:,} B")
+try:
+    R2.run(train, device_budget=BUDGET, **KW)
+    raise AssertionError("plain FSDP should not fit")
+except RankError as e:
+    print(e.error.split(" would take")[0] + " ... over its budget")
+    held = e.error[e.error.index("held now"):].rstrip("')")
+    print("  " + held)
+    assert e.error.startswith("DeviceOutOfMemory") and "exp_avg" in held
+assert plain[0]["ledger"]["peak"] > BUDGET
+R2 = Ranks(2)                       # a rank that failed closed the pool: start a fresh one (warm)
+
+# %% [markdown]
+# It does not even finish: step 1 runs (Adam's moments do not exist yet), step 2 runs out in
+# forward, once `exp_avg` and `exp_avg_sq` have joined the state. Now the same run with the
+# sharded state in host memory, and once more in memory-mapped files (the disk tier):
+
+# %%
+offload_dir = tempfile.mkdtemp(prefix="minishard-offload-")
+host = R2.run(train, offload="host", device_budget=BUDGET, **KW)
+host_events = R2.last_events
+disk = R2.run(train, offload="disk", offload_dir=offload_dir, device_budget=BUDGET, **KW)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for name, out in [("no offload", plain), ("offload='host'", host), ("offload='disk'", disk)]:
+    print(f"{name:<16} device peak {out[0]['ledger']['peak']:>11,} B   losses "
+          f"{[round(x, 6) for x in out[0]['losses']]}")
+for out in (host, disk):
+    assert all(o["ledger"]["peak"] <= BUDGET for o in out)
+    assert [o["losses"] for o in out] == [o["losses"] for o in plain]    # the same training, bit for bit
+assert not any(Path(offload_dir).iterdir())                              # the files are gone
+
+# %% [markdown]
+# Same losses to the last bit: offload changes where the bytes live, not the arithmetic.
+#
+# ## 2. Where the bytes live
+# The ledger files every allocation under a device (`LiveLedger.by_device()`). At the end of the
+# run, rank 0:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+STATE = ("params", "grads", "exp_avg", "exp_avg_sq")
+print(f"{'':<16}" + "".join(f"{c:>13}" for c in STATE) + f"{'where':>9}")
+for name, out in [("no offload", plain), ("offload='host'", host), ("offload='disk'", disk)]:
+    for dev, cats in out[0]["ledger"]["by_device"].items():
+        print(f"{name:<16}" + "".join(f"{cats.get(c, 0):>13,}" for c in STATE) + f"{dev:>9}")
+assert plain[0]["ledger"]["by_device"] == {"device": dict.fromkeys(STATE, 4 * PSI // N)}
+assert host[0]["ledger"]["by_device"] == {"host": dict.fromkeys(STATE, 4 * PSI // N)}
+assert disk[0]["ledger"]["by_device"] == {"disk": dict.fromkeys(STATE, 4 * PSI // N)}
+
+# %% [markdown]
+# Between steps the device holds nothing at all: all 16Ψ/N = 54.95 MB per rank sit in the tier.
+# What is left on the device is what a step needs while it runs, broken down at its peak:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for name, out in [("no offload", plain), ("offload='host'", host)]:
+    snap = out[0]["ledger"]["peak_snapshot"]
+    print(f"{name:<16} peak {sum(snap.values()):>11,} B: " + ", ".join(f"{c} {b:,}" for c, b in snap.items()))
+snap = host[0]["ledger"]["peak_snapshot"]
+assert not set(STATE) & set(snap)                       # no state on the device, ever
+assert plain[0]["ledger"]["peak"] - host[0]["ledger"]["peak"] == 16 * PSI // N   # exactly the state
+
+# %% [markdown]
+# The disk tier is what it claims: one memory-mapped file per shard tensor — every unit's
+# parameter shard, its gradient shard and its two moments ([`disk_tier_files`](../minishard/lessons_prefetch.py)
+# trains one step and lists the rank's folder):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+files = R2.run(disk_tier_files, tempfile.mkdtemp(prefix="minishard-offload-"))
+print(f"rank 0: {files[0]['files']} files, {files[0]['bytes']:,} B; sizes {sorted(set(files[0]['sizes']))}")
+assert files[0]["files"] == 4 * (L + 1)                  # params, grads, m, v for every unit
+assert files[0]["bytes"] == 16 * PSI // N and not files[0]["left_behind"]
+
+# %% [markdown]
+# ## 3. What crosses over every step: exactly the state sizes
+# Before each all-gather the unit's parameter shard comes in from the tier (h2d); after each
+# reduce-scatter the reduced gradient slice goes out (d2h). Blocks are gathered twice per step
+# (forward and backward), the root once (it stays gathered from forward to backward). Measured
+# per step, against the formula:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+h2d = (2 * L * BLOCK_SHARD + ROOT_SHARD)
+d2h = (L * BLOCK_SHARD + ROOT_SHARD)
+print(f"formula: in {h2d:,} B = (2·{L}·{BLOCK_SHARD:,} + {ROOT_SHARD:,}), out {d2h:,} B = 4Ψ/N")
+for name, out in [("host", host), ("disk", disk)]:
+    for o in out:
+        print(f"{name} rank {o['rank']}: in", [s["h2d_bytes"] for s in o["transfer"]],
+              "out", [s["d2h_bytes"] for s in o["transfer"]])
+        assert all(s["h2d_bytes"] == h2d and s["d2h_bytes"] == d2h for s in o["transfer"])
+assert d2h == 4 * PSI // N
+assert all(s["h2d_bytes"] == 0 for s in plain[0]["transfer"])
+
+# %% [markdown]
+# Every transfer is also an event in the trace (`kind="transfer"`, with bytes and seconds). Per
+# unit, in the last step on rank 0:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+table = transfer_table(host_events, rank=0, step=1)
+for (direction, unit), (count, nbytes, _) in sorted(table.items()):
+    print(f"{direction} {unit:<9} {count} x {nbytes // count:,} B")
+for i in range(L):
+    assert table["h2d", f"blocks.{i}"][:2] == [2, 2 * BLOCK_SHARD]
+    assert table["d2h", f"blocks.{i}"][:2] == [1, BLOCK_SHARD]
+assert table["h2d", "root"][:2] == table["d2h", "root"][:2] == [1, ROOT_SHARD]
+
+# %% [markdown]
+# The optimizer step itself moves nothing: it runs where the state lives (here, the CPU).
+#
+# ## 4. How long the transfers take — measured here, modelled for a GPU
+# **Measured on this machine.** There is no GPU here: "device" and "host" are the same RAM, so a
+# host-tier transfer is a memory copy, and a disk-tier transfer a copy out of memory-mapped pages
+# that the page cache still holds (nothing waits for a drive). These seconds are real, but they
+# measure memcpy, not PCIe or NVMe:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for name, out in [("host", host), ("disk", disk)]:
+    for d in ("h2d", "d2h"):
+        sec = statistics.median(s[f"{d}_s"] for s in out[0]["transfer"])
+        nbytes = out[0]["transfer"][-1][f"{d}_bytes"]
+        print(f"{name} {d}: {nbytes / 1e6:6.2f} MB per step in {sec * 1e3:5.2f} ms -> {nbytes / sec / 1e9:5.2f} GB/s "
+              f"(measured: memcpy in RAM{' via the page cache' if name == 'disk' else ''})")
+for name, out in [("no offload", plain), ("host", host), ("disk", disk)]:
+    print(f"{name:<11} median step {statistics.median(out[0]['step_times']) * 1e3:6.0f} ms (measured, busy 2-core CPU)")
+
+# %% [markdown]
+# **Modelled for a GPU.** On a GPU server the same bytes cross PCIe. The planner's link figures
+# (`minishard.costmodel.LINKS`) give 25 GB/s for PCIe 4.0 x16 and 50 GB/s for PCIe 5.0 x16 per
+# direction (practical rates; the specifications' raw rates are 32 and 64 GB/s). For comparison,
+# reading the same bytes from the GPU's own memory: 3.35 TB/s for an H100 SXM's HBM3 and
+# 4.8 TB/s for an H200's HBM3e (NVIDIA's H100 and H200 datasheets; `costmodel.DEVICES` carries
+# capacities and FLOP/s, not memory bandwidth, so they are written out here).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+HBM = {"H100 SXM HBM3": 3.35e12, "H200 HBM3e": 4.8e12}          # bytes/s, NVIDIA datasheets
+PCIE = {"PCIe 4.0 x16": LINKS["pcie4-x16"].bandwidth, "PCIe 5.0 x16": LINKS["pcie5-x16"].bandwidth}
+
+
+def transfer_bytes(model: str, n: int) -> tuple[int, int]:
+    """Per rank per step, fp32 shards: in (2 gathers per block, 1 for the root), out (4Ψ/N)."""
+    net = GPT(model, device="meta")
+    block = math.ceil(sum(p.numel() for p in net.blocks[0].parameters()) / n)
+    root = math.ceil((net.num_params() - len(net.blocks) * sum(p.numel() for p in net.blocks[0].parameters())) / n)
+    return 4 * (2 * len(net.blocks) * block + root), 4 * (len(net.blocks) * block + root)
+
+
+cases = [("tiny, N=2 (this notebook)", transfer_bytes("tiny", 2)),
+         ("Llama-3-70B, N=8", transfer_bytes("llama3-70b", 8))]
+assert cases[0][1] == (h2d, d2h)                                   # the formula measured in §3
+def seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} µs"
+
+
+print(f"{'shards in, per rank per step':<30}{'bytes':>12}" + "".join(f"{k:>15}" for k in [*PCIE, *HBM]))
+for name, (i, o) in cases:
+    print(f"{name:<30}{i / 1e9:>9.3f} GB" + "".join(f"{seconds(i / bw):>15}" for bw in [*PCIE.values(), *HBM.values()]))
+print(f"HBM3 / PCIe 5.0 x16 = {HBM['H100 SXM HBM3'] / PCIE['PCIe 5.0 x16']:.0f}x")
+assert HBM["H100 SXM HBM3"] / PCIE["PCIe 5.0 x16"] > 10            # more than an order of magnitude
+
+# %% [markdown]
+# (All of the above is modelled: bytes from the measured formula, seconds from published
+# bandwidths.) On a real GPU machine, [`scripts/gpu_check.py`](../scripts/gpu_check.py) measures
+# these bandwidths — device-to-device (HBM), pinned and pageable host↔device copies — and an FSDP
+# step of a 1.1B-parameter model with and without offload. It is not run here: this machine has no
+# GPU.
+#
+# ## 5. What offload makes possible, at scale (modelled)
+# Llama-3-70B on one node of eight 80 GB H100s, FSDP with activation recomputation, micro-batch 1
+# at 8,192 tokens. The planner (`costmodel.plan`) builds the memory from the same ledger code the
+# runs above are checked against:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+node = Cluster(DEVICES["h100-80gb"], gpus_per_node=8)
+for off in (False, True):
+    p = plan("llama3-70b", node, "fsdp", recompute=True, offload=off)
+    print(f"offload={off!s:<5}: {p.total_memory / 2**30:6.1f} GiB per GPU -> {'fits' if p.fits else 'does not fit'}"
+          f"   (state on the device: {sum(v for c, v in p.memory.items() if c in STATE + ('master',)) / 2**30:.1f} GiB)")
+    assert p.fits == off
+psi70 = GPT("llama3-70b", device="meta").num_params()
+F = 0.4 * DEVICES["h100-80gb"].flops            # achieved FLOP/s: 40% of the dense bf16 peak
+T = 8192                                        # tokens per GPU per step
+compute = 6 * psi70 * T / F                     # forward + backward (recomputation adds more)
+i, o = cases[1][1]
+t_in = i / PCIE["PCIe 5.0 x16"]
+print(f"host memory the node needs for the offloaded state: 16Ψ = {16 * psi70 / 1e12:.2f} TB")
+print(f"per GPU per step: compute {compute:.1f} s; shards in over PCIe 5.0 {i / 1e9:.1f} GB = {t_in:.2f} s "
+      f"({t_in / compute:.0%} of the compute); gradients out {o / 1e9:.1f} GB the other way")
+
+# %% [markdown]
+# On the device it needs 158 GiB per GPU; with the state offloaded, 26 GiB. The host must then
+# hold 1.13 TB of state for the node, and each GPU pulls about 70 GB of fp32 shards over PCIe
+# every step. At this size that is still small next to the compute — if the shard copies are
+# prefetched like the all-gathers of chapter 07, they can hide behind it. Not counted, and not
+# small: the optimizer step now runs on the CPU, streaming all 16Ψ/N bytes of state through host
+# memory every step, with the eight GPUs' processes sharing that memory's bandwidth.
+#
+# The ratio is what matters. Per GPU the inbound shards take about 8Ψ/(N·B) seconds (B the PCIe
+# bandwidth; the 4Ψ/N of gradients go out at the same time, the other way) and the compute
+# about 6Ψ·T/F (T tokens per GPU per step, F achieved FLOP/s), so
+#
+# $$\frac{\text{transfer}}{\text{compute}} \approx \frac{4F}{3\,N\,T\,B}.$$
+#
+# Few tokens per step, few GPUs to spread the state over, or a slow link — and the transfer
+# dominates. That is the capacity-to-transfer trade in one line:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+B = PCIE["PCIe 5.0 x16"]
+for n, tokens in [(8, 8192), (8, 1024), (2, 1024)]:
+    print(f"N={n}, {tokens:>5} tokens per GPU per step: transfer / compute ≈ {4 * F / (3 * n * tokens * B):5.2f}")
+assert abs(4 * F / (3 * 8 * T * B) - t_in / compute) < 0.05 * t_in / compute   # the one-liner, checked
+
+# %%
+R2.close()
+
+# %% [markdown]
+# ## 6. So: when is offload worth it?
+#
+# > **Takeaway.** Offload moves the sharded state — parameters, gradients, optimizer moments,
+# > 16Ψ/N bytes per rank — to host memory or memory-mapped files; the device keeps only
+# > activations and the units being gathered. Measured here: a run that dies under an 80 MiB
+# > budget trains under it, bit for bit the same, and every step moves exactly the shard bytes:
+# > each unit's parameters in once per gather, its gradient slice out once. What it costs is
+# > modelled, not measured, on this CPU: those bytes cross PCIe, more than an order of magnitude
+# > slower than HBM, and the optimizer step runs on the CPU. A capacity problem becomes a transfer
+# > problem. Use it to get a job running on scarce hardware, or for state that is touched rarely
+# > and read in long sequential sweeps; do not switch it on hoping for speed.
+#
+# **Questions**
+#
+# 1. §1's run died in the second step, not the first. Would it have fit with plain SGD (no
+#    momentum) instead of AdamW?
+#
+# <details><summary>Answer</summary>
+#
+# Yes. SGD keeps no moments, so the state is 8Ψ/N instead of 16Ψ/N: the peak drops by
+# `exp_avg` + `exp_avg_sq` = 2 × 13.7 MB, from 96.6 MB to about 69 MB, under the 83.9 MB budget.
+# The choice of optimizer is a memory setting too.
+# </details>
+#
+# 2. With `reshard_after_forward=False`, how many bytes would come in per step in §3, and what
+#    would the device pay instead?
+#
+# <details><summary>Answer</summary>
+#
+# Every unit would be gathered once, so each shard crosses once: 6 · 1,579,520 + 4,260,864 =
+# 13,737,984 bytes, 4Ψ/N, the same as going out. In exchange every block stays gathered from
+# its forward to its backward: up to all six blocks' full parameters (19 MB) on the device at
+# the start of backward — the memory offload was meant to free.
+# </details>
+#
+# 3. In some runs §4 measures the disk tier faster than the host tier. Is that evidence that
+#    memory-mapped files beat RAM?
+#
+# <details><summary>Answer</summary>
+#
+# No. Both are copies within RAM here: the disk tier's files were just written and sit in the page
+# cache. The differences are noise from a busy machine and from which copy happens to run when.
+# A real drive would only be read from once the state exceeds host memory — and then at a few
+# GB/s.
+# </details>
