@@ -70,6 +70,10 @@ class Work:
         self._comm, self._handle, self._event, self._finish = comm, handle, event, finish
         self.done = False
 
+    def is_completed(self) -> bool:
+        """Finished on the wire (wait() would not block)."""
+        return self.done or self._handle is None or self._handle.is_completed()
+
     def wait(self) -> None:
         if self.done:
             return

@@ -104,6 +104,7 @@ class Plan:
     exposed_comm_s: float
     tokens_per_rank: int
     notes: list[str] = field(default_factory=list)
+    transfer_bytes: float = 0.0               # offload: bytes crossing PCIe per step
 
     @property
     def total_memory(self) -> float:
@@ -228,11 +229,16 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
         exposed += cross
         notes.append("hybrid: shard within a node, replicate across nodes")
     if offload:
+        # what the engine moves (tests/test_offload.py): every unshard fetches the fp32 shard —
+        # each block twice (forward, backward), the root once — and every reduced slice goes back
         pcie = LINKS["pcie5-x16"].bandwidth
-        traffic = (x + grad_bytes) * n_params / shard_n
+        fetched = 4 * (2 * cfg.n_layer * block + root) / shard_n
+        returned = 4 * n_params / shard_n
+        traffic = fetched + returned
         exposed += traffic / pcie + 3 * 4 * 4 * n_params / shard_n / 100e9   # CPU Adam: ~100 GB/s
         notes.append(f"offload: {traffic / 1e9:.1f} GB over PCIe per step")
-    return Plan(strategy, N, memory, cluster.device.memory, compute, comm, exposed, tokens, notes)
+    return Plan(strategy, N, memory, cluster.device.memory, compute, comm, exposed, tokens, notes,
+                traffic if offload else 0.0)
 
 
 def _slowest(cluster: Cluster) -> Link:

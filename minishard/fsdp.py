@@ -164,7 +164,8 @@ class FSDPUnit:
     def _wait(self, work: Work, what: str) -> None:
         """Block until a collective is done; the time spent here is *exposed* communication
         (compute had nothing to do), the rest was hidden behind compute."""
-        if work.done:
+        if work.is_completed():             # nothing to wait for: nothing exposed
+            work.wait()
             return
         t0 = time.perf_counter()
         tracer = self.comm.tracer

@@ -144,7 +144,8 @@ class PerParamLayout:
         if self.mixed:
             return torch.cat([p.detach().reshape(-1).view(torch.uint8).to(device)
                               for p in self.sharded])
-        return torch.cat([p.detach().reshape(-1).to(device=device, dtype=self.gather_dtype)
+        # copy to the device first, cast there: what crosses is the shard as stored
+        return torch.cat([p.detach().reshape(-1).to(device).to(self.gather_dtype)
                           for p in self.sharded])
 
     def all_gather_output(self) -> torch.Tensor:
@@ -284,7 +285,7 @@ class FlatLayout:
         return self.flat_full.dtype
 
     def all_gather_input(self, device: torch.device) -> torch.Tensor:
-        return self.flat_shard.detach().to(device=device, dtype=self.gather_dtype, copy=True)
+        return self.flat_shard.detach().to(device, copy=True).to(self.gather_dtype)
 
     def all_gather_output(self) -> torch.Tensor:
         return self.flat_full                     # gathered in place: no copy-out

@@ -96,3 +96,11 @@ def test_planner_memory_matches_measured_runs_within_2_percent(pools, N):
                  flash_attention=False)
         predicted = sum(v for k, v in p.memory.items() if k != "comm_buffers")
         assert abs(predicted - measured) <= 0.02 * measured, (strategy, prefetch, predicted, measured)
+
+
+def test_planner_offload_traffic_is_what_the_engine_moves():
+    """Per step, tiny GPT on 2 ranks: each block's fp32 shard fetched twice, the root's once,
+    every gradient slice returned once: 23,215,104 + 13,737,984 bytes, as chapter 08 measures."""
+    p = plan("tiny", Cluster(DEVICES["h100-80gb"], gpus_per_node=2), "fsdp", offload=True,
+             precision="fp32", flash_attention=False)
+    assert p.transfer_bytes == 23_215_104 + 13_737_984
