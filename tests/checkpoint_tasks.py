@@ -90,14 +90,14 @@ def save_then_die(rank, path: str, die_rank: int) -> None:
 
     real_write = checkpoint._write_safetensors
 
-    def dying_write(file, entries, tensors):
+    def dying_write(file, entries, tensors, *args):
         if rank.rank == die_rank:
             with open(file, "wb") as f:
                 f.write(b"\0" * 1000)                 # a partial file...
                 f.flush()
                 os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)    # ...and the process is gone
-        return real_write(file, entries, tensors)
+        return real_write(file, entries, tensors, *args)
 
     checkpoint._write_safetensors = dying_write
     train(rank, steps=1, resume_from=path, save_to=path, **kw)
