@@ -386,3 +386,16 @@ def test_player_shows_fsdp_unit_states_next_to_the_bars():
     assert "blocks.1" in p.units_panel.value and "unsharded" in p.units_panel.value
     p.jump(len(p.replay.events) - 1)
     assert set(p.unit_states()[0].values()) == {"sharded"}
+
+
+def test_timeline_draws_waits_on_communication_and_offload_transfers():
+    from minishard.launch import RankContext
+    from minishard.trace import Tracer
+    from minishard.train import train
+    from minishard.viz import timeline_figure
+
+    ctx = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
+    train(ctx, strategy="fsdp", model="nano", steps=1, micro_batch=1, offload="host",
+          track_activations=False)
+    names = {tr.name for tr in timeline_figure(ctx.tracer.events).data}
+    assert {"transfer h2d", "transfer d2h"} <= names

@@ -115,6 +115,10 @@ class PhaseTracker:
         if kind == "collective":
             about = f'rank {r} {ev["op"]} {ev.get("tag", "")} · {fmt_bytes(ev["payload"])}'
             self.spans.append(Span(r, "comm", ev["op"], ev["t"], ev["t_end"], about))
+        elif kind == "transfer":                  # offload: host <-> device copies
+            about = f'rank {r} {ev.get("direction", "")} {ev.get("tag", "")} · {fmt_bytes(ev["bytes"])}'
+            self.spans.append(Span(r, "comm", f'transfer {ev.get("direction", "")}', ev["t"],
+                                   ev["t"] + ev.get("seconds", 0.0), about))
         if kind != "phase":
             return _innermost(stack)
         key = (ev["name"], ev.get("unit"))
@@ -128,6 +132,9 @@ class PhaseTracker:
                 if key[1] is None and key[0] != "step":
                     self.spans.append(Span(r, "compute", key[0], t0, ev["t"],
                                            f"rank {r} step {step} {key[0]}"))
+                elif key[0].startswith("wait"):   # exposed communication: compute stood still
+                    self.spans.append(Span(r, "compute", "waiting on comm", t0, ev["t"],
+                                           f"rank {r} {key[0]} {key[1]}"))
                 break
         return label
 
