@@ -102,7 +102,8 @@ class PhaseTracker:
 
     Feed it events in order with :meth:`add`; it returns the phase the event's rank is in (an
     ``end`` event still counts as inside the phase it ends). ``step`` and per-unit phases are
-    tracked for the label but drawn on no lane: they nest around / inside the top-level phases.
+    tracked for the label but drawn on no lane: they nest around / inside the top-level phases —
+    except a unit's waits for its collectives, drawn over compute: the exposed communication.
     """
 
     def __init__(self):
