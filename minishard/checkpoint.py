@@ -8,7 +8,8 @@ this module answers in code:
    under another (64 -> 32 after losing a node; ZeRO-1 -> FSDP)? Yes, if the checkpoint
    records *which elements of which tensor* each file holds, not "rank r's state".
 2. **Release.** Inference engines want complete tensors, one file per layer, not shards. The
-   export assembles them one tensor at a time, from the checkpoint on disk, without ranks.
+   export writes them from the checkpoint on disk, without ranks, streaming each tensor piece
+   by piece (its buffers never exceed one piece).
 
 **One description for every strategy.** Every tensor of the training state — each parameter,
 and each optimizer state of each parameter (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``)
