@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_NB = --nbval-lax --nbval-sanitize-with nbval_sanitize.cfg --nbval-cell-timeout=300
 
-.PHONY: setup course demo test test-fast bench clean
+.PHONY: setup browser-deps course demo test test-fast bench site clean
 
 setup: $(VENV)/.installed
 
@@ -21,13 +21,30 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
+# The browser tests (tests/test_browser.py, tests/test_site.py) drive Debian's chromium through
+# Playwright's Python client (never `playwright install`: it would download browsers of its own).
+# Quick when both are there; installs what is missing (apt needs root or passwordless sudo).
+# Without them the browser tests skip and say why; .ci/run sets MINISHARD_REQUIRE_BROWSER=1,
+# which turns a failed install here, and a skip there, into an error.
+CHROMIUM ?= /usr/bin/chromium
+browser-deps: setup
+	@test -x $(CHROMIUM) || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	  else SUDO=none; fi; \
+	  if [ "$$SUDO" != none ] && command -v apt-get >/dev/null; then \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; \
+	  fi; \
+	  test -x $(CHROMIUM) || { echo "browser-deps: could not install chromium (apt-get install -y chromium as root)"; \
+	    test "$$MINISHARD_REQUIRE_BROWSER" != 1; }; }
+	@$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/pip install -q -e ".[browser]"
+
 course: setup
 	$(BIN)/jupyter lab notebooks/
 
 demo: setup
 	$(BIN)/torchrun --standalone --nproc-per-node 4 -m minishard demo --strategy ddp --steps 3 --trace traces/ddp
 
-test: setup
+test: setup browser-deps
 	$(BIN)/python -m pytest -q tests notebooks $(PYTEST_NB)
 
 test-fast: setup
@@ -36,5 +53,9 @@ test-fast: setup
 bench: setup
 	$(BIN)/python benchmarks/bench.py
 
+# The course as static HTML that needs no kernel and no network: open site/index.html
+site: setup
+	$(BIN)/python scripts/build_site.py site
+
 clean:
-	rm -rf $(VENV) traces .pytest_cache
+	rm -rf $(VENV) traces site artifacts .pytest_cache

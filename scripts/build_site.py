@@ -1,0 +1,361 @@
+"""Build the course as a static site that needs no kernel and no internet: ``make site``.
+
+    python scripts/build_site.py [OUT_DIR] [--only 00,01,tutorial/glossary]
+
+What it writes (``site/`` by default, git-ignored):
+
+* ``notebooks/NN-topic.html`` — each *executed* notebook (the committed ``.ipynb``; nothing is
+  re-run) converted with nbconvert. Every plotly output becomes a plain plotly.js figure drawn by
+  the one vendored copy of plotly.js (``vendor/plotly.min.js``, from the plotly package), so the
+  kernel-free players (``static_player_figure``: frames, a Play button, a slider) play in the
+  page. Live widgets (the Player, the calculator) need a kernel: their place says so.
+* ``tutorial/*.md``, ``docs/*.md`` and the README rendered with Python-Markdown; math (``$…$``,
+  ``$$…$$``) is typeset in the page by a vendored MathJax (the ``jupyter-server-mathjax``
+  package), in the notebooks too.
+* ``index.html`` — the course's table of contents (``tutorial/README.md``) plus every page.
+* the source files the pages link to (``minishard/ledger.py``, ``scripts/…``), copied as text.
+
+Links between the files are rewritten to the pages they became (``../tutorial/02-ddp.md`` →
+``../tutorial/02-ddp.html``, ``notebooks/x.ipynb`` → ``notebooks/x.html``). No page loads
+anything from the network: no CDN require.js, no CDN plotly.js, no CDN MathJax.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import html
+import posixpath
+import re
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = ".minishard-site"                    # a directory we may wipe and rebuild
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+MATHJAX_CONFIG = """<script type="text/x-mathjax-config">
+MathJax.Hub.Config({
+  tex2jax: {inlineMath: [['$','$'], ['\\\\(','\\\\)']], displayMath: [['$$','$$'], ['\\\\[','\\\\]']],
+            processEscapes: true, processEnvironments: true},
+  "HTML-CSS": {availableFonts: [], preferredFont: null, webFont: null, imageFont: null},
+  messageStyle: "none", showMathMenu: false
+});
+</script>"""
+
+STYLE = """
+body.minishard-page { max-width: 980px; margin: 0 auto; padding: 0 24px 48px;
+  font-family: -apple-system, "Segoe UI", Roboto, "Noto Sans", "Noto Sans CJK SC", sans-serif;
+  line-height: 1.55; color: #1f2328; }
+body.minishard-page pre { background: #f6f8fa; padding: 10px 12px; overflow-x: auto; border-radius: 6px; }
+body.minishard-page code { font-family: "DejaVu Sans Mono", Menlo, monospace; font-size: 0.92em; }
+body.minishard-page table { border-collapse: collapse; margin: 12px 0; }
+body.minishard-page th, body.minishard-page td { border: 1px solid #d0d7de; padding: 4px 10px; vertical-align: top; }
+body.minishard-page blockquote { border-left: 4px solid #d0d7de; margin-left: 0; padding-left: 14px; color: #444; }
+nav.minishard-nav { font: 14px/1.4 sans-serif; padding: 10px 0; margin-bottom: 8px;
+  border-bottom: 1px solid #d0d7de; display: flex; gap: 18px; flex-wrap: wrap; }
+nav.minishard-nav a { text-decoration: none; }
+.minishard-widget { border: 1px dashed #9aa4ae; border-radius: 6px; padding: 8px 12px;
+  color: #57606a; background: #f6f8fa; font: 13px/1.4 sans-serif; }
+"""
+
+
+# ====================================================================== paths and links
+
+SOURCE_SUFFIXES = (".py", ".toml", ".yml", ".yaml", ".cfg", ".txt", ".json", ".csv", ".sh")
+
+
+def site_path(repo_rel: str) -> str | None:
+    """Where a repository file lives in the site (``None``: not part of it). Notebooks and
+    Markdown become pages; other text sources the pages link to are copied as they are."""
+    p = posixpath.normpath(repo_rel)
+    stem, ext = posixpath.splitext(p)
+    if p.startswith("notebooks/") and ext in (".ipynb", ".py"):
+        return stem + ".html"
+    if ext == ".md":
+        return stem + ".html"
+    if ext in SOURCE_SUFFIXES or posixpath.basename(p) in ("Makefile", "run"):
+        return p
+    return None
+
+
+def rewrite_link(href: str, source: str, page: str) -> str:
+    """``href`` as written in repository file ``source``, for the site page ``page``."""
+    if re.match(r"^[a-z][a-z0-9+.-]*:", href, re.I) or href.startswith(("#", "/")):
+        return href
+    target, _, anchor = href.partition("#")
+    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(source), target))
+    mapped = site_path(resolved)
+    if mapped is None:
+        return href
+    rel = posixpath.relpath(mapped, posixpath.dirname(page) or ".")
+    return rel + (f"#{anchor}" if anchor else "")
+
+
+def rewrite_links(html_text: str, source: str, page: str, copies: set[str]) -> str:
+    """Rewrite every ``href``. A link to a repository file that does not exist is left as it
+    is and marked ``data-missing-in-repo`` (the site cannot mend the source's broken link)."""
+    def one(m):
+        href = html.unescape(m.group(1))
+        target = href.split("#")[0]
+        if (target and not re.match(r"^[a-z][a-z0-9+.-]*:", href, re.I) and not href.startswith("/")
+                and not (ROOT / posixpath.dirname(source) / target).exists()):
+            return f'href="{html.escape(href, quote=True)}" data-missing-in-repo'
+        new = rewrite_link(href, source, page)
+        resolved = posixpath.normpath(posixpath.join(posixpath.dirname(source), target)) if target else ""
+        if resolved and site_path(resolved) == resolved:      # a source file: copy it as it is
+            copies.add(resolved)
+        return f'href="{html.escape(new, quote=True)}"'
+    return re.sub(r'href="([^"]+)"', one, html_text)
+
+
+def up(page: str) -> str:
+    """The relative path from ``page`` to the site root (``""`` or ``"../"``)."""
+    return "../" * page.count("/")
+
+
+# ====================================================================== vendored scripts
+
+def vendor(out: Path) -> None:
+    """plotly.js (the version the plotly package renders with) and MathJax, once per site."""
+    import plotly
+
+    dst = out / "vendor"
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", dst / "plotly.min.js")
+    try:
+        import jupyter_server_mathjax
+    except ImportError:
+        print("warning: jupyter-server-mathjax is not installed: math shows as TeX source",
+              file=sys.stderr)
+        return
+    src = Path(jupyter_server_mathjax.__file__).parent / "static"
+    if not (dst / "mathjax" / "MathJax.js").exists():
+        shutil.copytree(src, dst / "mathjax", dirs_exist_ok=True)
+
+
+def head_scripts(page: str, math: bool = True) -> str:
+    root = up(page)
+    s = f'<script src="{root}vendor/plotly.min.js"></script>\n'
+    if math:
+        s += MATHJAX_CONFIG + f'\n<script src="{root}vendor/mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"></script>\n'
+    return s
+
+
+# ====================================================================== navigation
+
+def label(page: str, title: str) -> str:
+    """Short name of a page for the navigation bar: ``02 · notebook``, ``02 · written chapter``."""
+    folder, name = posixpath.split(page)
+    if name[:2].isdigit() and folder in ("notebooks", "tutorial"):
+        return f"{name[:2]} · " + ("notebook" if folder == "notebooks" else "written chapter")
+    return title
+
+
+def nav(page: str, pages: list[tuple[str, str]]) -> str:
+    """Top bar: the index, and the previous/next page in reading order."""
+    root = up(page)
+    links = [f'<a href="{root}index.html">⌂ course index</a>']
+    names = [p for p, _ in pages]
+    if page in names:
+        i = names.index(page)
+        if i > 0:
+            prev, title = pages[i - 1]
+            links.append(f'<a href="{posixpath.relpath(prev, posixpath.dirname(page) or ".")}">← {html.escape(label(prev, title))}</a>')
+        if i + 1 < len(pages):
+            nxt, title = pages[i + 1]
+            links.append(f'<a href="{posixpath.relpath(nxt, posixpath.dirname(page) or ".")}">{html.escape(label(nxt, title))} →</a>')
+    links.append(f'<a href="{root}tutorial/glossary.html">glossary 术语表</a>')
+    return '<nav class="minishard-nav">' + " ".join(links) + "</nav>"
+
+
+# ====================================================================== notebooks
+
+def static_outputs(nb):
+    """A copy of ``nb`` whose outputs need no kernel and no network.
+
+    * a plotly output (``application/vnd.plotly.v1+json``, with its frames) becomes plain HTML
+      that draws it with the page's plotly.js — its Play button and slider work in the page;
+    * the CDN loader that ``notebook_connected`` leaves behind is dropped;
+    * a widget's view (the live player, the calculator: state is not stored) becomes a note.
+    """
+    import plotly.io as pio
+
+    nb = copy.deepcopy(nb)
+    counter = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        outputs = []
+        for out in cell.outputs:
+            data = out.get("data", {})
+            if PLOTLY_MIME in data:
+                counter += 1
+                fig = data[PLOTLY_MIME]
+                div = pio.to_html(fig, include_plotlyjs=False, full_html=False, auto_play=False,
+                                  div_id=f"minishard-fig-{counter}", validate=False,
+                                  config={"responsive": True})
+                out["data"] = {"text/html": div}
+            elif WIDGET_MIME in data:
+                kind = data.get("text/plain", "widget").split("(", 1)[0]
+                out["data"] = {"text/html": (
+                    f'<div class="minishard-widget">▶ live widget ({html.escape(kind)}): it needs a '
+                    f"running kernel — open this notebook in JupyterLab (<code>make course</code>). "
+                    f"The kernel-free figures on this page play without one.</div>")}
+            elif "text/html" in data and "cdn.plot.ly" in "".join(data["text/html"]):
+                continue                       # notebook_connected's CDN loader
+            outputs.append(out)
+        cell.outputs = outputs
+    return nb
+
+
+def notebook_page(nb_path: Path, page: str, pages: list[tuple[str, str]], copies: set[str]) -> str:
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = static_outputs(nbformat.read(nb_path, as_version=4))
+    nb.metadata.pop("widgets", None)
+    exporter = HTMLExporter(template_name="lab")
+    exporter.exclude_input_prompt = exporter.exclude_output_prompt = True
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": nb_path.stem}})
+    # no CDN: drop require.js and the CDN MathJax/mermaid loaders; add the vendored scripts
+    body = re.sub(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/require\.js/[^"]*"></script>',
+                  "", body)
+    body = re.sub(r'<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->', "", body, flags=re.S)
+    body = re.sub(r'<script type="module">\s*document\.addEventListener\("DOMContentLoaded".*?</script>',
+                  "", body, flags=re.S)
+    body = rewrite_links(body, f"notebooks/{nb_path.name}", page, copies)
+    body = body.replace("</head>", head_scripts(page) + f"<style>{STYLE}</style>\n</head>", 1)
+    return re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav(page, pages), body, count=1)
+
+
+# ====================================================================== markdown
+
+MATH = re.compile(r"\$\$.+?\$\$|(?<![\\$\w])\$(?=\S)[^$\n]+?(?<=\S)\$(?![\w$])", re.S)
+CODE = re.compile(r"(^```.*?^```[^\n]*$|`[^`\n]+`)", re.S | re.M)
+
+
+def markdown_to_html(text: str) -> str:
+    """Python-Markdown (tables, fenced code, heading ids, ``<details>``) with math kept intact
+    for MathJax: ``$…$``/``$$…$$`` outside code are set aside before and put back after."""
+    import markdown
+
+    stash: list[str] = []
+
+    def keep(m):
+        stash.append(html.escape(m.group(0), quote=False))
+        return f"\u0000MATH{len(stash) - 1}\u0000"
+
+    parts = CODE.split(text)
+    text = "".join(p if i % 2 else MATH.sub(keep, p) for i, p in enumerate(parts))
+    out = markdown.markdown(text, extensions=["tables", "fenced_code", "toc", "md_in_html", "sane_lists"],
+                            extension_configs={"toc": {"permalink": False}}, output_format="html")
+    return re.sub("\u0000MATH(\\d+)\u0000", lambda m: stash[int(m.group(1))], out)
+
+
+def markdown_page(md_path: Path, page: str, pages: list[tuple[str, str]], title: str,
+                  copies: set[str], extra: str = "") -> str:
+    body = rewrite_links(markdown_to_html(md_path.read_text(encoding="utf-8")),
+                         md_path.relative_to(ROOT).as_posix(), page, copies)
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            f"<title>{html.escape(title)}</title>\n{head_scripts(page)}<style>{STYLE}</style>\n</head>\n"
+            f'<body class="minishard-page">{nav(page, pages)}\n{body}\n{extra}</body></html>\n')
+
+
+def title_of(path: Path) -> str:
+    if path.suffix == ".ipynb":
+        import nbformat
+        nb = nbformat.read(path, as_version=4)
+        first = next((c.source for c in nb.cells if c.cell_type == "markdown"), path.stem)
+    else:
+        first = path.read_text(encoding="utf-8")
+    m = re.search(r"^#\s+(.+)$", first, re.M)
+    return re.sub(r"[`*]", "", m.group(1)).strip() if m else path.stem
+
+
+# ====================================================================== the site
+
+def sources(only: set[str] | None = None) -> list[tuple[Path, str]]:
+    """Every page of the site in reading order: ``(repository file, site page)``. ``only``
+    keeps the chapters ``"NN"`` and pages ``"tutorial/glossary"`` it names."""
+    out = []
+    chapters = sorted({p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb")}
+                      | {p.name[:2] for p in (ROOT / "tutorial").glob("[0-9][0-9]-*.md")})
+    for ch in chapters:
+        if only is not None and ch not in only:
+            continue
+        for md in sorted((ROOT / "tutorial").glob(f"{ch}-*.md")):
+            out.append((md, f"tutorial/{md.stem}.html"))
+        for nb in sorted((ROOT / "notebooks").glob(f"{ch}-*.ipynb")):
+            out.append((nb, f"notebooks/{nb.stem}.html"))
+    extras = [ROOT / "tutorial" / "glossary.md", ROOT / "tutorial" / "README.md",
+              *sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md",
+              *sorted((ROOT / "benchmarks").glob("*.md"))]
+    for md in extras:
+        rel = md.relative_to(ROOT).with_suffix("").as_posix()
+        if md.exists() and (only is None or rel in only):
+            out.append((md, site_path(md.relative_to(ROOT).as_posix())))
+    return out
+
+
+def build(out: Path, only: set[str] | None = None) -> list[Path]:
+    """Build the site into ``out`` (wiped first if an earlier build made it). Returns the pages."""
+    out = Path(out)
+    if out.exists():
+        if not (out / MARKER).exists() and any(out.iterdir()):
+            raise SystemExit(f"{out} exists and was not made by this script: refusing to wipe it")
+        for child in out.iterdir():
+            if child.name != "vendor":
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("built by scripts/build_site.py; safe to delete\n")
+    vendor(out)
+
+    todo = sources(only)
+    pages = [(page, title_of(src)) for src, page in todo]
+    written, copies = [], set()
+    for src, page in todo:
+        dst = out / page
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.suffix == ".ipynb":
+            text = notebook_page(src, page, pages, copies)
+        else:
+            text = markdown_page(src, page, pages, title_of(src), copies)
+        dst.write_text(text, encoding="utf-8")
+        written.append(dst)
+
+    # the index: the course's table of contents, then every page of this site
+    listing = "\n".join(f'<li><a href="{page}">{html.escape(title)}</a> '
+                        f'<small>({page.split("/")[0]})</small></li>' for page, title in pages)
+    extra = f"<h2>Every page of this site</h2>\n<ul>\n{listing}\n</ul>\n" \
+            f"<p><small>Built offline from the repository by <code>make site</code>: no kernel, " \
+            f"no network. Live widgets need JupyterLab (<code>make course</code>); the kernel-free " \
+            f"figures play here.</small></p>\n"
+    index = markdown_page(ROOT / "tutorial" / "README.md", "index.html", pages,
+                          "minishard — how training shards its state", copies, extra)
+    (out / "index.html").write_text(index, encoding="utf-8")
+    written.append(out / "index.html")
+    for rel in sorted(copies):                 # the sources the pages link to, as plain text
+        dst = out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, dst)
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", nargs="?", default=str(ROOT / "site"))
+    ap.add_argument("--only", default=None,
+                    help="comma-separated chapters (00,01) and pages (tutorial/glossary) to build")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    pages = build(Path(args.out), only)
+    size = sum(p.stat().st_size for p in pages)
+    print(f"site: {len(pages)} pages, {size / 1e6:.1f} MB of HTML in {args.out} "
+          f"(open {Path(args.out) / 'index.html'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
