@@ -10,3 +10,4 @@ __all__ = ["Player", "Replay", "ledger_bars", "ring_figure", "ring_schedule", "t
            "static_player_figure"]
 from .calculator import LedgerCalculator  # noqa: E402  (the ledger calculator widget, chapter 01)
 from .reshard import reshard_figure  # noqa: E402  (the reshard map, chapter 09)
+from .planner import PlannerWidget  # noqa: E402  (the planner widget, chapter 10)

@@ -1,0 +1,181 @@
+"""Rank tasks and trace readings for chapter 10 (choosing and debugging).
+
+Nothing here is a strategy: every allocation, collective and timing comes from
+:func:`minishard.train.train` and the engine under it. The tasks run on real ranks and return
+plain data; the readings are pure functions of results and events.
+
+* :func:`under_budget` trains under a device memory budget and, instead of failing the pool,
+  reports a :class:`~minishard.ledger.DeviceOutOfMemory` as data — the OOM checklist, live.
+* :func:`straggler` makes one rank slow on some steps: synchronous training waits for the
+  slowest rank, so the healthy ranks' step times get the same tail (p50 vs p99).
+* :func:`phase_seconds` reads how long each forward or backward took from a trace.
+* :func:`profile` reads the profiling checklist (step time, utilisation, communication share,
+  peak memory, scaling efficiency) off a run's results and trace events.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from typing import Any
+
+from .launch import RankContext
+from .ledger import DeviceOutOfMemory
+
+# ---------------------------------------------------------------------------- the OOM checklist
+
+
+def under_budget(rank: RankContext, budget: int, *, peak_too: bool = True, **train_kw) -> dict[str, Any]:
+    """``train(**train_kw)`` with ``device_budget=budget``. Returns whether it fit, and either
+    the measured peak (``peak``, ``peak_snapshot`` by category) or the out-of-memory report
+    read as data (:func:`oom_report`: what failed to allocate, what the device held). With
+    ``peak_too``, a run that does not fit is repeated without the budget, to add the peak it
+    would have reached.
+
+    Every rank runs the same shapes, so every rank reaches the allocation that crosses the
+    budget at the same point of the program and raises there: no rank is left waiting in a
+    collective, and the warm pool stays usable (a real CUDA OOM usually ends the job)."""
+    from .train import train
+    try:
+        out = train(rank, device_budget=budget, **train_kw)
+        report: dict[str, Any] = {"fits": True}
+    except DeviceOutOfMemory as e:
+        if not peak_too:
+            return {"fits": False, "error": str(e), **oom_report(str(e))}
+        report = {"fits": False, "error": str(e), **oom_report(str(e))}
+        out = train(rank, **train_kw)
+    led = out["ledger"]
+    return {**report, "peak": led["peak"], "peak_snapshot": led["peak_snapshot"],
+            "calls": out["calls"][-1], "step_times": out["step_times"]}
+
+
+_OOM = re.compile(r"allocating ([\d.]+) MiB of (\w+) \((.*?)\) would take the device to "
+                  r"([\d.]+) MiB, over its budget of ([\d.]+) MiB; held now \(MiB\): (.*)$", re.S)
+
+
+def oom_report(message: str) -> dict[str, Any]:
+    """Read a :class:`~minishard.ledger.DeviceOutOfMemory` message as data: the category and
+    MiB of the allocation that failed (and its tag), and what the device held by category
+    (MiB, as the message rounds them) — what you read first in a real out-of-memory report."""
+    m = _OOM.search(message)
+    if m is None:
+        raise ValueError(f"not a minishard out-of-memory report: {message!r}")
+    held = {}
+    for part in m.group(6).split(", "):
+        cat, _, mib = part.rpartition(" ")
+        held[cat] = float(mib)
+    return {"allocating": m.group(2), "alloc_mib": float(m.group(1)), "tag": m.group(3),
+            "would_be_mib": float(m.group(4)), "budget_mib": float(m.group(5)), "held_mib": held}
+
+
+# ---------------------------------------------------------------------------- tail jitter
+
+
+def straggler(rank: RankContext, slow_rank: int = 1, every: int = 5, delay: float = 0.1,
+              steps: int = 20, strategy: str = "ddp", model: str = "nano",
+              micro_batch: int = 2) -> dict[str, list[float]]:
+    """Train ``steps`` steps; rank ``slow_rank`` sleeps ``delay`` seconds before the forward of
+    every ``every``-th step (a stand-in for a slow node, a GC pause, a noisy neighbour).
+    Returns this rank's wall-clock step times, measured from a common barrier."""
+    from .comm import Comm
+    from .model import GPT, batch, config
+    from .train import build
+
+    cfg = config(model)
+    comm = Comm()
+    net, opt = build(GPT(cfg).to(rank.device), strategy, comm, None)
+    times = []
+    for step in range(steps + 1):                  # step 0 warms up (first-touch allocations)
+        x, y = batch(cfg, step, micro_batch, rank.rank, rank.world_size)
+        comm.barrier()
+        t0 = time.perf_counter()
+        if rank.rank == slow_rank and step % every == every - 1:
+            time.sleep(delay)
+        net(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        comm.barrier()                             # the step ends when every rank is done
+        if step:
+            times.append(time.perf_counter() - t0)
+    return {"step_times": times, "slow_steps": [s for s in range(steps) if s % every == every - 2]}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation, as numpy's default."""
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# ---------------------------------------------------------------------------- profiling
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def phase_seconds(events: list[dict], rank: int, name: str) -> list[float]:
+    """Seconds rank ``rank`` spent in each top-level phase ``name`` (forward, backward, ...),
+    step by step, from the trace's phase begin/end events."""
+    begin, out = None, []
+    for e in events:
+        if e["kind"] == "phase" and e["rank"] == rank and e["name"] == name and not e.get("unit"):
+            if e["edge"] == "begin":
+                begin = e["t"]
+            elif begin is not None:
+                out.append(e["t"] - begin)
+                begin = None
+    return out
+
+
+def comm_seconds(events: list[dict], rank: int, step: int) -> tuple[float, float]:
+    """(seconds some collective of ``rank`` was in flight during ``step``, the step's duration),
+    read from the trace: collective events carry ``t`` and ``t_end``, the step phase its edges."""
+    edges = {e["edge"]: e["t"] for e in events
+             if e["kind"] == "phase" and e["name"] == "step" and e["rank"] == rank
+             and e.get("step") == step}
+    t0, t1 = edges["begin"], edges["end"]
+    spans = [(max(e["t"], t0), min(e["t_end"], t1)) for e in events
+             if e["kind"] == "collective" and e["rank"] == rank and e["t_end"] > t0 and e["t"] < t1]
+    return _union(spans), t1 - t0
+
+
+def profile(results: list[dict], events: list[dict], tokens_per_rank: int,
+            single_tokens_per_s: float | None = None, skip: int = 1) -> dict[str, float]:
+    """The profiling checklist for one run of :func:`~minishard.train.train` on N ranks:
+
+    * ``step_s``: median step time of the slowest rank (a synchronous step ends when it does),
+      ``p99_s`` its 99th percentile;
+    * ``tokens_per_s``: all ranks' tokens over the median step;
+    * ``utilisation``: the share of the step a rank computes rather than waits for the network,
+      1 - exposed communication / step time (FSDP reports the waits per step);
+    * ``comm_share``: the share of the step some collective is in flight (from the trace; it
+      can overlap compute);
+    * ``peak_bytes``: the largest measured ledger peak over the ranks;
+    * ``scaling_efficiency``: tokens/s over N times one process's (if given).
+
+    ``skip`` first steps are left out (warm-up)."""
+    N = len(results)
+    steps = range(skip, len(results[0]["step_times"]))
+    slowest = [max(r["step_times"][s] for r in results) for s in steps]
+    step_s = statistics.median(slowest)
+    exposed = statistics.median(results[0]["exposed_comm"][s] for s in steps)
+    shares = []
+    for s in steps:
+        c, d = comm_seconds(events, 0, s)
+        shares.append(c / d)
+    out = {"world_size": N, "step_s": step_s, "p99_s": percentile(slowest, 99),
+           "tokens_per_s": N * tokens_per_rank / step_s,
+           "utilisation": 1 - exposed / statistics.median(results[0]["step_times"][s] for s in steps),
+           "comm_share": statistics.median(shares),
+           "peak_bytes": max(r["ledger"]["peak"] for r in results)}
+    if single_tokens_per_s:
+        out["scaling_efficiency"] = out["tokens_per_s"] / (N * single_tokens_per_s)
+    return out

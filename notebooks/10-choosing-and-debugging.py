@@ -1,0 +1,553 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · Choosing and debugging: memory or throughput?
+#
+# > **Which strategy for this model on this cluster — and when FSDP is on and it still runs out of
+# > memory, what do you check first?**
+#
+# Every strategy in this course trades communication for memory; none saves memory for free.
+# So the first question is never "which is the most advanced?" but **"am I short of memory, or
+# of throughput?"** — and the second, "can my network carry the heavier parameter traffic?".
+# This chapter answers both with the planner on real cluster shapes, then debugs an FSDP
+# out-of-memory on real ranks, contrasts FSDP with tensor parallelism, measures the eight
+# classic pitfalls and the profiling checklist, and collects the course's answers. The reasoning
+# is in [tutorial/10-choosing-and-debugging.md](../tutorial/10-choosing-and-debugging.md).
+#
+# **The one-line "syntax"** — per GPU, per step:
+#
+# $$\text{memory} = \frac{\text{sharded state}}{N_\text{shard}} + \text{replicated state} + \text{gathered units} + \text{activations},
+# \qquad t_\text{step} = t_\text{compute} + t_\text{comm, not hidden}$$
+#
+# and, when FSDP is on and it still OOMs, check **in this order**: wrap granularity (too coarse?)
+# → prefetch depth (too deep?) → activation recomputation (off?) → one large tensor (the
+# `[batch, seq, vocab]` logits).
+
+# %%
+import statistics
+
+import plotly.graph_objects as go
+import plotly.io as pio
+import torch
+
+from minishard import GPT, Ranks
+from minishard.costmodel import DEVICES, LINKS, Cluster, plan
+from minishard.ledger import gpt_activation_bytes
+from minishard.lessons_oom import percentile, phase_seconds, profile, straggler, under_budget
+from minishard.model import config
+from minishard.tp import compare_with_fsdp
+from minishard.train import train
+from minishard.viz import PlannerWidget
+
+pio.renderers.default = "plotly_mimetype+notebook_connected"
+MiB, GiB = 2**20, 2**30
+cfg = config("tiny")
+TINY = GPT(cfg, device="meta")
+PSI = TINY.num_params()
+BLOCK = sum(p.numel() for p in TINY.blocks[0].parameters())
+ROOT = PSI - len(TINY.blocks) * BLOCK
+print(f"tiny GPT: Ψ = {PSI:,} parameters; root unit {ROOT:,}, each of 6 blocks {BLOCK:,}")
+R2 = Ranks(2)                                        # one warm pool for the chapter
+
+# %% [markdown]
+# ## 1. The decision framework, on real cluster shapes
+# The [`PlannerWidget`](../minishard/viz/planner.py) draws what
+# [`minishard.costmodel.plan`](../minishard/costmodel.py) says for all four strategies at once:
+# the memory of one GPU by ledger category against the device (left), and one step split into
+# compute and the communication compute cannot hide (right). The selected strategy gets a
+# verdict and "what would you change?" hints. Its memory terms are the live ledger's formulas;
+# its times are an alpha-beta ring model with published peak bandwidths and FLOP/s (sources and
+# the tolerance reached against published runs: [docs/costmodel.md](../docs/costmodel.md)).
+#
+# **Llama-3-8B on one node of 8 H100s with NVLink**, bf16-mixed AdamW, one sequence of 8,192
+# tokens per GPU, full activation recomputation, 40% MFU:
+
+# %%
+pw = PlannerWidget(model="llama3-8b", device="h100-80gb", gpus_per_node=8, nodes=1,
+                   intra="nvlink4", strategy="ddp", micro_batch=1, seq_len=8192, recompute=True)
+pw.widget
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def strategy_table(widget):
+    print(f"{'':<15}{'GiB/GPU':>9}{'fits':>6}{'s/step':>8}{'tokens/s/GPU':>14}{'waiting':>9}")
+    for s, p in widget.plans.items():
+        print(f"{s:<15}{p.total_memory / GiB:>9.1f}{'yes' if p.fits else 'no':>6}{p.step_s:>8.2f}"
+              f"{p.tokens_per_s_per_rank:>14,.0f}{p.exposed_comm_s / p.step_s:>9.0%}")
+
+strategy_table(pw)
+print(pw.verdict)
+for h in pw.hints:
+    print(" -", h)
+p8 = pw.plans
+assert not pw.fits and p8["ddp"].total_memory > 16 * 8.03e9            # 16 bytes/param: no
+assert all(p8[s].fits for s in ("zero1", "zero2", "fsdp"))
+assert max(p8[s].step_s for s in ("zero1", "zero2", "fsdp")) < 1.03 * min(p8[s].step_s for s in ("zero1", "zero2", "fsdp"))
+assert "Shard more: ZeRO-1" in pw.hints[0]
+
+# %% [markdown]
+# **Am I short of memory?** Under DDP, yes: 16 bytes per parameter is 120 GiB before a single
+# activation. From ZeRO-1 on, no — and the three sharded strategies take the same time here
+# (within 2%), because NVLink hides their traffic behind compute. So the smallest step that fits is the
+# answer: ZeRO-1 (or ZeRO-2), not full sharding. Setting the widget to FSDP says the same in its
+# hints:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+pw.strategy = "fsdp"
+print(pw.verdict)
+for h in pw.hints:
+    print(" -", h)
+assert pw.fits and any(h.startswith("ZeRO-1 fits too") for h in pw.hints)
+
+# %% [markdown]
+# **Can my network carry it?** The same job on **two nodes joined by 100 Gb Ethernet**. A ring
+# is as fast as its slowest link, so every collective now runs at Ethernet speed — and FSDP's
+# third pass over the parameters shows:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+pw.set(nodes=2, inter="ethernet-100g")
+strategy_table(pw)
+print(pw.verdict)
+for h in pw.hints:
+    print(" -", h)
+eth = pw.plans
+assert eth["fsdp"].exposed_comm_s > eth["zero2"].exposed_comm_s > 0.5 * eth["zero2"].step_s
+assert any("Hybrid sharding" in h for h in pw.hints)
+
+# %% [markdown]
+# **Hybrid sharding** (HSDP) answers "NVLink inside a node, a slow network between nodes":
+# shard inside each node (the all-gathers and reduce-scatters stay on NVLink) and replicate
+# across nodes (only the gradient shards cross the slow link, once per step). Memory is sharded
+# 8 ways instead of 16 — the price:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+pw.hybrid = True
+strategy_table(pw)
+print(pw.verdict)
+hy = pw.plans
+assert hy["fsdp"].exposed_comm_s < 0.15 * hy["fsdp"].step_s < eth["fsdp"].exposed_comm_s
+assert hy["fsdp"].total_memory > eth["fsdp"].total_memory           # 1/8, not 1/16, of the state
+assert hy["fsdp"].total_memory == p8["fsdp"].total_memory           # exactly one node's sharding
+
+# %% [markdown]
+# **When is full sharding the answer?** When nothing less fits. **Llama-3-70B on four nodes
+# (32 H100s) with InfiniBand NDR**: 16 bytes per parameter is 1.1 TB; only ZeRO-3 / FSDP divides
+# all of it.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+pw.set(model="llama3-70b", nodes=4, inter="ib-ndr-400", hybrid=False)
+strategy_table(pw)
+print(pw.verdict)
+p70 = pw.plans
+assert [s for s, p in p70.items() if p.fits] == ["fsdp"]
+
+# %% [markdown]
+# The framework in four questions, and where the evidence is:
+#
+# | question | what decides it | evidence |
+# |---|---|---|
+# | short of memory or of throughput? | does the *simplest* strategy fit? | the tables above: 8B fits from ZeRO-1, 70B only with FSDP |
+# | can the network carry heavier parameter sync? | exposed communication on *your* links | NVLink hides all three; Ethernet does not; hybrid sharding gets it back |
+# | how much system complexity can the team carry? | units, hooks, sharded checkpoints, prefetch tuning | [chapter 06](06-fsdp-units.ipynb), [chapter 09](09-checkpoints.ipynb) |
+# | existing stack; incremental or fully sharded? | PyTorch-native `fully_shard` vs a DeepSpeed config; ZeRO-1 → 2 is a small step from DDP, stage 3 a new runtime | [chapter 03](03-zero1.ipynb), [04](04-zero2.ipynb), [05](05-zero3.ipynb) |
+#
+# ## 2. FSDP is on and it still OOMs: the checklist, live
+# Two real ranks, the tiny model with FSDP (per-parameter, as FSDP2), AdamW, four sequences of
+# 128 tokens per rank, two steps (the second has Adam's moments), and a **device budget of
+# 126 MiB per rank**: the ledger raises `DeviceOutOfMemory` when an allocation would cross it,
+# as CUDA would. [`under_budget`](../minishard/lessons_oom.py) turns the exception into data, so
+# the pool survives. We start from a job that makes all four mistakes and walk the checklist in
+# its order, one fix at a time.
+
+# %%
+BUDGET = 126 * MiB
+COMMON = dict(strategy="fsdp", model="tiny", micro_batch=4, steps=2)
+WALK = [("all four mistakes", dict(wrap="model", prefetch=3, recompute=False, loss_chunk_tokens=None)),
+        ("1. wrap per block", dict(wrap="block", prefetch=3, recompute=False, loss_chunk_tokens=None)),
+        ("2. prefetch depth 1", dict(wrap="block", prefetch=1, recompute=False, loss_chunk_tokens=None)),
+        ("3. recompute", dict(wrap="block", prefetch=1, recompute=True, loss_chunk_tokens=None)),
+        ("4. or: chunked loss", dict(wrap="block", prefetch=1, recompute=False, loss_chunk_tokens=128))]
+walk, traces = {}, {}
+for name, kw in WALK:
+    walk[name] = R2.run(under_budget, BUDGET, **COMMON, **kw)
+    traces[name] = R2.last_events                 # the fitting runs' traces: §4.6 reads them
+
+# %%
+# NBVAL_CHECK_OUTPUT
+CATS = ("unsharded", "comm_buffers", "activations", "grads")
+print(f"budget {BUDGET / MiB:.0f} MiB per rank; rank 0's live run, and the peak it reaches without a budget (MiB)")
+print(f"{'':<21}{'live run under the budget':<35}{'coll./step':>11}{'peak':>7}" + "".join(f"{c:>13}" for c in CATS))
+for name, (r0, r1) in walk.items():
+    assert r0["fits"] == r1["fits"] and r0["peak"] == r1["peak"]    # the ranks fail at the same allocation
+    live = "fits" if r0["fits"] else f"OOM allocating {r0['alloc_mib']:.1f} of {r0['allocating']}"
+    print(f"{name:<21}{live:<35}{r0['calls']:>11}{r0['peak'] / MiB:>7.1f}"
+          + "".join(f"{r0['peak_snapshot'].get(c, 0) / MiB:>13.1f}" for c in CATS))
+w = {name: r[0] for name, r in walk.items()}
+peak = {name: r["peak_snapshot"] for name, r in w.items()}
+assert [r["fits"] for r in w.values()] == [False, False, False, True, True]
+assert all((r["peak"] <= BUDGET) == r["fits"] for r in w.values())    # OOM exactly when the peak is over
+assert peak["all four mistakes"]["unsharded"] == 4 * PSI                  # the whole model, gathered
+assert peak["1. wrap per block"]["unsharded"] == 4 * ROOT                 # the root only
+assert peak["1. wrap per block"]["comm_buffers"] == 3 * 4 * BLOCK         # 3 blocks prefetched
+assert peak["2. prefetch depth 1"]["comm_buffers"] == 4 * BLOCK           # 1 block prefetched
+assert peak["3. recompute"]["activations"] < 0.05 * peak["2. prefetch depth 1"]["activations"]
+logits = 4 * cfg.seq_len * cfg.vocab_size * 4                            # [4, 128, 4096] fp32
+assert w["2. prefetch depth 1"]["peak"] - w["4. or: chunked loss"]["peak"] < logits   # the peak moved
+assert w["2. prefetch depth 1"]["error"] == w["1. wrap per block"]["error"]           # same report
+assert w["all four mistakes"]["calls"] == 2 and w["1. wrap per block"]["calls"] == 20  # 1 unit vs 7
+
+# %% [markdown]
+# Read it the way you read a real out-of-memory report: *what* failed to allocate, and which
+# category is out of proportion.
+#
+# * **Wrap granularity.** With one unit for the whole model, `unsharded` is 26.2 MiB — all of Ψ,
+#   gathered at once: at that moment sharding saves nothing. One unit per block: the root only.
+# * **Prefetch depth.** Depth 3 keeps three blocks' full parameters in flight (`comm_buffers`,
+#   3 × 3.0 MiB: the per-parameter layout holds a prefetched unit in its packed all-gather
+#   buffer until it is used); depth 1, one block. Still over: `activations` is the giant.
+# * **Activation recomputation** keeps only each block's input and recomputes the rest during
+#   backward: activations fall from 63 MiB to 2.5 MiB, and it fits with room to spare.
+# * **The one large tensor.** The loss keeps the log-probabilities of every token over the whole
+#   vocabulary, `[4, 128, 4096]` fp32 = 8 MiB. A chunked loss computes head and loss 128 tokens at
+#   a time and recomputes each chunk in backward: without recomputing the blocks, that alone
+#   brings the job under the budget — by 1.3 MiB here, because once the logits are gone the peak
+#   moves into backward (the `grads` column: a block's full gradients waiting to be
+#   reduce-scattered).
+#
+# The last two rows are two different fixes for the same symptom, and they cost differently:
+# recomputation redoes a forward pass of every block (§4), chunking only the head's. Which one
+# is "the" fix depends on which term dominates — and the ledger tells you.
+#
+# One caveat, measured in the numbers: the ledger counts what autograd saves during forward. With
+# recomputation, the block being recomputed holds its activations again for the moment of its
+# backward — one block's worth, which the ledger does not see. The budget leaves room for it:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+one_block = gpt_activation_bytes(cfg, 4) - gpt_activation_bytes(config("tiny", n_layer=5), 4)
+print(f"one block recomputed: {one_block / MiB:.1f} MiB; recompute peak + that = "
+      f"{(w['3. recompute']['peak'] + one_block) / MiB:.1f} MiB of {BUDGET / MiB:.0f}")
+assert w["3. recompute"]["peak"] + one_block < BUDGET
+
+# %% [markdown]
+# ## 3. FSDP versus tensor parallelism
+# Both split a layer's weights over the ranks, but only one of them splits the *work*. FSDP
+# stores 1/N of each matrix and gathers it whole before computing; tensor parallelism splits
+# the matrix multiply itself (columns of the first MLP matrix, rows of the second), so no rank
+# ever holds the full matrix and activations, not weights, cross the wire.
+# [`compare_with_fsdp`](../minishard/tp.py) runs one MLP forward and backward both ways on two
+# ranks:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+tp = R2.run(compare_with_fsdp)[0]
+full, acts = tp["full_weight_bytes"], tp["activation_bytes"]
+print(f"MLP weights {full:,} bytes; its input activations {acts:,} bytes (2 x 128 x 256 fp32)")
+print(f"{'':<20}{'weight bytes at peak':>22}{'bytes sent':>13}{'collectives':>13}{'same result':>13}")
+print(f"{'tensor parallel':<20}{tp['tp']['peak_weight_bytes']:>22,}{tp['tp']['wire']:>13,}{tp['tp']['calls']:>13}"
+      f"{str(tp['tp']['output_matches'] and tp['tp']['grad_x_matches']):>13}")
+print(f"{'FSDP':<20}{tp['fsdp']['peak_weight_bytes']:>22,}{tp['fsdp']['wire']:>13,}{tp['fsdp']['calls']:>13}"
+      f"{str(tp['fsdp']['output_matches']):>13}")
+assert tp["tp"]["peak_weight_bytes"] < full / 2 + 4 * 256 + 4096          # half, never all
+assert tp["fsdp"]["gathered_full_weights"] == full                          # the whole matrix
+assert tp["tp"]["calls"] == 2 and tp["tp"]["wire"] == 2 * acts              # 2 all-reduces of activations
+
+# %% [markdown]
+# FSDP is data parallelism with sharded *storage*: each rank still computes whole layers on its
+# own micro-batch, so a layer must fit on one device while it computes, and the traffic is
+# proportional to the weights. Tensor parallelism splits the *compute*: two all-reduces of
+# activations inside every layer, on the critical path (it wants NVLink), but no full matrix
+# anywhere — and the activations of a layer are split too. That is why the largest models use
+# both: tensor parallelism inside a node, FSDP (or hybrid sharding) across.
+#
+# ## 4. The eight pitfalls, measured
+# ### 4.1 "It runs" is not "it scales"
+# The tiny model, one sequence per rank, FSDP per block with prefetch depth 1, on 1, 2 and 4
+# ranks (weak scaling: every rank keeps its micro-batch). One process is the baseline; 2 ranks
+# are the chapter's pool; 4 ranks get a pool of their own for this cell.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+MB_SCALE, STEPS = 1, 3
+tokens_per_rank = MB_SCALE * cfg.seq_len
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+single = train(strategy="single", model="tiny", micro_batch=MB_SCALE, steps=STEPS)
+torch.set_num_threads(threads)
+single_tps = tokens_per_rank / statistics.median(single["step_times"][1:])
+scaling = {1: {"world_size": 1, "step_s": statistics.median(single["step_times"][1:]),
+               "tokens_per_s": single_tps, "scaling_efficiency": 1.0,
+               "peak_bytes": single["ledger"]["peak"]}}
+kw = dict(strategy="fsdp", model="tiny", micro_batch=MB_SCALE, steps=STEPS, prefetch=1)
+scaling[2] = profile(R2.run(train, **kw), R2.last_events, tokens_per_rank, single_tps)
+with Ranks(4) as R4:
+    scaling[4] = profile(R4.run(train, **kw), R4.last_events, tokens_per_rank, single_tps)
+print(f"{'ranks':>5}{'step (s)':>10}{'tokens/s':>10}{'scaling efficiency':>20}")
+for n, m in scaling.items():
+    print(f"{n:>5}{m['step_s']:>10.3f}{m['tokens_per_s']:>10,.0f}{m['scaling_efficiency']:>20.0%}")
+assert scaling[4]["scaling_efficiency"] < 0.9            # 4 ranks on 2 cores cannot scale linearly
+
+# %% [markdown]
+# Every configuration "runs". The 4-rank run even has the smallest memory per rank. But its
+# throughput is far from 4× one process: here the four ranks share two CPU cores, so at best two
+# compute at once — on a cluster the same symptom (efficiency falling as ranks are added) points
+# at the network, at stragglers, or at collectives too small to be efficient. Report **step time,
+# tokens/s and scaling efficiency** next to "it no longer OOMs".
+#
+# ### 4.2 The mean hides the tail
+# Synchronous training waits for the slowest rank at every collective. One rank of two is made
+# slow on every tenth step — it sleeps 0.25 s, standing in for a slow node, a garbage-collection
+# pause or a noisy neighbour ([`straggler`](../minishard/lessons_oom.py), the nano model, DDP).
+# The *healthy* rank's 30 step times, summarised three ways, and split by whether rank 1 stalled:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+DELAY, EVERY = 0.25, 10
+slow = R2.run(straggler, delay=DELAY, every=EVERY, steps=30)[0]
+t = slow["step_times"]
+stalled = [t[i] for i in slow["slow_steps"]]
+others = [x for i, x in enumerate(t) if i not in slow["slow_steps"]]
+print(f"rank 0 (healthy): mean {statistics.mean(t) * 1e3:.0f} ms, p50 {percentile(t, 50) * 1e3:.0f} ms, "
+      f"p99 {percentile(t, 99) * 1e3:.0f} ms")
+print(f"  median on the {len(stalled)} steps rank 1 stalled: {statistics.median(stalled) * 1e3:.0f} ms; "
+      f"on the other {len(others)}: {statistics.median(others) * 1e3:.0f} ms")
+assert len(stalled) == 3 and min(stalled) >= DELAY          # rank 0 waited every time rank 1 slept
+assert statistics.median(others) < DELAY <= percentile(t, 99)
+
+# %% [markdown]
+# The healthy rank never slept, yet on every tenth step it is as slow as the straggler: it waited
+# in the all-reduce. Its median does not notice; its mean rises by about DELAY / 10 = 25 ms, easily
+# lost in the noise of a shared machine; its p99 carries the whole delay. With thousands of ranks, *some*
+# rank is slow at almost every step: watch p99 (and max), per rank, not the mean.
+#
+# ### 4.3 Ignoring the network topology
+# The same FSDP job (Llama-3-8B, 2 nodes × 8 H100s) on each link between the nodes, from the
+# planner — flat FSDP over all 16 GPUs, and hybrid sharding:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'between nodes':<34}{'flat FSDP: waiting':>20}{'tok/s/GPU':>11}{'hybrid: waiting':>17}{'tok/s/GPU':>11}")
+topo = {}
+for link in ("nvlink4", "ib-ndr-400", "ib-hdr-200", "ethernet-100g"):
+    c = Cluster(DEVICES["h100-80gb"], 8, nodes=2, inter=LINKS[link])
+    flat, hyb = (plan("llama3-8b", c, "fsdp", seq_len=8192, recompute=True, hybrid=h) for h in (False, True))
+    topo[link] = (flat, hyb)
+    print(f"{LINKS[link].name:<34}{flat.exposed_comm_s / flat.step_s:>20.0%}{flat.tokens_per_s_per_rank:>11,.0f}"
+          f"{hyb.exposed_comm_s / hyb.step_s:>17.0%}{hyb.tokens_per_s_per_rank:>11,.0f}")
+assert topo["ethernet-100g"][0].tokens_per_s_per_rank < 0.5 * topo["nvlink4"][0].tokens_per_s_per_rank
+assert topo["ethernet-100g"][1].tokens_per_s_per_rank > 2 * topo["ethernet-100g"][0].tokens_per_s_per_rank
+
+# %% [markdown]
+# Same model, same GPUs, same code: the link between the nodes decides whether FSDP costs
+# nothing or most of the step. Hybrid sharding is not free either: on InfiniBand NDR, where flat
+# FSDP hides everything, its extra all-reduce across nodes costs a few percent.
+#
+# ### 4.4 Bad wrap granularity
+# §2 measured the memory side: one unit for the model gathers all of Ψ at once. The time side:
+# that unit's 2 collectives per step (§2's table) each carry the whole model, and nothing can
+# overlap them — compute cannot start before the whole gather lands, and the reduce-scatter waits
+# for the whole backward. Going the other way, one unit per Linear multiplies the collectives
+# ([chapter 06 §3](06-fsdp-units.ipynb) measured 41 per step on the nano model against 11 per
+# block), each paying its latency. The planner, for Llama-3-8B on two nodes with InfiniBand NDR:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+pw.set(model="llama3-8b", nodes=2, inter="ib-ndr-400", strategy="fsdp", hybrid=False)
+for wrap in ("block", "model"):
+    pw.wrap = wrap
+    p = pw.plan
+    print(f"wrap={wrap:<6} {p.total_memory / GiB:5.1f} GiB per GPU, {p.notes[-1]:<44} "
+          f"{p.exposed_comm_s / p.step_s:4.0%} of the step waiting")
+wraps = {w: pw.plan_for("fsdp", wrap=w) for w in ("block", "model")}
+assert wraps["model"].memory["unsharded"] == 2 * GPT("llama3-8b", device="meta").num_params()
+assert wraps["model"].exposed_comm_s > 10 * wraps["block"].exposed_comm_s
+pw.wrap = "block"
+
+# %% [markdown]
+# ### 4.5 No checkpoint plan
+# A sharded run writes sharded checkpoints. Will they load on a different number of ranks? Can
+# you export full weights for inference? Decide on day one, and test the N → M reload and the
+# export early: [chapter 09](09-checkpoints.ipynb).
+#
+# ### 4.6 Recomputation combined badly
+# Recomputation runs every block's forward a second time, inside backward. §2's last two runs
+# fixed the same OOM two ways — row 3 recomputes every block, row 4 only the loss's chunks — and
+# their traces show the difference: the ratio of backward to forward time on the same rank, step
+# by step, so that the load of other processes affects both phases alike (the faster of the two
+# steps is shown):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+ratio = {}
+for name in ("4. or: chunked loss", "3. recompute"):
+    fwd, bwd = (phase_seconds(traces[name], 0, ph) for ph in ("forward", "backward"))
+    ratio[name] = min(bwd) / min(fwd)
+    print(f"{name:<22} forward {min(fwd) * 1e3:5.0f} ms, backward {min(bwd) * 1e3:5.0f} ms: "
+          f"backward = {ratio[name]:.1f} x forward")
+assert ratio["3. recompute"] > ratio["4. or: chunked loss"]
+
+# %% [markdown]
+# With recomputation, backward grows by about one forward's worth of time (the textbook ratio
+# goes from 2× to 3×; FSDP's gathers, the small model's head and the load of a shared machine
+# blur it, but the gap shows in every run). That is worth paying when activations are what does not fit (§2), and pure
+# waste when the job fits without it — the planner's hint in §1: 25% faster without. On a slow
+# network it compounds: the extra forward and the exposed gathers add up, step after step.
+#
+# ### 4.7 CPU offload switched on blindly
+# Offload keeps the sharded state in host memory; every step the parameter shards come to the
+# device for each gather and the reduced gradient shards go back. Measured on two ranks (tiny
+# model), and the planner's price for Llama-3-8B, which fits on 8 H100s without it:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+off = R2.run(train, strategy="fsdp", model="tiny", micro_batch=2, steps=2, prefetch=1, offload="host")[0]
+moved = off["transfer"][-1]
+dev = off["ledger"]["by_device"]
+print(f"per step: host -> device {moved['h2d_bytes']:,} bytes, device -> host {moved['d2h_bytes']:,} bytes")
+print(f"between steps the device holds {sum(dev.get('device', {}).values()) / MiB:.1f} MiB of state, "
+      f"the host {sum(dev['host'].values()) / MiB:.1f} MiB (16Ψ/2)")
+eight = Cluster(DEVICES["h100-80gb"], 8)
+on, off8 = (plan("llama3-8b", eight, "fsdp", seq_len=8192, recompute=True, offload=o) for o in (False, True))
+print(f"Llama-3-8B, 8 H100s: {off8.total_memory / GiB:.1f} GiB per GPU instead of {on.total_memory / GiB:.1f}, "
+      f"{off8.step_s:.2f} s per step instead of {on.step_s:.2f} s ({off8.notes[-1]})")
+assert moved["h2d_bytes"] == 4 * (2 * (PSI - ROOT) + ROOT) // 2     # each block's shard twice, the root's once
+assert moved["d2h_bytes"] == 4 * PSI // 2                            # every gradient shard, once
+assert sum(dev["host"].values()) == 16 * PSI // 2 and not dev.get("device")
+assert off8.fits and on.fits and off8.step_s > on.step_s
+
+# %% [markdown]
+# A capacity problem became a bandwidth problem ([chapter 08](08-offload.ipynb)): for a job that
+# fits, offload only adds the transfers. It is a way to run what cannot run otherwise, not a
+# free memory button.
+#
+# ### 4.8 Memorising names without the trade-off
+# The names are rows of one trade-off table. Measured on two ranks (nano model, fp32 AdamW, two
+# steps): the model state a rank keeps, and the bytes it sends per step, per parameter:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+NANO = GPT("nano", device="meta").num_params()
+STATE = ("params", "grads", "exp_avg", "exp_avg_sq")
+print(f"{'':<8}{'state bytes/param':>18}{'sent bytes/param/step':>23}")
+names = {}
+for s in ("ddp", "zero1", "zero2", "fsdp"):
+    r = R2.run(train, strategy=s, model="nano", micro_batch=2, steps=2, track_activations=False)[0]
+    state = sum(r["ledger"]["final"].get(c, 0) for c in STATE) / NANO
+    names[s] = (state, r["wire"][-1] / NANO)
+    print(f"{s:<8}{state:>18.1f}{names[s][1]:>23.2f}")
+assert [names[s][0] for s in ("ddp", "zero1", "zero2", "fsdp")] == [16, 12, 10, 8]     # 4+4+8/N ... 16/N
+assert names["ddp"][1] == names["zero1"][1] == names["zero2"][1] == 4.0    # 2(N-1)/N x 4 bytes
+assert 4.0 < names["fsdp"][1] <= 6.0                                        # up to 1.5x
+
+# %% [markdown]
+# Stage by stage, memory falls and traffic stays at DDP's until stage 3, which adds a third pass
+# over the parameters. That is the sentence to remember, not the names.
+#
+# ## 5. The profiling checklist, from real traces
+# Before tuning anything, measure these five — here read off the scaling runs of §4.1 by
+# [`profile`](../minishard/lessons_oom.py): step time (median, and p99, of the slowest rank),
+# utilisation (the share of the step a rank computes rather than waits for the network:
+# 1 − exposed communication / step), communication share (the time some collective is in
+# flight, from the trace's collective events; it can overlap compute), peak memory (the ledger),
+# and scaling efficiency (tokens/s over N × one process's).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"{'ranks':>5}{'step p50':>10}{'p99':>8}{'utilisation':>13}{'comm share':>12}{'peak MiB':>10}{'efficiency':>12}")
+for n in (2, 4):
+    m = scaling[n]
+    print(f"{n:>5}{m['step_s']:>10.3f}{m['p99_s']:>8.3f}{m['utilisation']:>13.0%}{m['comm_share']:>12.0%}"
+          f"{m['peak_bytes'] / MiB:>10.1f}{m['scaling_efficiency']:>12.0%}")
+for n in (2, 4):
+    assert 0 < scaling[n]["utilisation"] <= 1 and 0 < scaling[n]["comm_share"] <= 1
+assert scaling[4]["peak_bytes"] < scaling[2]["peak_bytes"] < scaling[1]["peak_bytes"]   # 1/N state
+
+# %%
+R2.close()
+
+# %% [markdown]
+# ## 6. The course's four questions, answered with evidence
+#
+# | question | answer | evidence |
+# |---|---|---|
+# | 1. Are ZeRO-3 and FSDP the same thing? | No: ZeRO-3 is *what* is sharded (all state, 16Ψ/N); FSDP is PyTorch's framework that does it with units, hooks, wrap policies, layouts and reshard options — some of which are not stage 3 at all | [chapter 05](05-zero3.ipynb) §1, [chapter 06](06-fsdp-units.ipynb) §7 |
+# | 2. If stage 3 saves the most memory, why not always use it? | 1.5× the traffic, more and smaller collectives on the critical path; on a model that fits anyway it is slower, and on a slow network much slower | [chapter 05](05-zero3.ipynb) §4; §1 and §4.3 here |
+# | 3. FSDP vs tensor parallelism? | FSDP shards storage and gathers each layer whole; TP splits the multiply, never holds a full matrix, and sends activations | §3 here |
+# | 4. FSDP is on and it still OOMs: what first? | wrap granularity → prefetch depth → recomputation → the big logits tensor, reading the ledger at the OOM | §2 here |
+#
+# ## 7. "FSDP vs ZeRO" in four steps
+# 1. **The problem.** Training keeps ~16 bytes per parameter (bf16 weights and gradients, fp32
+#    master, two Adam moments) plus activations, and DDP keeps all of it on every rank: N copies
+#    ([chapter 01](01-memory-ledger.ipynb), [02](02-ddp.ipynb)).
+# 2. **ZeRO's logic.** Remove the redundancy stage by stage: optimizer state (1), gradients (2),
+#    parameters (3). Memory falls with each stage; traffic stays at DDP's until stage 3 adds a
+#    third pass ([03](03-zero1.ipynb), [04](04-zero2.ipynb), [05](05-zero3.ipynb)).
+# 3. **FSDP's position.** PyTorch's fully sharded data parallelism organised around the module
+#    lifecycle: units gathered before they compute and freed after, with wrap policies,
+#    prefetch and reshard options, per-parameter sharding in FSDP2 ([06](06-fsdp-units.ipynb)).
+# 4. **The trade-off.** Both buy memory with communication. Choose by model size, device memory,
+#    network and the team's tolerance for complexity — not by which sounds more advanced (§1).
+#
+# ## 8. A learning route
+# Compute the ledger by hand (chapter 01) → see DDP's redundancy (02) → ZeRO 1, 2, 3 (03–05) →
+# FSDP's module lifecycle, prefetch and offload (06–08) → checkpoints (09) → profile before you
+# tune (§5 here). Then do it on a real cluster: `torchrun -m minishard demo` writes the same
+# traces ([chapter 00](00-how-to-run.ipynb)).
+#
+# > **Takeaway.** ZeRO and FSDP trade communication for memory; none of it is free. Ask first
+# > whether you are short of memory or of throughput, and take the *simplest* strategy that fits
+# > (Llama-3-8B on 8 H100s: ZeRO-1; 70B on 32: only FSDP). Check that your network hides the
+# > extra traffic — if it is fast only inside a node, shard inside the node (hybrid sharding). When
+# > FSDP still OOMs, read the ledger at the OOM and walk the checklist in order: wrap, prefetch,
+# > recomputation, the logits. And judge every change by step time, tokens/s, tail latency and
+# > scaling efficiency, not by "it runs".
+#
+# **Questions**
+#
+# 1. A 13B model, bf16-mixed AdamW, on one node of 8 A100-80GB with NVLink. DDP, ZeRO-1 or FSDP?
+#
+# <details><summary>Answer</summary>
+#
+# DDP needs 16 × 13e9 = 208 GB per GPU: no. ZeRO-1 keeps bf16 weights and gradients whole
+# (4 bytes/param = 52 GB) plus 12/8 bytes/param of optimizer state (19.5 GB): 71.5 GB before
+# activations — too tight for long sequences. ZeRO-2 (2 + 14/8 = 3.75 bytes/param, 49 GB) or FSDP
+# (2 bytes/param, 26 GB) leave room for activations; on NVLink the extra traffic of FSDP is
+# hidden, so either works — take ZeRO-2 if the stack makes it easy, FSDP if activations need the
+# room. Check it in the planner widget.
+# </details>
+#
+# 2. An FSDP job OOMs and the report says "allocating 512 MiB of unsharded"; the ledger holds
+# 3 GiB of `unsharded` on a model whose blocks are 500 MiB each. First suspect?
+#
+# <details><summary>Answer</summary>
+#
+# Prefetch depth (or a coarse unit): 3 GiB of gathered parameters is six blocks' worth, while the
+# usual schedule keeps the root plus one or two. Check the prefetch depth and the wrap policy
+# before touching recomputation.
+# </details>
+#
+# 3. Mean step time is fine but the job misses its throughput target by 20% at 1,024 GPUs. What do
+# you measure?
+#
+# <details><summary>Answer</summary>
+#
+# Per-rank step-time distributions (p50 vs p99, max) and scaling efficiency against a smaller run:
+# a synchronous job runs at the speed of its slowest rank at every collective (§4.2), so a few
+# slow nodes or an oversubscribed network link tax everyone. Then the communication share and
+# exposed communication per step (§5).
+# </details>

@@ -1,0 +1,215 @@
+"""The planner widget draws exactly what the planner says, follows its controls, and its hints
+name the checklist item that would change the verdict. No ranks are launched."""
+import ipywidgets as W
+import pytest
+
+from minishard.costmodel import DEVICES, LINKS, Cluster, plan
+from minishard.model import GPT
+from minishard.viz import PlannerWidget
+from minishard.viz.planner import GiB, LABELS, STRATEGIES, whole_model_unit
+
+N8B = GPT("llama3-8b", device="meta").num_params()
+
+
+@pytest.fixture(scope="module")
+def pw():
+    return PlannerWidget(model="llama3-8b", device="h100-80gb", gpus_per_node=8, strategy="ddp",
+                         micro_batch=1, seq_len=8192, recompute=True)
+
+
+@pytest.fixture(autouse=True)
+def _reset(pw):
+    pw.set(model="llama3-8b", device="h100-80gb", gpus_per_node=8, nodes=1, intra="nvlink4",
+           inter="ib-ndr-400", strategy="ddp", wrap="block", prefetch=1, recompute=True,
+           offload=False, hybrid=False, micro_batch=1, seq_len=8192, mfu=0.4)
+
+
+def _bar(pw, name):
+    return next(tr for tr in pw.figure.data if tr.name == name)
+
+
+def test_bars_are_the_planners_memory_and_time_for_every_strategy(pw):
+    c = Cluster(DEVICES["h100-80gb"], 8)
+    for i, s in enumerate(STRATEGIES):
+        p = plan("llama3-8b", c, s, micro_batch=1, seq_len=8192, recompute=True,
+                 prefetch=1 if s == "fsdp" else 0)
+        for cat, b in p.memory.items():
+            assert _bar(pw, cat).y[i] == pytest.approx(b / GiB)
+        assert _bar(pw, "compute").y[i] == pytest.approx(p.compute_s)
+        assert _bar(pw, "exposed communication").y[i] == pytest.approx(p.exposed_comm_s)
+    assert list(_bar(pw, "params").x) == [LABELS[s] for s in STRATEGIES]
+
+
+def test_the_device_line_and_the_verdict_follow_the_device(pw):
+    assert pw.figure.layout.shapes[0].y0 == 80
+    assert not pw.fits and pw.verdict.startswith("DDP, 8 GPUs: does not fit")
+    assert "#c62828" in pw.verdict_html.value
+    pw.device = "h200"
+    assert pw.figure.layout.shapes[0].y0 == pytest.approx(141e9 / GiB)
+    pw.set(device="h100-80gb", strategy="zero3")              # the planner's name is accepted
+    assert pw.strategy == "fsdp" and pw.fits and "#2e7d32" in pw.verdict_html.value
+
+
+def test_selected_strategy_is_outlined_and_bold(pw):
+    pw.strategy = "zero2"
+    assert _bar(pw, "params").marker.line.width == (0, 0, 2.5, 0)
+    assert pw.figure.layout.xaxis.ticktext[2] == "<b>ZeRO-2</b>"
+
+
+def test_one_update_per_change_and_one_for_many(pw):
+    before = pw.redraws
+    pw.micro_batch = 2
+    assert pw.redraws == before + 1
+    pw.set(micro_batch=1, seq_len=4096, mfu=0.5)
+    assert pw.redraws == before + 2
+    with pytest.raises(AttributeError, match="no such control"):
+        pw.set(gpus=4)
+
+
+def test_ddp_that_does_not_fit_is_told_to_shard_more(pw):
+    assert pw.hints[0].startswith("Shard more: ZeRO-1 needs")
+
+
+def test_fsdp_that_fits_on_nvlink_is_told_a_simpler_strategy_fits(pw):
+    pw.strategy = "fsdp"
+    assert any(h.startswith("ZeRO-1 fits too") for h in pw.hints)
+
+
+def test_slow_network_suggests_hybrid_sharding_and_hybrid_hides_it(pw):
+    pw.set(strategy="fsdp", nodes=2, inter="ethernet-100g")
+    flat = pw.plan
+    assert flat.exposed_comm_s > 0.5 * flat.step_s
+    assert any("Hybrid sharding" in h for h in pw.hints)
+    pw.hybrid = True
+    assert pw.plan.exposed_comm_s < 0.15 * pw.plan.step_s
+    assert pw.plan.total_memory > flat.total_memory           # sharded 8 ways, not 16
+
+
+def test_oom_hints_follow_the_checklist_order(pw):
+    pw.set(model="llama3-70b", strategy="fsdp", wrap="model", recompute=False, micro_batch=2)
+    h = pw.hints
+    assert not pw.fits
+    assert h[0].startswith("Wrap granularity") and h[1].startswith("Activations are")
+    assert any("logits" in x for x in h)
+    pw.wrap = "block"
+    pw.prefetch = 3
+    assert pw.hints[0].startswith("Prefetch depth 3")
+
+
+def test_wrap_model_gathers_the_whole_model_and_overlaps_nothing(pw):
+    pw.set(strategy="fsdp", wrap="model")
+    p = pw.plan
+    assert p.memory["unsharded"] == 2 * N8B                    # bf16 working weights, all of them
+    assert p.exposed_comm_s == p.comm_s > 0
+    assert _bar(pw, "unsharded").y[3] == pytest.approx(2 * N8B / GiB)
+    pw.wrap = "block"
+    assert pw.plan.memory["unsharded"] < p.memory["unsharded"] / 5        # root + 2 blocks
+
+
+def test_whole_model_unit_keeps_the_planners_hybrid_and_offload_terms():
+    c = Cluster(DEVICES["h100-80gb"], 8, nodes=2, inter=LINKS["ethernet-100g"])
+    kw = dict(micro_batch=1, seq_len=4096, recompute=True)
+    per_block = plan("llama3-8b", c, "fsdp", hybrid=True, **kw)
+    acts = plan("llama3-8b", c, "zero2", hybrid=True, **kw).memory["activations"]
+    one = whole_model_unit(per_block, "llama3-8b", c, activations=acts, hybrid=True, offload_s=0.25)
+    assert one.exposed_comm_s > one.comm_s            # the offload time is exposed, not communication
+    assert one.comm_s > one.exposed_comm_s - 0.25 - 1e-12
+    assert any("hybrid" in n for n in one.notes) and any("1 unit" in n for n in one.notes)
+
+
+def test_controls_that_do_not_apply_are_disabled(pw):
+    c = pw._controls
+    assert c["wrap"].disabled and c["prefetch"].disabled        # DDP has no units
+    assert c["hybrid"].disabled and c["inter"].disabled         # one node
+    pw.set(strategy="fsdp", nodes=2)
+    assert not c["wrap"].disabled and not c["prefetch"].disabled and not c["hybrid"].disabled
+    pw.wrap = "model"
+    assert c["prefetch"].disabled                               # nothing to prefetch
+
+
+def test_a_shape_the_planner_refuses_is_a_verdict_not_a_crash(pw, monkeypatch):
+    import minishard.viz.planner as planner
+    real = planner.cached_plan
+
+    def refuse_fsdp(model, cluster, strategy, *args):
+        if strategy == "fsdp":
+            raise ValueError("16 ranks cannot each hold a shard of 8 parameters")
+        return real(model, cluster, strategy, *args)
+
+    monkeypatch.setattr(planner, "cached_plan", refuse_fsdp)
+    pw.strategy = "fsdp"
+    assert pw.verdict.startswith("impossible: 16 ranks") and not pw.fits
+    assert pw.hints == ["Fewer GPUs, or a bigger model: the planner refuses this shape."]
+    assert "refused" in [a.text for a in pw.figure.layout.annotations]
+
+
+def test_the_widget_is_a_vbox_with_the_figure_and_the_hints(pw):
+    assert isinstance(pw.widget, W.VBox)
+    assert pw.figure in pw.widget.children and pw.hints_html in pw.widget.children
+    assert pw.hints_html.value.startswith("<b>What would you change?</b><ul><li>")
+
+
+def test_unknown_strategy_is_named():
+    with pytest.raises(ValueError, match="unknown strategy"):
+        PlannerWidget(strategy="zero4")
+
+
+# ---------------------------------------------------------------------------- the chapter's readings
+# (minishard/lessons_oom.py: pure functions of an OOM message and of trace events)
+
+def test_an_oom_report_reads_back_as_data():
+    from minishard.ledger import DeviceOutOfMemory, LiveLedger
+    from minishard.lessons_oom import oom_report
+    led = LiveLedger(budget=10 * 2**20)
+    led.alloc("params", 6 * 2**20, "p")
+    led.alloc("activations", 3 * 2**20, "act1")
+    with pytest.raises(DeviceOutOfMemory) as e:
+        led.alloc("unsharded", 2 * 2**20, "blocks.3 (full)")
+    r = oom_report(str(e.value))
+    assert (r["allocating"], r["alloc_mib"], r["tag"]) == ("unsharded", 2.0, "blocks.3 (full)")
+    assert (r["would_be_mib"], r["budget_mib"]) == (11.0, 10.0)
+    assert r["held_mib"] == {"activations": 3.0, "params": 6.0}
+    with pytest.raises(ValueError, match="not a minishard out-of-memory report"):
+        oom_report("CUDA out of memory")
+
+
+def test_percentile_interpolates_like_numpy():
+    from minishard.lessons_oom import percentile
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert [percentile(xs, q) for q in (0, 50, 99, 100)] == [1.0, 3.0, pytest.approx(4.96), 5.0]
+
+
+def _events():
+    ev = lambda t, kind, **f: {"v": 1, "rank": 0, "seq": 0, "t": t, "kind": kind, **f}   # noqa: E731
+    return [ev(0.0, "phase", name="step", edge="begin", step=0),
+            ev(0.0, "phase", name="forward", edge="begin", step=0),
+            ev(0.1, "collective", op="all_gather", payload=8, wire=4, t_end=0.3),
+            ev(0.2, "collective", op="all_gather", payload=8, wire=4, t_end=0.4),
+            ev(0.5, "phase", name="wait_unshard", edge="begin", step=0, unit="blocks.0"),
+            ev(0.6, "phase", name="wait_unshard", edge="end", step=0, unit="blocks.0"),
+            ev(1.0, "phase", name="forward", edge="end", step=0),
+            ev(1.0, "phase", name="backward", edge="begin", step=0),
+            ev(1.5, "collective", op="reduce_scatter", payload=8, wire=4, t_end=2.5),
+            ev(3.0, "phase", name="backward", edge="end", step=0),
+            ev(4.0, "phase", name="step", edge="end", step=0)]
+
+
+def test_phase_and_communication_seconds_from_a_trace():
+    from minishard.lessons_oom import comm_seconds, phase_seconds
+    events = _events()
+    assert phase_seconds(events, 0, "forward") == [1.0]          # a unit's phases are not the forward
+    assert phase_seconds(events, 0, "backward") == [2.0]
+    busy, step = comm_seconds(events, 0, 0)
+    assert busy == pytest.approx(0.3 + 1.0) and step == 4.0         # overlapping gathers count once
+
+
+def test_profile_reads_the_checklist_off_results_and_events():
+    from minishard.lessons_oom import profile
+    events = _events()
+    results = [{"step_times": [4.0], "exposed_comm": [1.0], "ledger": {"peak": 100}},
+               {"step_times": [5.0], "exposed_comm": [0.0], "ledger": {"peak": 120}}]
+    m = profile(results, events, tokens_per_rank=10, single_tokens_per_s=5.0, skip=0)
+    assert m["step_s"] == 5.0 and m["p99_s"] == 5.0                 # the slowest rank sets the step
+    assert m["tokens_per_s"] == 4.0 and m["scaling_efficiency"] == 0.4
+    assert m["utilisation"] == 0.75 and m["comm_share"] == pytest.approx(1.3 / 4)
+    assert m["peak_bytes"] == 120
