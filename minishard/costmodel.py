@@ -18,6 +18,7 @@ Every device and link figure below is a published peak (sources in ``docs/costmo
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -82,11 +83,20 @@ def ring_time(op: str, nbytes: float, n: int, link: Link) -> float:
     return steps * link.latency + volume * nbytes / link.bandwidth
 
 
+@functools.lru_cache(maxsize=64)
+def param_counts(cfg: GPTConfig) -> tuple[int, int, int]:
+    """(all parameters, one block's, those in matrix multiplies) — counted once per config on
+    the meta device (a 405B model builds in about a second)."""
+    net = GPT(cfg, device="meta")
+    return (sum(p.numel() for p in net.parameters()),
+            sum(p.numel() for p in net.blocks[0].parameters()),
+            sum(p.numel() for n, p in net.named_parameters() if p.dim() == 2 and "emb" not in n))
+
+
 def train_flops_per_token(cfg: GPTConfig, seq_len: int, recompute: bool) -> float:
     """6 FLOPs per parameter per token (2 forward, 4 backward) for the matrix multiplies, plus
     attention's scores and weighted sum (12 L d T per token); recomputation adds a forward."""
-    dense = sum(p.numel() for n, p in GPT(cfg, device="meta").named_parameters()
-                if p.dim() == 2 and "emb" not in n)
+    dense = param_counts(cfg)[2]
     attention = 12 * cfg.n_layer * cfg.d_model * seq_len / 2      # causal: half the scores
     per_pass = 2 * dense + attention / 3
     return per_pass * (4 if recompute else 3)
@@ -153,12 +163,11 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
     if strategy == "fsdp":
         strategy = "zero3"
     shard_n = cluster.gpus_per_node if hybrid else N
-    net = GPT(cfg, device="meta")
-    n_params = sum(p.numel() for p in net.parameters())
+    n_params, block, _ = param_counts(cfg)
     if shard_n > n_params:
         raise ValueError(f"{shard_n} ranks cannot each hold a shard of {n_params} parameters")
     x = 2 if precision.startswith("bf16") else 4
-    est = estimate(net, world_size=shard_n, strategy=strategy, precision=precision,
+    est = estimate(n_params=n_params, world_size=shard_n, strategy=strategy, precision=precision,
                    optimizer=optimizer)
     memory = dict(est.per_rank)
     notes = []
@@ -175,7 +184,6 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
             gpt_activation_bytes(replace(cfg, n_layer=0), micro_batch, T, x, flash_attention)
         acts = acts - cfg.n_layer * one_layer + cfg.n_layer * micro_batch * T * cfg.d_model * x \
             + one_layer
-    block = sum(p.numel() for p in net.blocks[0].parameters())
     root = n_params - cfg.n_layer * block
     grad_bytes = 4 if precision in ("bf16_fsdp", "bf16_mixed_fp32_grads") else x
     if strategy == "zero3":

@@ -371,6 +371,8 @@ class LiveLedger:
 
         Storages already in the ledger (parameters, gathered units) are not activations and are
         skipped. The bytes are freed when autograd releases the saved tensor after its backward.
+        Not seen: what activation checkpointing recomputes during backward (one block at a time)
+        lives in ``torch.utils.checkpoint``'s own storage, outside these hooks.
         """
         ledger = self
         refs: dict[int, list] = {}      # storage ptr -> [count, tag]
