@@ -115,3 +115,57 @@ def test_zero2_hook_that_keeps_the_gradient_fails(ranks):
     assert right                                           # (the right one is in solutions/)
     with pytest.raises(ExerciseFailed, match="full gradient"):
         ch04.check_make_bucket_hook(make_bucket_hook, ranks=ranks)
+
+
+def test_a_lifecycle_that_keeps_blocks_gathered_through_forward_fails(ranks):
+    from minishard.exercises import ch06
+
+    def manual_step(model, idx, targets):
+        import torch
+        root, blocks = model._fsdp_unit, [b._fsdp_unit for b in model.blocks]
+        root.unshard()
+        x = model.tok_emb(idx) + model.pos_emb.weight[:idx.shape[1]]
+        for b, u in zip(model.blocks, blocks):
+            u.unshard()                              # gathered, never freed before backward:
+            x = b(x)                                 # the right numbers, none of the saving
+        loss = torch.nn.functional.cross_entropy(model.head(model.ln_f(x)).flatten(0, 1),
+                                                 targets.flatten())
+        loss.backward()
+        for u in [*reversed(blocks), root]:
+            u.reduce_scatter_grads()
+            u.reshard()
+        return loss.detach()
+    with pytest.raises(ExerciseFailed, match="free each block"):
+        ch06.check_manual_step(manual_step, ranks=ranks)
+
+
+def test_a_read_plan_that_ignores_the_uneven_last_chunk_fails():
+    from minishard.exercises import ch09
+
+    def read_plan(numel, saved_world_size, world_size):
+        old, new = numel // saved_world_size, numel // world_size      # floor: drops the tail
+        return [[(s, max(r * new, s * old), min((r + 1) * new, (s + 1) * old))
+                 for s in range(saved_world_size)
+                 if max(r * new, s * old) < min((r + 1) * new, (s + 1) * old)]
+                for r in range(world_size)]
+    with pytest.raises(ExerciseFailed, match="new rank"):
+        ch09.check_read_plan(read_plan)
+
+
+def test_tensor_parallel_that_gathers_the_weight_fails(ranks):
+    from minishard.exercises import ch10
+
+    def tp_mlp_forward(comm, x, fc_w, fc_b, proj_w, proj_b):
+        import torch
+        import torch.nn.functional as F
+        N = comm.world_size
+        full_fc = torch.empty(N * fc_w.numel())
+        comm.all_gather(full_fc, fc_w.reshape(-1).contiguous())      # FSDP's way, not TP's
+        full_b = torch.empty(N * fc_b.numel())
+        comm.all_gather(full_b, fc_b.contiguous())
+        full_proj = torch.empty(N * proj_w.numel())
+        comm.all_gather(full_proj, proj_w.t().reshape(-1).contiguous())
+        h = F.gelu(F.linear(x, full_fc.view(-1, x.shape[-1]), full_b))
+        return F.linear(h, full_proj.view(-1, x.shape[-1]).t()) + proj_b
+    with pytest.raises(ExerciseFailed, match="never gathers a weight"):
+        ch10.check_tp_mlp_forward(tp_mlp_forward, ranks=ranks)
