@@ -25,6 +25,8 @@
 # with Ranks(N) as R:                     # N processes, started once, kept warm
 #     out = R.run(task, **kwargs)         # task(rank_ctx, **kwargs) on every rank -> N results
 # ```
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import collections
@@ -257,3 +259,25 @@ R.close()
 # rank 1's own exception, which it reported before its socket closed; the launcher raises the
 # earliest report.
 # </details>
+
+# %% [markdown]
+# ## Exercise: predict, then run
+# Before starting any rank, write down what `hello` will report: the value every rank holds after
+# its all-reduce, and the bytes each rank sends for it. The check then runs `hello` on 2 and on 3
+# real ranks and compares, rank by rank.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch00.py`](../minishard/exercises/ch00.py)), then run the check. A
+# reference solution is in [`solutions/ch00.py`](../solutions/ch00.py): try first.
+
+# %%
+def predict_hello(world_size: int, payload_mb: float) -> tuple[float, int]:
+    """(the value every rank holds after hello's all-reduce, the bytes each rank sends for it —
+    whole bytes, rounded down). hello: every rank fills payload_mb MiB of fp32 with rank + 1."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch00
+
+ch00.check_predict_hello(predict_hello)

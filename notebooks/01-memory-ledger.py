@@ -26,6 +26,8 @@
 # $$\underbrace{2}_{\text{bf16 weights}} + \underbrace{2}_{\text{bf16 grads}} + \underbrace{4}_{\text{fp32 master}} + \underbrace{4}_{\text{Adam } m} + \underbrace{4}_{\text{Adam } v} = 16 \text{ bytes per parameter, on every DDP rank,}$$
 #
 # plus activations, which depend on the batch rather than on the parameter count.
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import plotly.graph_objects as go
@@ -47,6 +49,7 @@ GB = 1e9
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: L1
 llama = GPT("llama3-8b", device="meta")
 e8b = estimate(llama, world_size=1, strategy="ddp", precision="bf16_mixed", optimizer="adamw")
 print(f"llama3-8b: {e8b.n_params:,} parameters, {e8b.bytes_per_param:g} bytes per parameter")
@@ -87,6 +90,7 @@ assert {b for b, _, _ in conventions()} >= {10, 16, 18, 20}
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: L2
 def act(**cfg_overrides):
     B = cfg_overrides.pop("B", 4)
     return gpt_activation_bytes(config("tiny", **cfg_overrides), micro_batch=B)
@@ -128,6 +132,7 @@ calc.widget
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: L4
 print(calc.verdict)
 assert not calc.fits and calc.smallest_world_size() is None   # DDP: more ranks never help
 calc.world_size = 64
@@ -156,6 +161,7 @@ with Ranks(4) as R4:
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: L3, L4
 tiny = GPT("tiny", device="meta")
 
 def compare(out, precision, act_dtype_bytes):
@@ -194,6 +200,7 @@ ledger_bars({o["rank"]: o["ledger"]["peak_snapshot"] for o in measured[4]},
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: L1
 mixed = R2.run(train, strategy="ddp", steps=2, model="tiny", micro_batch=4, precision="bf16_mixed")
 gaps = compare(mixed, "bf16_mixed", 2)
 split = {c: mixed[0]["ledger"]["peak_snapshot"][c] / mixed[0]["n_params"]
@@ -257,6 +264,7 @@ assert n_tensors == 77 and all(r > peak for r in rss)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: Q0
 state = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 def state_per_param(out):
     return sum(out[0]["ledger"]["peak_snapshot"].get(c, 0) for c in state) / out[0]["n_params"]
@@ -297,3 +305,25 @@ assert need == e8b.total and need > 80 * GB
 # grows the *global* batch, not any rank's share of the work. Activations shrink per rank only if
 # the micro-batch (or the sequence, or what is saved: recomputation) shrinks.
 # </details>
+
+# %% [markdown]
+# ## Exercise: write the ledger of one DDP rank
+# Write the bytes of model state one DDP rank holds, by ledger category, for AdamW in fp32 and in
+# bf16 mixed precision. The check compares your ledger with `estimate` for models from 0.2 M to
+# 405 B parameters, then with the ledger *measured* on 2 real ranks.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch01.py`](../minishard/exercises/ch01.py)), then run the check. A
+# reference solution is in [`solutions/ch01.py`](../solutions/ch01.py): try first.
+
+# %%
+def ddp_state_bytes(n_params: int, precision: str) -> dict[str, int]:
+    """{category: bytes} of one DDP rank's model state (params, grads, master, exp_avg,
+    exp_avg_sq — leave out a category the setting does not have); precision "fp32" or "bf16_mixed"."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch01
+
+ch01.check_ddp_state_bytes(ddp_state_bytes)

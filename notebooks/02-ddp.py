@@ -25,6 +25,8 @@
 #
 # $$g = \frac{1}{N}\sum_{r=0}^{N-1} \nabla L(x_r) \quad\text{(all-reduce)},\qquad
 # \text{bytes each rank sends per step} = \frac{2(N-1)}{N}\,\Psi .$$
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import hashlib
@@ -65,6 +67,7 @@ events = R2.last_events
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+# claim: L3
 def fingerprint(params: dict) -> str:
     flat = torch.cat([p.reshape(-1) for p in params.values()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
@@ -188,6 +191,7 @@ R3.close()
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: W1
 print(f"{'N':>2}{'2(N-1)/N x Psi':>16}{'recorded (wire)':>17}{'ratio to Psi':>14}")
 for N, out in per_n.items():
     formula = 2 * (N - 1) / N * PSI
@@ -198,6 +202,7 @@ for N, out in per_n.items():
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+# claim: W1
 for N, out in per_n.items():
     extra = [w - x for o in out for w, x in zip(o["wchar"], o["wire"])]
     print(f"N={N}: the OS counted {min(extra):,} to {max(extra):,} bytes more than recorded per rank per step "
@@ -305,3 +310,25 @@ R4.close()
 # other: they sum unrelated gradients (or, if the sizes differ, hang or crash). minishard's DDP
 # launches buckets strictly in index order for this reason.
 # </details>
+
+# %% [markdown]
+# ## Exercise: the ring's bytes on the wire
+# Write how many bytes one rank sends for a ring all-reduce, reduce-scatter and all-gather of S
+# bytes on N ranks. The check compares your formula with minishard's, then with the operating
+# system's count of the bytes each DDP rank process wrote in one step, on 2 and on 3 ranks.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch02.py`](../minishard/exercises/ch02.py)), then run the check. A
+# reference solution is in [`solutions/ch02.py`](../solutions/ch02.py): try first.
+
+# %%
+def ring_bytes(op: str, nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends for op ("all_reduce", "reduce_scatter", "all_gather") on a buffer of
+    nbytes over world_size ranks with the ring algorithm (rounded down to whole bytes)."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch02
+
+ch02.check_ring_bytes(ring_bytes)

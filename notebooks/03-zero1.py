@@ -28,6 +28,8 @@
 #
 # $$\text{memory per rank} = \underbrace{2\Psi + 2\Psi}_{\text{bf16 weights, grads: replicated}} + \underbrace{\frac{12\Psi}{N}}_{\text{master}+m+v\text{: sharded}},\qquad
 # \text{grads} \xrightarrow{\text{reduce-scatter}} \text{update my slice} \xrightarrow{\text{all-gather}} \text{params}.$$
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import plotly.graph_objects as go
@@ -69,6 +71,7 @@ zero_events = R4.last_events
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: Z1
 ddp_player.jump_to_phase("optimizer", step=0, edge="end")
 live.jump_to_phase("optimizer", step=0, edge="end")
 before, after = ddp_player.snapshot(), live.snapshot()
@@ -158,6 +161,7 @@ assert [r.label for r in ring_schedule("all_reduce", 4)] == \
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: Z1
 layout = zero_run[0]["layout"]
 for start, numel, chunk in layout["buckets"]:
     print(f"bucket at {start}: {numel:,} parameters, padded to 4 x {chunk:,};",
@@ -199,6 +203,7 @@ traffic = {(N, s): pools[N].run(train, strategy=s, **one_step)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: Z1w
 PSI_B = 4 * PSI                                             # one fp32 gradient, in bytes
 print(f"{'N':>2} {'strategy':<16}{'collectives':<30}{'sent (wire)':>12}{'formula':>12}{'÷ Ψ':>7}")
 for (N, s), out in traffic.items():
@@ -397,3 +402,30 @@ R4.close()
 # parameters: 2(N−1)/N + (N−1)/N = 3(N−1)/N · Ψ, 1.5× DDP. Reduce-scatter instead, since a rank
 # only needs its own slice of the summed gradient: (N−1)/N + (N−1)/N = 2(N−1)/N · Ψ, DDP's volume.
 # </details>
+
+# %% [markdown]
+# ## Exercise: the ZeRO-1 update of one shard
+# Write one ZeRO-1 step on one rank: average your chunk of the gradient (a reduce-scatter), update
+# your shard, all-gather the updated chunks. The check runs it for three AdamW steps on 1, 2 and 4
+# real ranks next to minishard's `ZeroOptimizer(stage=1)` on the same model and data, compares the
+# parameters, and checks that you sent DDP's volume — not the all-reduce version's 1.5×. The
+# function is sent to the ranks as source: keep it self-contained (`torch` is there).
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch03.py`](../minishard/exercises/ch03.py)), then run the check. A
+# reference solution is in [`solutions/ch03.py`](../solutions/ch03.py): try first.
+
+# %%
+def zero1_step(comm, flat_param, flat_grad, shard, optimizer):
+    """flat_param: all parameters (N * chunk elements, the same on every rank) — update in place.
+    flat_grad: this rank's local gradient, same layout, not averaged over ranks.
+    shard: the optimizer's copy of chunk comm.rank; optimizer: over [shard] only.
+    comm.reduce_scatter(out, inp): out = slice comm.rank of the sum over ranks of inp;
+    comm.all_gather(out, inp): out = every rank's inp in rank order (pass a copy)."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch03
+
+ch03.check_zero1_step(zero1_step)

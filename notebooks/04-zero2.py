@@ -26,6 +26,8 @@
 #
 # $$\text{memory per rank} = \underbrace{2\Psi}_{\text{bf16 weights: replicated}} + \underbrace{\frac{2\Psi + 12\Psi}{N}}_{\text{grads}+\text{master}+m+v\text{: sharded}} \;(+\ \text{the buckets in flight}),\qquad
 # \text{each rank sends } \frac{2(N-1)}{N}\,\Psi \text{ per step, as DDP.}$$
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import plotly.io as pio
@@ -69,6 +71,7 @@ live.timeline_figure
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: Z2
 def collectives_by_phase(events, rank, step):
     """(op, launched during backward?) for each collective of ``rank`` in ``step``."""
     bw = [e["t"] for e in events if e["kind"] == "phase" and e["name"] == "backward"
@@ -103,6 +106,7 @@ timeline_figure([e for e in events if e.get("step") == 1]).update_layout(
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: Z2
 def bucket_buffers(events, rank=0, step=1):
     """Rank ``rank``'s comm_buffers allocs and frees in ``step``'s backward: [(index, line, held)]."""
     bw = [i for i, e in enumerate(events) if e["kind"] == "phase" and e["name"] == "backward"
@@ -404,3 +408,29 @@ R4.close()
 # No: it all-reduces a single number per step (8 bytes here, §6). Its cost is latency — one more
 # synchronisation between the gradient reduction and the update — not bandwidth.
 # </details>
+
+# %% [markdown]
+# ## Exercise: ZeRO-2's bucket hook
+# Write the hook that ZeRO-2 registers on every parameter of a bucket: copy the gradient into the
+# bucket, drop `p.grad`, and when the bucket's last gradient is in, reduce-scatter it and keep only
+# your averaged slice. The check runs your hooks during backward on 1, 2 and 4 real ranks and
+# compares the slices with an all-reduced gradient; it also checks that no full gradient is left
+# and that each bucket was reduced during backward. The function is sent to the ranks as source:
+# keep it self-contained.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch04.py`](../minishard/exercises/ch04.py)), then run the check. A
+# reference solution is in [`solutions/ch04.py`](../solutions/ch04.py): try first.
+
+# %%
+def make_bucket_hook(comm, params, offsets, chunk, out):
+    """Return hook(p), registered with p.register_post_accumulate_grad_hook on each parameter of
+    one bucket. params[i] starts at offsets[i] in the bucket of comm.world_size * chunk elements;
+    out (chunk elements): add this rank's averaged slice of the bucket's gradient to it."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch04
+
+ch04.check_make_bucket_hook(make_bucket_hook)

@@ -45,15 +45,15 @@ class NotDone(Exception):
 def attempt(check: Callable) -> Callable:
     """Decorator for ``check_*``: a stub that is not written yet prints a friendly line and
     returns False instead of failing; a correct answer returns True."""
+    solution = f"solutions/{check.__module__.rsplit('.', 1)[-1]}.py"
+
     def wrapper(*args, **kwargs):
         try:
             check(*args, **kwargs)
-        except NotDone as e:
-            print(f"not done yet: {e} — edit the stub, run the check again "
-                  f"(a reference solution is in solutions/ at the repository root)")
-            return False
-        except NotImplementedError as e:
-            print(f"not done yet: {e or 'the stub raises NotImplementedError'} — edit it, run again")
+        except (NotDone, NotImplementedError) as e:
+            what = str(e) or "the stub raises NotImplementedError"
+            print(f"not done yet: {what} — write it, then run the check again "
+                  f"(a reference solution is in {solution})")
             return False
         print(f"✓ {check.__name__}: your answer agrees with minishard")
         return True
