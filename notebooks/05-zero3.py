@@ -31,6 +31,8 @@
 # \;\;\text{vs DDP's}\;\; 2\cdot\frac{N-1}{N}\,\Psi .$$
 #
 # (Traffic in parameter *elements*; in fp32 each is 4 bytes.)
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import statistics
@@ -379,3 +381,28 @@ R2.close()
 # raises throughput. (b) When the network is fast relative to compute and the gathers are
 # prefetched, so that they overlap computation: the extra traffic then costs little wall time.
 # </details>
+
+# %% [markdown]
+# ## Exercise: gather one parameter from its shards
+# Under ZeRO-3 a parameter is cut along dim 0 into N blocks of ceil(rows / N) rows, the last ones
+# zero-padded; rank r keeps block r. Write the unshard of one parameter: all-gather the blocks,
+# drop the padding, rebuild the full tensor. The check shards the nano GPT on 1, 2 and 3 real
+# ranks, runs your function on every shard and compares with minishard's own gather
+# (`fsdp.full_parameters`) and the all-gather's bytes. The function is sent to the ranks as
+# source: keep it self-contained.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch05.py`](../minishard/exercises/ch05.py)), then run the check. A
+# reference solution is in [`solutions/ch05.py`](../solutions/ch05.py): try first.
+
+# %%
+def unshard_param(comm, shard, shape):
+    """The full parameter of shape `shape` from this rank's shard (ceil(shape[0] / N) rows,
+    zero-padded). comm.all_gather(out, inp): out (N x inp.numel()) gets every rank's inp in order."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch05
+
+ch05.check_unshard_param(unshard_param)
