@@ -35,6 +35,8 @@
 #     fully_shard(block, comm=comm)          # one unit per transformer block
 # fully_shard(model, comm=comm)              # the root: everything left (embeddings, head)
 # ```
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import hashlib
@@ -449,3 +451,29 @@ R2.close()
 # converted full/named dicts), under FSDP2 the original parameter names with row-sharded values.
 # The numbers agree; the names, shapes and sharding metadata in the files do not.
 # </details>
+
+# %% [markdown]
+# ## Exercise: the lifecycle by hand
+# The units below are made with `fully_shard(..., manual=True)`: nothing is gathered or freed
+# unless you say so. Write one training step calling `unshard()`, `reshard()` and
+# `reduce_scatter_grads()` yourself. The check runs it on 1 and 2 real ranks next to
+# `fsdp.manual_step`, compares the loss and every gradient shard, counts the collectives, and
+# checks that every block is already freed when forward reaches the final norm. The function is
+# sent to the ranks as source: keep it self-contained.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch06.py`](../minishard/exercises/ch06.py)), then run the check. A
+# reference solution is in [`solutions/ch06.py`](../solutions/ch06.py): try first.
+
+# %%
+def manual_step(model, idx, targets):
+    """One step; return the loss (detached). root = model._fsdp_unit (embeddings, ln_f, head);
+    model.blocks[i]._fsdp_unit (block i). Forward: x = model.tok_emb(idx) + model.pos_emb.weight[:T],
+    the blocks, model.head(model.ln_f(x)), cross-entropy against targets."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch06
+
+ch06.check_manual_step(manual_step)
