@@ -36,6 +36,8 @@
 # set_prefetch(model, forward=k, backward=k)               # depth k for every unit of the root
 # set_modules_to_forward_prefetch(model.blocks[0], [model.blocks[1]])   # or explicit, per unit
 # ```
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import statistics
@@ -335,3 +337,25 @@ R2.close()
 # in bf16 — 4.2 GB for that moment, more than nine blocks. Wrapping the embeddings and the head as
 # units of their own splits it; it is the "large unwrapped tensor" item of the OOM checklist.
 # </details>
+
+# %% [markdown]
+# ## Exercise: the prefetch schedule
+# Write which units a unit starts gathering when it begins computing, with prefetch depth k, in
+# forward and in backward. The check trains the nano model on 2 real ranks with depths 0–3 and
+# compares your schedule with the all-gathers the trace shows in flight.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch07.py`](../minishard/exercises/ch07.py)), then run the check. A
+# reference solution is in [`solutions/ch07.py`](../solutions/ch07.py): try first.
+
+# %%
+def prefetch_targets(blocks, unit, depth, forward):
+    """The units whose all-gathers `unit` ("root" or one of `blocks`, given in forward order)
+    starts when it begins computing, with prefetch depth `depth`, in the forward pass or not."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch07
+
+ch07.check_prefetch_targets(prefetch_targets)
