@@ -36,6 +36,8 @@
 # train(rank, strategy="fsdp_flat", offload="host")                       # CPU memory
 # train(rank, strategy="fsdp_flat", offload="disk", offload_dir="/nvme")  # memory-mapped files
 # ```
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import math
@@ -341,3 +343,24 @@ R2.close()
 # A real drive would only be read from once the state exceeds host memory — and then at a few
 # GB/s.
 # </details>
+
+# %% [markdown]
+# ## Exercise: what crosses over every step
+# Write the bytes that offload moves per step and rank, from the size of one block's shard, the
+# root's shard and the number of blocks. The check trains the nano model with its state in host
+# memory on 2 and 3 real ranks and compares with the transfers the ranks measured.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch08.py`](../minishard/exercises/ch08.py)), then run the check. A
+# reference solution is in [`solutions/ch08.py`](../solutions/ch08.py): try first.
+
+# %%
+def offload_bytes(block_shard, root_shard, n_blocks):
+    """(host -> device, device -> host) bytes per step and rank with the sharded state offloaded."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch08
+
+ch08.check_offload_bytes(offload_bytes)
