@@ -35,6 +35,8 @@
 # train(rank, strategy="zero1", steps=3, resume_from="ckpt")       # on any number of ranks
 # checkpoint.export("ckpt", "release/")                            # per-layer files + index.json
 # ```
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import hashlib
@@ -381,3 +383,26 @@ shutil.rmtree(WORK)
 # of it reads all of it. The waste is at most two blocks per tensor per rank; with a real model's
 # megabyte pieces it is negligible.
 # </details>
+
+# %% [markdown]
+# ## Exercise: the resharding read plan
+# A flat tensor saved by N ranks in chunks of ceil(numel / N) is loaded on M ranks in chunks of
+# ceil(numel / M). Write, for every new rank, which element ranges of which saved ranks' files it
+# reads. The check compares your plan with minishard's reader (`checkpoint.plan_reads`) for even
+# and uneven splits, 64 → 32 included.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch09.py`](../minishard/exercises/ch09.py)), then run the check. A
+# reference solution is in [`solutions/ch09.py`](../solutions/ch09.py): try first.
+
+# %%
+def read_plan(numel, saved_world_size, world_size):
+    """For each new rank, the reads [(saved_rank, start, stop), ...] (element ranges, in order,
+    non-empty) that deliver exactly its chunk."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch09
+
+ch09.check_read_plan(read_plan)
