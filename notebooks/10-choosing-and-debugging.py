@@ -33,6 +33,8 @@
 # and, when FSDP is on and it still OOMs, check **in this order**: wrap granularity (too coarse?)
 # → prefetch depth (too deep?) → activation recomputation (off?) → one large tensor (the
 # `[batch, seq, vocab]` logits).
+#
+# Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
 # %%
 import statistics
@@ -551,3 +553,27 @@ R2.close()
 # slow nodes or an oversubscribed network link tax everyone. Then the communication share and
 # exposed communication per step (§5).
 # </details>
+
+# %% [markdown]
+# ## Exercise: a tensor-parallel MLP forward
+# Write the forward of an MLP split the Megatron way: this rank's rows of the first Linear, the
+# same columns of the second, one all-reduce of the partial outputs. The check runs it on 1, 2
+# and 4 real ranks with the tiny GPT's first MLP, compares with the whole MLP and with
+# `TensorParallelMLP`, and checks that only activations crossed the wire, never a weight. The
+# function is sent to the ranks as source: keep it self-contained.
+#
+# Write it in the cell below (or edit the stub in
+# [`minishard/exercises/ch10.py`](../minishard/exercises/ch10.py)), then run the check. A
+# reference solution is in [`solutions/ch10.py`](../solutions/ch10.py): try first.
+
+# %%
+def tp_mlp_forward(comm, x, fc_w, fc_b, proj_w, proj_b):
+    """proj(gelu(fc(x))) with this rank's parts: fc_w (F/N, C), fc_b (F/N,), proj_w (C, F/N);
+    proj_b (C,) whole (add it once). comm.all_reduce(t) sums t over ranks in place."""
+    raise NotImplementedError("your code here")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.exercises import ch10
+
+ch10.check_tp_mlp_forward(tp_mlp_forward)
