@@ -119,6 +119,26 @@ def test_stepping_changes_the_bar_heights(ddp_step):
     assert bar_heights(p) == before
 
 
+def test_a_view_created_late_starts_from_the_current_figure(ddp_step):
+    """The state a browser view is drawn from when it appears (``_widget_data`` /
+    ``_widget_layout``) follows every redraw, for a player fed live and for one stepped: a view
+    created after the edits went by (JupyterLab still loading plotly's JavaScript) must not
+    draw the all-zero bars of construction time (plotly.py #4998)."""
+    p = Player()
+    for ev in ddp_step:
+        p.feed(ev)
+    p.flush()
+    for i in (len(ddp_step) // 2, 5, -1):
+        p.jump(i)
+        shown = {tr["name"]: list(tr["y"]) for tr in p.memory_figure._widget_data}
+        assert shown == {k: list(v) for k, v in bar_heights(p).items()}
+        assert any(any(v) for v in shown.values())
+        assert p.memory_figure._widget_layout["title"]["text"] == p.memory_figure.layout.title.text
+        cursor = p.timeline_figure._widget_layout["shapes"][0]
+        assert cursor["x0"] == p.timeline_figure.layout.shapes[0].x0
+    assert len(p.timeline_figure._widget_data) == len(p.timeline_figure.data)
+
+
 def test_title_names_step_phase_and_event(ddp_step):
     p = Player(ddp_step)
     i = next(k for k, e in enumerate(ddp_step) if e["kind"] == "collective")

@@ -26,6 +26,7 @@ import plotly.graph_objects as go
 from ..ledger import OPTIMIZERS, PRECISIONS, STRATEGY_STAGE, Estimate, estimate, gpt_activation_bytes
 from ..model import CONFIGS, GPT
 from .figures import category_order, color, fmt_bytes
+from .live_figure import LiveFigure
 
 GB = 1e9
 CUSTOM = "custom"
@@ -89,7 +90,7 @@ class LedgerCalculator:
             "device_gb": W.Dropdown(options=list(DEVICES_GB.items()), value=device_gb,
                                     description="device", style=style, layout=lay),
         }
-        self.figure = go.FigureWidget(
+        self.figure = LiveFigure(
             [go.Bar(name=c, x=[], y=[], marker_color=color(c)) for c in _CATEGORIES],
             layout=dict(barmode="stack", width=620, height=380, yaxis=dict(title="GB per rank"),
                         legend=dict(traceorder="reversed"), margin=dict(l=50, r=10, t=50, b=30),

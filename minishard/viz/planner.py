@@ -38,6 +38,7 @@ from plotly.subplots import make_subplots
 from ..costmodel import DEVICES, LINKS, Cluster, Plan, plan, ring_time
 from ..model import CONFIGS, GPT
 from .figures import category_order, color
+from .live_figure import LiveFigure
 
 GiB = 2**30
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
@@ -174,7 +175,7 @@ class PlannerWidget:
                           row=1, col=2)
         fig.update_layout(barmode="stack", width=980, height=420, margin=dict(l=50, r=10, t=70, b=40),
                           legend=dict(traceorder="grouped"), title=dict(font=dict(size=13)))
-        self.figure = go.FigureWidget(fig)
+        self.figure = LiveFigure(fig)
         self.verdict_html = W.HTML()
         self.hints_html = W.HTML()
         c = self._controls

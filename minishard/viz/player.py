@@ -30,6 +30,7 @@ import plotly.graph_objects as go
 from .. import trace
 from .figures import (MB, PhaseTracker, category_order, describe, ledger_bars, spans_figure)
 from .ring import ring_figure, ring_view
+from .live_figure import LiveFigure
 
 NO_PHASE = "—"
 UNIT_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2"}
@@ -176,12 +177,12 @@ class Player:
     def _build_views(self) -> None:
         rp = self.replay
         self._bar_cats = category_order(rp.categories)
-        self.memory_figure = go.FigureWidget(ledger_bars(
+        self.memory_figure = LiveFigure(ledger_bars(
             {r: dict.fromkeys(self._bar_cats, 0) for r in rp.ranks}, rp.ymax))
         self._bar_ranks = rp.ranks
-        self.ring_figure = go.FigureWidget(ring_figure(max(len(rp.ranks), 1)))
+        self.ring_figure = LiveFigure(ring_figure(max(len(rp.ranks), 1)))
         self._ring_nodes = max(len(rp.ranks), 1)
-        self.timeline_figure = go.FigureWidget(spans_figure(rp.phases.spans, rp.ranks))
+        self.timeline_figure = LiveFigure(spans_figure(rp.phases.spans, rp.ranks))
 
     def _build_controls(self) -> None:
         last = max(self.replay.n - 1, 0)
