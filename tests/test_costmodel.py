@@ -1,7 +1,7 @@
 """The planner reuses the live ledger's formulas and reproduces published figures."""
 import pytest
 
-from minishard.costmodel import DEVICES, LINKS, Cluster, choose, plan, ring_time
+from minishard.costmodel import DEVICES, LINKS, Cluster, choose, deepspeed_estimate, plan, ring_time
 from minishard.model import GPTConfig
 
 H100 = Cluster(DEVICES["h100-80gb"], gpus_per_node=8)
@@ -104,3 +104,61 @@ def test_planner_offload_traffic_is_what_the_engine_moves():
     p = plan("tiny", Cluster(DEVICES["h100-80gb"], gpus_per_node=2), "fsdp", offload=True,
              precision="fp32", flash_attention=False)
     assert p.transfer_bytes == 23_215_104 + 13_737_984
+
+
+# DeepSpeed docs, "Memory Requirements" (docs/code-docs/source/memory.rst, deepspeed.readthedocs.io
+# /en/latest/memory.html): the estimator's cold output for a 2851M-parameter model (t5-3b) with
+# a 32M-parameter largest layer on 1 node x 8 GPUs. DeepSpeed prints "GB" for 2**30 bytes.
+DEEPSPEED_ZERO2 = [(127.45, 5.31, "offload_optimizer=cpu"), (127.45, 15.93, "offload_optimizer=none")]
+DEEPSPEED_ZERO3 = [
+    (71.69, 0.12, "offload_param=cpu , offload_optimizer=cpu , zero_init=1"),
+    (127.45, 0.12, "offload_param=cpu , offload_optimizer=cpu , zero_init=0"),
+    (63.72, 0.78, "offload_param=none, offload_optimizer=cpu , zero_init=1"),
+    (127.45, 0.78, "offload_param=none, offload_optimizer=cpu , zero_init=0"),
+    (1.43, 6.09, "offload_param=none, offload_optimizer=none, zero_init=1"),
+    (127.45, 6.09, "offload_param=none, offload_optimizer=none, zero_init=0"),
+]
+
+
+@pytest.mark.parametrize("stage,table", [(2, DEEPSPEED_ZERO2), (3, DEEPSPEED_ZERO3)])
+def test_deepspeed_memory_estimator_table_from_the_ledger(stage, table):
+    rows = deepspeed_estimate(2_851_000_000, 32_000_000, stage, gpus_per_node=8)
+    got = [(round(r.per_cpu / 2**30, 2), round(r.per_gpu / 2**30, 2), r.options) for r in rows]
+    assert got == table
+
+
+def test_deepspeed_zero3_worked_example_in_megabytes():
+    """The same page's t5-large example: 737.67M parameters, a 32.90M largest layer, 4 GPUs:
+    3291 / 125 / 477 MB (``>> 20``) without offload / with both offloads / optimizer only."""
+    rows = {r.options: int(r.per_gpu) >> 20
+            for r in deepspeed_estimate(737_670_000, 32_900_000, 3, gpus_per_node=4)}
+    assert rows["offload_param=none, offload_optimizer=none, zero_init=1"] == 3291
+    assert rows["offload_param=cpu , offload_optimizer=cpu , zero_init=1"] == 125
+    assert rows["offload_param=none, offload_optimizer=cpu , zero_init=1"] == 477
+
+
+def test_deepspeed_gpu_column_is_the_ledger_plus_named_terms():
+    from minishard.ledger import estimate
+    n, layer = 1_000_003, 40_000           # 8 ranks do not divide n: shards are padded
+    z3 = deepspeed_estimate(n, layer, 3, gpus_per_node=8)[-1]
+    ledger = estimate(n_params=n, world_size=8, strategy="zero3", precision="bf16_mixed_fp32_grads")
+    assert z3.per_gpu == ledger.state_bytes + 4 * layer
+    assert set(z3.terms) - set(ledger.per_rank) == {"largest layer gathered (16-bit params + grads)"}
+    z2 = deepspeed_estimate(n, layer, 2, gpus_per_node=8)[1]
+    assert z2.terms["whole-model 16-bit grads"] == 2 * n and z2.terms["params"] == 2 * n
+
+
+def test_deepspeed_largest_layer_of_a_model():
+    from minishard.costmodel import largest_layer_params
+    from minishard.model import GPT, config
+    cfg = config("tiny")
+    assert largest_layer_params(GPT(cfg, device="meta")) == cfg.vocab_size * cfg.d_model
+
+
+@pytest.mark.parametrize("kw,msg", [({"stage": 1}, "stages 2 and 3"),
+                                    ({"largest_layer": 10**9}, "largest_layer"),
+                                    ({"gpus_per_node": 0}, "gpus_per_node")])
+def test_deepspeed_estimate_bad_input(kw, msg):
+    args = {"n_params": 10**6, "largest_layer": 10**4, "stage": 3} | kw
+    with pytest.raises(ValueError, match=msg):
+        deepspeed_estimate(**args)
