@@ -2,6 +2,7 @@
 
     python benchmarks/bench.py                 # 2 and 4 ranks, tiny GPT (6.9 M params)
     python benchmarks/bench.py --world-sizes 2 --rounds 3 --steps 8
+    python benchmarks/bench.py --all          # also naive DDP, ledger hooks on, ZeRO-1 all-reduce
 
 For each world size one warm pool of ranks runs the contenders in turn, round after round
 (interleaving cancels the drift of a shared machine), each for ``--steps`` optimizer steps of
@@ -9,38 +10,49 @@ which the first ``--warmup`` are dropped. Reported: median and p99 step time per
 ratio to the PyTorch baseline (< 1.0 means minishard is faster), bytes sent per step as the OS
 counted them. Same model, data, micro-batch, optimizer and bucket size for everyone; one thread
 per rank, as in REFERENCE_FIGURES.md.
+
+Two more columns need a reference without communication, measured in the same rounds:
+* **comm share**: 1 - t_compute / t_step, where t_compute is the same training step run on every
+  rank at once with no communication (``costmodel.measure_compute``) — the part of the step that
+  compute on these shared cores does not explain: communication, waiting, and the strategy's
+  own bookkeeping.
+* **scaling efficiency** (weak scaling, the micro-batch per rank fixed): t_1 / t_step, where t_1
+  is one process training alone. With N ranks on C cores it cannot exceed C/N; the header
+  prints that ceiling.
 """
 from __future__ import annotations
 
 import argparse
 import platform
 import statistics
+import os
 import time
 
+from minishard.costmodel import measure_compute
 from minishard.launch import Ranks
 from minishard.train import train
 
-# (label, train kwargs, baseline label to compare against)
+# (label, train kwargs, baseline label to compare against, run by default?)
 CONTENDERS = [
-    ("torch DDP", dict(strategy="torch_ddp"), None),
-    ("minishard DDP", dict(strategy="ddp", track_activations=False), "torch DDP"),
-    ("minishard DDP (+activation ledger)", dict(strategy="ddp"), "torch DDP"),
-    ("minishard naive DDP", dict(strategy="ddp_naive", track_activations=False), "torch DDP"),
-    ("torch DDP + ZeroRedundancyOptimizer", dict(strategy="torch_zero1"), None),
+    ("torch DDP", dict(strategy="torch_ddp"), None, True),
+    ("minishard DDP", dict(strategy="ddp", track_activations=False), "torch DDP", True),
+    ("minishard DDP (+activation ledger)", dict(strategy="ddp"), "torch DDP", False),
+    ("minishard naive DDP", dict(strategy="ddp_naive", track_activations=False), "torch DDP", False),
+    ("torch DDP + ZeroRedundancyOptimizer", dict(strategy="torch_zero1"), None, True),
     ("minishard ZeRO-1", dict(strategy="zero1", track_activations=False),
-     "torch DDP + ZeroRedundancyOptimizer"),
+     "torch DDP + ZeroRedundancyOptimizer", True),
     ("minishard ZeRO-1 (all-reduce variant)", dict(strategy="zero1_allreduce", track_activations=False),
-     "torch DDP + ZeroRedundancyOptimizer"),
+     "torch DDP + ZeroRedundancyOptimizer", False),
     ("minishard ZeRO-2", dict(strategy="zero2", track_activations=False),
-     "torch DDP + ZeroRedundancyOptimizer"),
-    ("torch FSDP2 fully_shard (block + root)", dict(strategy="torch_fsdp"), None),
+     "torch DDP + ZeroRedundancyOptimizer", True),
+    ("torch FSDP2 fully_shard (block + root)", dict(strategy="torch_fsdp"), None, True),
     ("minishard FSDP, per-parameter", dict(strategy="fsdp", track_activations=False),
-     "torch FSDP2 fully_shard (block + root)"),
+     "torch FSDP2 fully_shard (block + root)", True),
     ("minishard FSDP, flat", dict(strategy="fsdp_flat", track_activations=False),
-     "torch FSDP2 fully_shard (block + root)"),
+     "torch FSDP2 fully_shard (block + root)", True),
     ("minishard FSDP, per-parameter, prefetch 1", dict(strategy="fsdp", prefetch=1,
                                                        track_activations=False),
-     "torch FSDP2 fully_shard (block + root)"),
+     "torch FSDP2 fully_shard (block + root)", True),
 ]
 
 
@@ -49,57 +61,85 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def selected(only: list[str] | None) -> list[tuple]:
-    """The contenders asked for, with the baselines they are compared against."""
-    if not only:
-        return CONTENDERS
-    keep = {c[0] for c in CONTENDERS if any(o.lower() in c[0].lower() for o in only)}
+def selected(only: list[str] | None, everything: bool = False) -> list[tuple]:
+    """The contenders asked for (default: the main ones; ``everything``: the variants too),
+    with the baselines they are compared against, as (label, kwargs, baseline)."""
+    if only:
+        keep = {c[0] for c in CONTENDERS if any(o.lower() in c[0].lower() for o in only)}
+    else:
+        keep = {c[0] for c in CONTENDERS if everything or c[3]}
     keep |= {c[2] for c in CONTENDERS if c[0] in keep and c[2]}
-    return [c for c in CONTENDERS if c[0] in keep]
+    return [c[:3] for c in CONTENDERS if c[0] in keep]
+
+
+def steady(res: list[dict], warmup: int, steps: int) -> list[float]:
+    """Per-step times after warm-up, each as slow as its slowest rank."""
+    return [max(r["step_times"][s] for r in res) for s in range(warmup, steps)]
 
 
 def bench(world_size: int, rounds: int, steps: int, warmup: int, model: str, micro_batch: int,
-          bucket_cap_mb: float, only: list[str] | None = None) -> dict[str, dict]:
-    contenders = selected(only)
+          bucket_cap_mb: float, contenders: list[tuple]) -> dict[str, dict]:
     times: dict[str, list[float]] = {label: [] for label, _, _ in contenders}
     sent: dict[str, list[int]] = {label: [] for label, _, _ in contenders}
-    with Ranks(world_size, timeout=900) as ranks:
+    compute, alone = [], []
+    solo = dict(steps=steps, model=model, micro_batch=micro_batch)
+    # the references without communication are measured in every round too, so that the
+    # host's drift between rounds hits them and the contenders alike
+    with Ranks(1) as one, Ranks(world_size, timeout=900) as ranks:
         for _ in range(rounds):
+            alone += steady([{"step_times": t} for t in one.run(measure_compute, **solo)],
+                            warmup, steps)
+            compute += steady([{"step_times": t} for t in ranks.run(measure_compute, **solo)],
+                              warmup, steps)
             for label, kw, _ in contenders:
                 res = ranks.run(train, steps=steps, model=model, micro_batch=micro_batch,
                                 bucket_cap_mb=bucket_cap_mb, **kw)
-                # a step is as slow as its slowest rank
-                per_step = [max(r["step_times"][s] for r in res) for s in range(warmup, steps)]
-                times[label] += per_step
+                times[label] += steady(res, warmup, steps)
                 sent[label] += [res[0]["wchar"][s] for s in range(warmup, steps)]
-    return {label: {"p50": statistics.median(times[label]), "p99": percentile(times[label], 0.99),
-                    "sent": statistics.median(sent[label])} for label in times}
+    t_compute, t_alone = statistics.median(compute), statistics.median(alone)
+    out = {label: {"p50": statistics.median(times[label]), "p99": percentile(times[label], 0.99),
+                   "sent": statistics.median(sent[label])} for label in times}
+    for r in out.values():
+        r["comm_share"] = max(0.0, 1 - t_compute / r["p50"])
+        r["scaling"] = t_alone / r["p50"]
+    out["_reference"] = {"alone": t_alone, "compute": t_compute}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", nargs="*", help="substrings of contender names to run (default: all)")
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--only", nargs="*", help="substrings of contender names to run")
+    ap.add_argument("--all", action="store_true",
+                    help="also the variants (naive DDP, ledger hooks on, ZeRO-1 all-reduce)")
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     args = ap.parse_args()
+    started, cores = time.perf_counter(), os.cpu_count() or 1
     print(f"# minishard benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, "
-          f"{platform.processor() or platform.machine()}, model={args.model}, "
+          f"{platform.processor() or platform.machine()}, {cores} cores, model={args.model}, "
           f"micro_batch={args.micro_batch}/rank, bucket={args.bucket_cap_mb} MiB, "
           f"{args.rounds} rounds x {args.steps - args.warmup} timed steps")
+    contenders = selected(args.only, args.all)
     for n in args.world_sizes:
         res = bench(n, args.rounds, args.steps, args.warmup, args.model, args.micro_batch,
-                    args.bucket_cap_mb, args.only)
-        print(f"\n{n} ranks")
-        print(f"{'contender':<38}{'p50 s':>8}{'p99 s':>8}{'ratio':>9}{'sent/step MB':>14}")
-        for label, _, base in selected(args.only):
+                    args.bucket_cap_mb, contenders)
+        ref = res.pop("_reference")
+        print(f"\n{n} ranks: one process alone {ref['alone']:.3f} s/step; {n} ranks computing at "
+              f"once without communication {ref['compute']:.3f} s/step (scaling efficiency "
+              f"can reach at most {min(1, cores / n):.0%} on {cores} cores)")
+        print(f"{'contender':<44}{'p50 s':>7}{'p99 s':>7}{'ratio':>9}{'comm':>6}{'scaling':>8}"
+              f"{'sent/step MB':>13}")
+        for label, _, base in contenders:
             r = res[label]
             ratio = f"{r['p50'] / res[base]['p50']:.3f}" if base else "1 (base)"
-            print(f"{label:<38}{r['p50']:>8.3f}{r['p99']:>8.3f}{ratio:>9}{r['sent'] / 2**20:>14.2f}")
+            print(f"{label:<44}{r['p50']:>7.3f}{r['p99']:>7.3f}{ratio:>9}{r['comm_share']:>6.0%}"
+                  f"{r['scaling']:>8.0%}{r['sent'] / 2**20:>13.2f}")
+    print(f"\nbenchmark ran in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
