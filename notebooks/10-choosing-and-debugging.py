@@ -188,13 +188,13 @@ published = {   # DeepSpeed docs, "Memory Requirements": (per CPU GB, per GPU GB
     (3, "offload_param=none, offload_optimizer=cpu , zero_init=0"): (127.45, 0.78),
     (3, "offload_param=none, offload_optimizer=none, zero_init=1"): (1.43, 6.09),
     (3, "offload_param=none, offload_optimizer=none, zero_init=0"): (127.45, 6.09)}
-print(f"{'ZeRO':<5}{'options':<47}{'CPU GB':>8}{'GPU GB':>8}   GPU terms (GB)")
+print(f"{'ZeRO':<5}{'options':<56}{'CPU GB':>8}{'GPU GB':>8}   GPU terms (GB)")
 for stage in (2, 3):
     for r in deepspeed_estimate(2_851_000_000, 32_000_000, stage, gpus_per_node=8):
         got = (round(r.per_cpu / 2**30, 2), round(r.per_gpu / 2**30, 2))
         assert got == published[stage, r.options], (stage, r.options, got)
         terms = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in r.terms.items())
-        print(f"{stage:<5}{r.options:<47}{got[0]:>8.2f}{got[1]:>8.2f}   {terms}")
+        print(f"{stage:<5}{r.options:<56}{got[0]:>8.2f}{got[1]:>8.2f}   {terms}")
 
 # %% [markdown]
 # Two of those terms are conventions, not what an engine must hold: minishard's ZeRO-2
