@@ -21,40 +21,26 @@ from copy import deepcopy
 import plotly.graph_objects as go
 
 
-class LiveFigure(go.FigureWidget):
-    """``go.FigureWidget`` for figures nested in other widgets and edited after construction."""
-
-    def _mirror(self, data: bool = False, layout: bool = False) -> None:
+def _mirrored(message: str, data: bool, layout: bool):
+    """An edit message plotly sends, followed by the same change to the state views start from."""
+    def send(self, *args, **kwargs):
+        getattr(super(LiveFigure, self), message)(*args, **kwargs)
         if data:
             self._widget_data = deepcopy(self._data)
         if layout:
             self._widget_layout = deepcopy(self._layout_obj._props)
+    send.__name__ = message
+    return send
 
-    # each edit message plotly sends, followed by the same change to the state views start from
-    def _send_restyle_msg(self, *args, **kwargs):
-        super()._send_restyle_msg(*args, **kwargs)
-        self._mirror(data=True)
 
-    def _send_relayout_msg(self, *args, **kwargs):
-        super()._send_relayout_msg(*args, **kwargs)
-        self._mirror(layout=True)
+class LiveFigure(go.FigureWidget):
+    """``go.FigureWidget`` for figures nested in other widgets and edited after construction."""
 
-    def _send_update_msg(self, *args, **kwargs):
-        super()._send_update_msg(*args, **kwargs)
-        self._mirror(data=True, layout=True)
-
-    def _send_addTraces_msg(self, *args, **kwargs):
-        super()._send_addTraces_msg(*args, **kwargs)
-        self._mirror(data=True)
-
-    def _send_deleteTraces_msg(self, *args, **kwargs):
-        super()._send_deleteTraces_msg(*args, **kwargs)
-        self._mirror(data=True)
-
-    def _send_moveTraces_msg(self, *args, **kwargs):
-        super()._send_moveTraces_msg(*args, **kwargs)
-        self._mirror(data=True)
-
-    def _send_animate_msg(self, *args, **kwargs):
-        super()._send_animate_msg(*args, **kwargs)
-        self._mirror(data=True, layout=True)
+    # every message plotly's BaseFigureWidget sends to the browser, and what it touches
+    _send_restyle_msg = _mirrored("_send_restyle_msg", data=True, layout=False)
+    _send_relayout_msg = _mirrored("_send_relayout_msg", data=False, layout=True)
+    _send_update_msg = _mirrored("_send_update_msg", data=True, layout=True)
+    _send_animate_msg = _mirrored("_send_animate_msg", data=True, layout=True)
+    _send_addTraces_msg = _mirrored("_send_addTraces_msg", data=True, layout=False)
+    _send_deleteTraces_msg = _mirrored("_send_deleteTraces_msg", data=True, layout=False)
+    _send_moveTraces_msg = _mirrored("_send_moveTraces_msg", data=True, layout=False)
