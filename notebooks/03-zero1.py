@@ -67,14 +67,20 @@ zero_events = R4.last_events
 
 # %% [markdown]
 # Move both players to the end of the first optimizer step — the moment Adam's moments exist —
-# and read rank 0's ledger:
+# and read the ledgers:
 
 # %%
 # NBVAL_CHECK_OUTPUT
 # claim: Z1
-ddp_player.jump_to_phase("optimizer", step=0, edge="end")
-live.jump_to_phase("optimizer", step=0, edge="end")
-before, after = ddp_player.snapshot(), live.snapshot()
+def after_first_step(player):
+    """Show the moment every rank has ended its first optimizer step, and return each rank's
+    ledger at the end of its *own* step: events of different ranks arrive interleaved, so when
+    rank 0's phase ends another rank's last allocation may not have been received yet."""
+    ends = {r: player.jump_to_phase("optimizer", step=0, rank=r, edge="end") for r in range(4)}
+    player.jump(max(ends.values()))
+    return {r: player.replay.snapshot(i)[r] for r, i in ends.items()}
+
+before, after = after_first_step(ddp_player), after_first_step(live)
 print(f"{'category':<12}{'DDP, rank 0':>14}{'ZeRO-1, rank 0':>16}{'ratio':>7}   bytes/param (DDP → ZeRO-1)")
 for c in STATE:
     b, a = before[0][c], after[0][c]
@@ -95,17 +101,13 @@ assert (tot_b, tot_a) == (16 * PSI, 4 * PSI + 12 * PSI // 4)
 # %%
 # NBVAL_CHECK_OUTPUT
 def optimizer_allocs(player, rank=0, step=0):
-    """The allocations rank ``rank`` makes in the optimizer phase of ``step``, one event at a time."""
+    """The allocations rank ``rank`` makes in the optimizer phase of ``step``, read event by
+    event from the player's trace (the player shows the phase's end; redrawing the figures at
+    every one of these events would only flood the browser)."""
     i = player.jump_to_phase("optimizer", step=step, rank=rank)
     end = player.jump_to_phase("optimizer", step=step, rank=rank, edge="end")
-    player.jump(i)
-    allocs = []
-    while player.index < end:
-        player.step()
-        ev = player.replay.events[player.index]
-        if ev["kind"] == "alloc" and ev["rank"] == rank:
-            allocs.append(ev)
-    return allocs
+    return [ev for ev in player.replay.events[i + 1:end + 1]
+            if ev["kind"] == "alloc" and ev["rank"] == rank]
 
 allocs_by_run = {"DDP": optimizer_allocs(ddp_player), "ZeRO-1": optimizer_allocs(live)}
 for name, allocs in allocs_by_run.items():
