@@ -31,7 +31,8 @@ import textwrap
 import types
 from typing import Callable
 
-__all__ = ["ExerciseFailed", "NotDone", "attempt", "portable", "load", "expect", "pools"]
+__all__ = ["ExerciseFailed", "NotDone", "attempt", "portable", "load", "expect", "pools",
+           "at_world_sizes"]
 
 
 class ExerciseFailed(AssertionError):
@@ -162,3 +163,17 @@ def unwrap_rank_error(e: Exception) -> Exception:
     if isinstance(e, RankError) and "NotImplementedError" in e.error:
         return NotDone(e.error.split("(", 1)[-1].rstrip(")").strip("'\""))
     return e
+
+
+def at_world_sizes(task: Callable, spec: dict, ranks, sizes: tuple[int, ...]):
+    """Run the rank task ``task(ctx, spec)`` at each world size in turn and yield
+    ``(n, [one result per rank])``. World size 1 runs right here (quick, and a wrong answer
+    fails before any pool starts); the others on ``ranks`` or pools started for the purpose. A
+    learner's NotImplementedError on a rank comes back as "not done yet"."""
+    with pools(ranks, *(n for n in sizes if n > 1)) as get:
+        for n in sizes:
+            try:
+                out = [task(in_process(), spec)] if n == 1 else get(n).run(task, spec)
+            except Exception as e:
+                raise unwrap_rank_error(e) from e
+            yield n, out

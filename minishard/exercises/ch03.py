@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn as nn
 
-from . import attempt, expect, in_process, pools, portable, run_on_rank, unwrap_rank_error
+from . import at_world_sizes, attempt, expect, portable, run_on_rank
 
 STEPS = 3
 
@@ -92,26 +92,21 @@ def _task(ctx, spec: dict) -> dict:
 @attempt
 def check_zero1_step(fn=None, ranks=None) -> None:
     spec = portable(fn or zero1_step)
-    with pools(ranks, 2, 4) as get:
-        for n in (1, 2, 4):          # one rank first, in this process: quick, and no pool to break
-            try:
-                out = [_task(in_process(), spec)] if n == 1 else get(n).run(_task, spec)
-            except Exception as e:
-                raise unwrap_rank_error(e) from e
-            for o in out:
-                gap = (o["mine"] - o["theirs"]).abs().max().item()
-                print(f"N={n} rank {o['rank']}: after {STEPS} steps your parameters are within "
-                      f"{gap:.1e} of ZeroOptimizer's; you sent {o['wire']:,} bytes "
-                      f"({', '.join(o['by_op'])}), ZeroOptimizer {o['zero_wire']:,}")
-                expect(torch.equal(o["mine"], out[0]["mine"]),
-                       f"N={n}: rank {o['rank']}'s parameters differ from rank 0's — did every "
-                       f"rank all-gather the updated chunks into flat_param?")
-                expect(gap <= 1e-5, f"N={n} rank {o['rank']}: your parameters are {gap:.2e} away "
-                       f"from ZeroOptimizer's. Average the gradient (the reduce-scatter sums it), "
-                       f"update only your shard, and gather every rank's updated chunk.")
-                psi = 4 * n * math.ceil(o["numel"] / n)          # fp32 bytes, padded
-                ddp_volume = 2 * (n - 1) * psi // n
-                expect(o["wire"] <= ddp_volume * STEPS + 8 * n * STEPS,
-                       f"N={n}: right numbers, but you sent {o['wire'] / STEPS:,.0f} bytes per step "
-                       f"where DDP sends {ddp_volume:,}: an all-reduce of the gradient gives every "
-                       f"rank the whole sum; a reduce-scatter gives it only the slice it updates.")
+    for n, out in at_world_sizes(_task, spec, ranks, (1, 2, 4)):
+        for o in out:
+            gap = (o["mine"] - o["theirs"]).abs().max().item()
+            print(f"N={n} rank {o['rank']}: after {STEPS} steps your parameters are within "
+                  f"{gap:.1e} of ZeroOptimizer's; you sent {o['wire']:,} bytes "
+                  f"({', '.join(o['by_op'])}), ZeroOptimizer {o['zero_wire']:,}")
+            expect(torch.equal(o["mine"], out[0]["mine"]),
+                   f"N={n}: rank {o['rank']}'s parameters differ from rank 0's — did every "
+                   f"rank all-gather the updated chunks into flat_param?")
+            expect(gap <= 1e-5, f"N={n} rank {o['rank']}: your parameters are {gap:.2e} away "
+                   f"from ZeroOptimizer's. Average the gradient (the reduce-scatter sums it), "
+                   f"update only your shard, and gather every rank's updated chunk.")
+            psi = 4 * n * math.ceil(o["numel"] / n)          # fp32 bytes, padded
+            ddp_volume = 2 * (n - 1) * psi // n
+            expect(o["wire"] <= ddp_volume * STEPS + 8 * n * STEPS,
+                   f"N={n}: right numbers, but you sent {o['wire'] / STEPS:,.0f} bytes per step "
+                   f"where DDP sends {ddp_volume:,}: an all-reduce of the gradient gives every "
+                   f"rank the whole sum; a reduce-scatter gives it only the slice it updates.")

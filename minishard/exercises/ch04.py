@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn as nn
 
-from . import attempt, expect, in_process, pools, portable, run_on_rank, unwrap_rank_error
+from . import at_world_sizes, attempt, expect, portable, run_on_rank
 
 
 def make_bucket_hook(comm, params: list, offsets: list[int], chunk: int, out: torch.Tensor):
@@ -87,24 +87,19 @@ def _task(ctx, spec: dict) -> dict:
 @attempt
 def check_make_bucket_hook(fn=None, ranks=None) -> None:
     spec = portable(fn or make_bucket_hook)
-    with pools(ranks, 2, 4) as get:
-        for n in (1, 2, 4):          # one rank first, in this process: quick, and no pool to break
-            try:
-                out = [_task(in_process(), spec)] if n == 1 else get(n).run(_task, spec)
-            except Exception as e:
-                raise unwrap_rank_error(e) from e
-            for o in out:
-                gaps = [(g - w).abs().max().item() for g, w in zip(o["got"], o["want"])]
-                print(f"N={n} rank {o['rank']}: slices within {max(gaps):.1e} of the all-reduced "
-                      f"gradient; collectives {o['by_op']}; buckets reduced {o['reduced_at']}")
-                expect(not o["leftover"], f"N={n}: parameters {o['leftover']} still hold a full "
-                       f"gradient after backward — set p.grad = None once it is in the bucket")
-                expect(max(gaps) <= 1e-6, f"N={n} rank {o['rank']}: your slices are "
-                       f"{max(gaps):.2e} away from the averaged gradient — copy each grad to its "
-                       f"offset, reduce-scatter the whole bucket, divide by N, add to out")
-                expect(sorted(k for k, _ in o["reduced_at"]) == [0, 1] and
-                       not any(after for _, after in o["reduced_at"]),
-                       f"N={n}: each bucket must be reduced exactly once, from the hook, during "
-                       f"backward (got {o['reduced_at']})")
-                expect(set(o["by_op"]) == {"reduce_scatter"},
-                       f"N={n}: use a reduce-scatter (you ran {sorted(o['by_op'])})")
+    for n, out in at_world_sizes(_task, spec, ranks, (1, 2, 4)):
+        for o in out:
+            gaps = [(g - w).abs().max().item() for g, w in zip(o["got"], o["want"])]
+            print(f"N={n} rank {o['rank']}: slices within {max(gaps):.1e} of the all-reduced "
+                  f"gradient; collectives {o['by_op']}; buckets reduced {o['reduced_at']}")
+            expect(not o["leftover"], f"N={n}: parameters {o['leftover']} still hold a full "
+                   f"gradient after backward — set p.grad = None once it is in the bucket")
+            expect(max(gaps) <= 1e-6, f"N={n} rank {o['rank']}: your slices are "
+                   f"{max(gaps):.2e} away from the averaged gradient — copy each grad to its "
+                   f"offset, reduce-scatter the whole bucket, divide by N, add to out")
+            expect(sorted(k for k, _ in o["reduced_at"]) == [0, 1] and
+                   not any(after for _, after in o["reduced_at"]),
+                   f"N={n}: each bucket must be reduced exactly once, from the hook, during "
+                   f"backward (got {o['reduced_at']})")
+            expect(set(o["by_op"]) == {"reduce_scatter"},
+                   f"N={n}: use a reduce-scatter (you ran {sorted(o['by_op'])})")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attempt, expect, in_process, pools, portable, run_on_rank, unwrap_rank_error
+from . import at_world_sizes, attempt, expect, portable, run_on_rank
 
 
 def unshard_param(comm, shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -55,20 +55,15 @@ def _task(ctx, spec: dict) -> dict:
 @attempt
 def check_unshard_param(fn=None, ranks=None) -> None:
     spec = portable(fn or unshard_param)
-    with pools(ranks, 2, 3) as get:
-        for n in (1, 2, 3):
-            try:
-                out = [_task(in_process(), spec)] if n == 1 else get(n).run(_task, spec)
-            except Exception as e:
-                raise unwrap_rank_error(e) from e
-            for o in out:
-                ring = (n - 1) * o["padded_bytes"] // n
-                print(f"N={n} rank {o['rank']}: {o['n'] - len(o['wrong'])} of {o['n']} parameters "
-                      f"equal minishard's gather; you sent {o['wire']:,} bytes in {o['calls']} "
-                      f"all-gathers (the ring: (N-1)/N of the padded size = {ring:,})")
-                expect(not o["wrong"], f"N={n}: {o['wrong'][:3]} differ from minishard's gather "
-                       f"(your shape, its shape: {o['example']}) — gather N blocks, stack them "
-                       f"along dim 0, drop the padding rows, reshape")
-                expect(abs(o["wire"] - ring) <= 4 * o["calls"] * n,
-                       f"N={n}: you sent {o['wire']:,} bytes; one all-gather per parameter of the "
-                       f"shard sends {ring:,} in all")
+    for n, out in at_world_sizes(_task, spec, ranks, (1, 2, 3)):
+        for o in out:
+            ring = (n - 1) * o["padded_bytes"] // n
+            print(f"N={n} rank {o['rank']}: {o['n'] - len(o['wrong'])} of {o['n']} parameters "
+                  f"equal minishard's gather; you sent {o['wire']:,} bytes in {o['calls']} "
+                  f"all-gathers (the ring: (N-1)/N of the padded size = {ring:,})")
+            expect(not o["wrong"], f"N={n}: {o['wrong'][:3]} differ from minishard's gather "
+                   f"(your shape, its shape: {o['example']}) — gather N blocks, stack them "
+                   f"along dim 0, drop the padding rows, reshape")
+            expect(abs(o["wire"] - ring) <= 4 * o["calls"] * n,
+                   f"N={n}: you sent {o['wire']:,} bytes; one all-gather per parameter of the "
+                   f"shard sends {ring:,} in all")

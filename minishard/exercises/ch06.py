@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attempt, expect, in_process, pools, portable, run_on_rank, unwrap_rank_error
+from . import at_world_sizes, attempt, expect, portable, run_on_rank
 
 
 def manual_step(model, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -73,27 +73,22 @@ def _task(ctx, spec: dict) -> dict:
 @attempt
 def check_manual_step(fn=None, ranks=None) -> None:
     spec = portable(fn or manual_step)
-    with pools(ranks, 2) as get:
-        for n in (1, 2):
-            try:
-                out = [_task(in_process(), spec)] if n == 1 else get(n).run(_task, spec)
-            except Exception as e:
-                raise unwrap_rank_error(e) from e
-            for o in out:
-                print(f"N={n} rank {o['rank']}: loss {o['loss']:.6f} (minishard {o['ref_loss']:.6f}), "
-                      f"gradient shards within {o['gap']:.1e}; collectives {o['by_op']} "
-                      f"(minishard {o['ref_by_op']}); blocks when ln_f runs: {set(o['at_head'].values())}")
-                expect(o["loss"] == o["ref_loss"], f"N={n}: loss {o['loss']} != {o['ref_loss']}")
-                expect(o["missing"] == 0 and o["gap"] <= 1e-6,
-                       f"N={n} rank {o['rank']}: the gradient shards differ from minishard's "
-                       f"({o['missing']} missing, largest gap {o['gap']:.2e}) — reduce-scatter "
-                       f"every unit after backward")
-                expect(set(o["at_head"].values()) == {"sharded"},
-                       f"N={n}: when forward reaches the final norm, blocks are {o['at_head']} — "
-                       f"free each block (reshard) right after its forward: that is ZeRO-3's saving")
-                expect(set(o["after"].values()) == {"sharded"},
-                       f"N={n}: after the step units are {o['after']} — reshard every unit")
-                expect(o["by_op"] == o["ref_by_op"],
-                       f"N={n}: your collectives {o['by_op']} differ from the lifecycle's "
-                       f"{o['ref_by_op']}: the root once, every block twice (forward, backward); "
-                       f"one reduce-scatter per unit")
+    for n, out in at_world_sizes(_task, spec, ranks, (1, 2)):
+        for o in out:
+            print(f"N={n} rank {o['rank']}: loss {o['loss']:.6f} (minishard {o['ref_loss']:.6f}), "
+                  f"gradient shards within {o['gap']:.1e}; collectives {o['by_op']} "
+                  f"(minishard {o['ref_by_op']}); blocks when ln_f runs: {set(o['at_head'].values())}")
+            expect(o["loss"] == o["ref_loss"], f"N={n}: loss {o['loss']} != {o['ref_loss']}")
+            expect(o["missing"] == 0 and o["gap"] <= 1e-6,
+                   f"N={n} rank {o['rank']}: the gradient shards differ from minishard's "
+                   f"({o['missing']} missing, largest gap {o['gap']:.2e}) — reduce-scatter "
+                   f"every unit after backward")
+            expect(set(o["at_head"].values()) == {"sharded"},
+                   f"N={n}: when forward reaches the final norm, blocks are {o['at_head']} — "
+                   f"free each block (reshard) right after its forward: that is ZeRO-3's saving")
+            expect(set(o["after"].values()) == {"sharded"},
+                   f"N={n}: after the step units are {o['after']} — reshard every unit")
+            expect(o["by_op"] == o["ref_by_op"],
+                   f"N={n}: your collectives {o['by_op']} differ from the lifecycle's "
+                   f"{o['ref_by_op']}: the root once, every block twice (forward, backward); "
+                   f"one reduce-scatter per unit")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attempt, expect, in_process, pools, portable, run_on_rank, unwrap_rank_error
+from . import at_world_sizes, attempt, expect, portable, run_on_rank
 
 
 def tp_mlp_forward(comm, x: torch.Tensor, fc_w: torch.Tensor, fc_b: torch.Tensor,
@@ -54,23 +54,18 @@ def _task(ctx, spec: dict) -> dict:
 @attempt
 def check_tp_mlp_forward(fn=None, ranks=None) -> None:
     spec = portable(fn or tp_mlp_forward)
-    with pools(ranks, 2, 4) as get:
-        for n in (1, 2, 4):
-            try:
-                out = [_task(in_process(), spec)] if n == 1 else get(n).run(_task, spec)
-            except Exception as e:
-                raise unwrap_rank_error(e) from e
-            for o in out:
-                print(f"N={n} rank {o['rank']}: output within {o['gap']:.1e} of the whole MLP "
-                      f"({o['gap_tp']:.1e} of TensorParallelMLP); on the wire {o['by_op'] or 'nothing'} "
-                      f"— the MLP's weights are {o['weight_bytes']:,} B, its input {o['activation_bytes']:,} B")
-                expect(o["gap"] <= 1e-4, f"N={n} rank {o['rank']}: your output is {o['gap']:.2e} "
-                       f"away from the whole MLP's — each rank computes gelu(x @ fc_w.T + fc_b), "
-                       f"multiplies by proj_w.T, the partial outputs are summed, the bias added once")
-                expect(set(o["by_op"]) <= {"all_reduce"},
-                       f"N={n}: you ran {sorted(o['by_op'])}; tensor parallelism needs one "
-                       f"all-reduce of the output and never gathers a weight")
-                ring = 2 * (n - 1) * o["activation_bytes"] // n
-                expect(n == 1 or o["by_op"].get("all_reduce", 0) == ring,
-                       f"N={n}: sum the (B, T, C) partial outputs with one all-reduce "
-                       f"({ring:,} bytes on the wire), you sent {o['by_op']}")
+    for n, out in at_world_sizes(_task, spec, ranks, (1, 2, 4)):
+        for o in out:
+            print(f"N={n} rank {o['rank']}: output within {o['gap']:.1e} of the whole MLP "
+                  f"({o['gap_tp']:.1e} of TensorParallelMLP); on the wire {o['by_op'] or 'nothing'} "
+                  f"— the MLP's weights are {o['weight_bytes']:,} B, its input {o['activation_bytes']:,} B")
+            expect(o["gap"] <= 1e-4, f"N={n} rank {o['rank']}: your output is {o['gap']:.2e} "
+                   f"away from the whole MLP's — each rank computes gelu(x @ fc_w.T + fc_b), "
+                   f"multiplies by proj_w.T, the partial outputs are summed, the bias added once")
+            expect(set(o["by_op"]) <= {"all_reduce"},
+                   f"N={n}: you ran {sorted(o['by_op'])}; tensor parallelism needs one "
+                   f"all-reduce of the output and never gathers a weight")
+            ring = 2 * (n - 1) * o["activation_bytes"] // n
+            expect(n == 1 or o["by_op"].get("all_reduce", 0) == ring,
+                   f"N={n}: sum the (B, T, C) partial outputs with one all-reduce "
+                   f"({ring:,} bytes on the wire), you sent {o['by_op']}")
