@@ -18,13 +18,12 @@ lengths that term is far above what a FlashAttention-style kernel keeps.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import ipywidgets as W
 import plotly.graph_objects as go
 
 from ..ledger import OPTIMIZERS, PRECISIONS, STRATEGY_STAGE, Estimate, estimate, gpt_activation_bytes
-from ..model import CONFIGS, GPT
+from ..costmodel import param_counts
+from ..model import CONFIGS, config
 from .figures import category_order, color, fmt_bytes
 from .live_figure import LiveFigure
 
@@ -37,14 +36,9 @@ _CATEGORIES = category_order(["params", "grads", "grad_accum", "master", "exp_av
                               "momentum", "activations"])
 
 
-@lru_cache(maxsize=None)
-def _n_params(model: str) -> int:
-    """Parameters of a named config, counted on the meta device (nothing is allocated)."""
-    return sum(p.numel() for p in GPT(model, device="meta").parameters())
-
-
-def _control(name: str, doc: str) -> property:
-    """An attribute that reads and writes one control's value (so code and UI stay in sync)."""
+def control(name: str, doc: str) -> property:
+    """An attribute that reads and writes one control's value (so code and UI stay in sync);
+    the planner widget (chapter 10) uses it too."""
     return property(lambda self: self._controls[name].value,
                     lambda self, v: setattr(self._controls[name], "value", v), doc=doc)
 
@@ -52,15 +46,15 @@ def _control(name: str, doc: str) -> property:
 class LedgerCalculator:
     """Per-rank training memory of a configuration, against a device's memory (module doc)."""
 
-    model = _control("model", "a name from minishard.model.CONFIGS, or 'custom' (use n_params)")
-    n_params_b = _control("n_params_b", "parameters in billions, used when model == 'custom'")
-    world_size = _control("world_size", "number of ranks N")
-    strategy = _control("strategy", "'ddp', 'zero1', 'zero2' or 'zero3'")
-    precision = _control("precision", "a key of minishard.ledger.PRECISIONS")
-    optimizer = _control("optimizer", "a key of minishard.ledger.OPTIMIZERS")
-    micro_batch = _control("micro_batch", "sequences per rank per forward; 0 leaves activations out")
-    seq_len = _control("seq_len", "tokens per sequence (for the activations)")
-    device_gb = _control("device_gb", "memory of one device, in GB")
+    model = control("model", "a name from minishard.model.CONFIGS, or 'custom' (use n_params)")
+    n_params_b = control("n_params_b", "parameters in billions, used when model == 'custom'")
+    world_size = control("world_size", "number of ranks N")
+    strategy = control("strategy", "'ddp', 'zero1', 'zero2' or 'zero3'")
+    precision = control("precision", "a key of minishard.ledger.PRECISIONS")
+    optimizer = control("optimizer", "a key of minishard.ledger.OPTIMIZERS")
+    micro_batch = control("micro_batch", "sequences per rank per forward; 0 leaves activations out")
+    seq_len = control("seq_len", "tokens per sequence (for the activations)")
+    device_gb = control("device_gb", "memory of one device, in GB")
 
     def __init__(self, model: str = "llama3-8b", *, n_params_b: float = 8.0, world_size: int = 8,
                  strategy: str = "ddp", precision: str = "bf16_mixed", optimizer: str = "adamw",
@@ -110,7 +104,7 @@ class LedgerCalculator:
     def n_params(self) -> int:
         if self.model == CUSTOM:
             return max(1, round(self.n_params_b * 1e9))
-        return _n_params(self.model)
+        return param_counts(config(self.model))[0]   # meta device, cached
 
     @property
     def activation_bytes(self) -> int:

@@ -35,8 +35,9 @@ import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..costmodel import DEVICES, LINKS, Cluster, Plan, plan, ring_time
-from ..model import CONFIGS, GPT
+from ..costmodel import DEVICES, LINKS, Cluster, Plan, param_counts, plan, ring_time
+from ..model import CONFIGS, config
+from .calculator import control
 from .figures import category_order, color
 from .live_figure import LiveFigure
 
@@ -49,19 +50,11 @@ _CATEGORIES = category_order(["params", "grads", "master", "exp_avg", "exp_avg_s
 TIME_PARTS = (("compute", "#4C78A8"), ("exposed communication", "#E45756"))
 
 
-@lru_cache(maxsize=None)
-def _sizes(model: str) -> tuple[int, int]:
-    """(parameters, parameters of one block) of a named config, counted on the meta device."""
-    net = GPT(model, device="meta")
-    return (sum(p.numel() for p in net.parameters()),
-            sum(p.numel() for p in net.blocks[0].parameters()))
-
-
 @lru_cache(maxsize=4096)
 def cached_plan(model: str, cluster: Cluster, strategy: str, micro_batch: int, seq_len: int,
                 prefetch: int, recompute: bool, offload: bool, hybrid: bool, mfu: float) -> Plan:
-    """:func:`~minishard.costmodel.plan` with bf16-mixed AdamW, memoised: building a 405B model
-    on the meta device takes a second, and a slider move re-plans all four strategies."""
+    """:func:`~minishard.costmodel.plan` with bf16-mixed AdamW, memoised: a slider move re-plans
+    all four strategies, and moving back should cost nothing."""
     return plan(model, cluster, strategy, micro_batch=micro_batch, seq_len=seq_len,
                 prefetch=prefetch, recompute=recompute, offload=offload, hybrid=hybrid, mfu=mfu)
 
@@ -77,7 +70,7 @@ def whole_model_unit(per_block: Plan, model: str, cluster: Cluster, *, activatio
     reduce-scatter waits for the whole backward. ``activations``: the full forward's (the
     per-block plan may hold fewer at its in-backward peak); ``offload_s``: the PCIe time the
     planner added for offload, if any (it does not depend on the wrapping)."""
-    n, _ = _sizes(model)
+    n = param_counts(config(model))[0]
     x = g = 2                                          # bf16 working weights and gradients
     shard_n = cluster.gpus_per_node if hybrid else cluster.world_size
     slow = min(cluster.intra, cluster.inter, key=lambda link: link.bandwidth)
@@ -100,29 +93,23 @@ def whole_model_unit(per_block: Plan, model: str, cluster: Cluster, *, activatio
     return replace(per_block, memory=memory, comm_s=comm, exposed_comm_s=exposed, notes=notes)
 
 
-def _control(name: str, doc: str) -> property:
-    """An attribute that reads and writes one control's value (code and UI stay in sync)."""
-    return property(lambda self: self._controls[name].value,
-                    lambda self, v: setattr(self._controls[name], "value", v), doc=doc)
-
-
 class PlannerWidget:
     """Per-GPU memory and step time of all four strategies on a cluster (see the module doc)."""
 
-    model = _control("model", "a name from minishard.model.CONFIGS")
-    device = _control("device", "a key of minishard.costmodel.DEVICES")
-    gpus_per_node = _control("gpus_per_node", "GPUs in one node (they share the intra-node link)")
-    nodes = _control("nodes", "number of nodes")
-    intra = _control("intra", "the link between GPUs of a node: a key of minishard.costmodel.LINKS")
-    inter = _control("inter", "the link between nodes: a key of minishard.costmodel.LINKS")
-    wrap = _control("wrap", "FSDP units: 'block' (one per transformer block) or 'model' (one)")
-    prefetch = _control("prefetch", "FSDP prefetch depth: blocks gathered ahead of the one computing")
-    recompute = _control("recompute", "activation recomputation (keep only each block's input)")
-    offload = _control("offload", "the sharded state lives in host memory (PCIe traffic per step)")
-    hybrid = _control("hybrid", "shard inside a node, replicate across nodes (HSDP)")
-    micro_batch = _control("micro_batch", "sequences per GPU per forward")
-    seq_len = _control("seq_len", "tokens per sequence")
-    mfu = _control("mfu", "model FLOPs utilisation: achieved / peak FLOP/s")
+    model = control("model", "a name from minishard.model.CONFIGS")
+    device = control("device", "a key of minishard.costmodel.DEVICES")
+    gpus_per_node = control("gpus_per_node", "GPUs in one node (they share the intra-node link)")
+    nodes = control("nodes", "number of nodes")
+    intra = control("intra", "the link between GPUs of a node: a key of minishard.costmodel.LINKS")
+    inter = control("inter", "the link between nodes: a key of minishard.costmodel.LINKS")
+    wrap = control("wrap", "FSDP units: 'block' (one per transformer block) or 'model' (one)")
+    prefetch = control("prefetch", "FSDP prefetch depth: blocks gathered ahead of the one computing")
+    recompute = control("recompute", "activation recomputation (keep only each block's input)")
+    offload = control("offload", "the sharded state lives in host memory (PCIe traffic per step)")
+    hybrid = control("hybrid", "shard inside a node, replicate across nodes (HSDP)")
+    micro_batch = control("micro_batch", "sequences per GPU per forward")
+    seq_len = control("seq_len", "tokens per sequence")
+    mfu = control("mfu", "model FLOPs utilisation: achieved / peak FLOP/s")
 
     def __init__(self, model: str = "llama3-8b", *, device: str = "h100-80gb", gpus_per_node: int = 8,
                  nodes: int = 1, intra: str = "nvlink4", inter: str = "ib-ndr-400",
