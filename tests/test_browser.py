@@ -50,7 +50,7 @@ SETTINGS = {
 # ------------------------------------------------------------------ JupyterLab
 class Lab:
     def __init__(self, root: Path, tmp: Path):
-        self.token = secrets.token_hex(16)
+        self.root, self.token = root, secrets.token_hex(16)
         runtime, settings, workspaces = (tmp / d for d in ("runtime", "settings", "workspaces"))
         for d in (runtime, settings, workspaces):
             d.mkdir()
@@ -330,6 +330,57 @@ def test_chapter_stored_outputs_render(lab, browser, nb):
             assert after["bars"] != before["bars"] or after["marks"] != before["marks"]
             fig.screenshot(path=screenshot_path(f"{nb.stem}-static-player.png"))
         print(f"{nb.name}: {plots.count()} stored charts rendered")
+    finally:
+        page.close()
+        lab.shutdown_kernels()
+
+
+# Eight LiveFigures edited before their views exist, while they are being created, and after;
+# then a second view of one of them. Every view must show the figure's last state.
+LIVE_FIGURES = [
+    '''import ipywidgets as W, numpy as np, plotly.graph_objects as go
+from IPython.display import display
+from minishard.viz.live_figure import LiveFigure
+figs = [LiveFigure(go.Figure(go.Bar(y=np.zeros(3, dtype=np.float32)),
+                             layout=dict(title=f"figure {k} at construction", width=300, height=240)))
+        for k in range(8)]
+for k, f in enumerate(figs):
+    f.data[0].y = np.arange(3, dtype=np.float32) + k
+display(W.VBox([W.HBox(figs[:4]), W.HBox(figs[4:])]))
+for k, f in enumerate(figs):
+    f.layout.title.text = f"figure {k} final"''',
+    '''figs[0].add_trace(go.Scatter(y=[3, 1, 2], name="late"))
+display(figs[1])''',
+]
+
+
+def test_live_figures_draw_their_latest_state(lab, browser):
+    """The transport of :class:`minishard.viz.live_figure.LiveFigure`, on a page whose CPU is
+    slowed 4× (a busy laptop): views draw the state, whenever they are created; plotly.js is
+    evaluated once for the page, not once per figure."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in LIVE_FIGURES])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / "notebooks" / "live-figures.ipynb")
+    page = browser.new_page()
+    try:
+        open_notebook(page, lab, "live-figures.ipynb")
+        page.context.new_cdp_session(page).send("Emulation.setCPUThrottlingRate", {"rate": 4})
+        run_all(page)
+        assert not errors_on(page), "\n".join(errors_on(page))
+        plots = page.locator(".jp-OutputArea .js-plotly-plot")
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.jp-OutputArea .js-plotly-plot')]"
+            ".filter(el => / final$/.test((el.querySelector('.gtitle') || {}).textContent)).length >= 9",
+            timeout=120_000, polling=500)
+        page.screenshot(path=screenshot_path("live-figures.png"))
+        shown = [signature(plots.nth(i)) for i in range(plots.count())]
+        assert len(shown) == 9
+        for k, sig in enumerate(shown[:8]):
+            assert sig["title"] == f"figure {k} final"
+            assert json.loads(sig["bars"]) == [[k, k + 1, k + 2]]
+        assert json.loads(shown[0]["marks"]) == [[[], [3, 1, 2]]]          # the trace added late
+        assert shown[8] == shown[1]                                          # the second view
+        assert page.evaluate("globalThis[Symbol.for('minishard.plotly')].size") == 1
     finally:
         page.close()
         lab.shutdown_kernels()
