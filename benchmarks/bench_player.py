@@ -96,7 +96,7 @@ def main() -> None:
     p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
     n_coll = sum(e["kind"] == "collective" for e in events)
     print(f"trace: {len(events)} events, {args.ranks} ranks, {n_coll} collectives; Player() built in {build_s:.2f} s "
-          "(including plotly's first FigureWidget)")
+          "(including the first LiveFigure and the kernel's plotly.js library widget)")
     print(f"jump over {args.jumps} random events: median {statistics.median(times):.2f} ms, "
           f"p99 {p99:.2f} ms, max {times[-1]:.2f} ms")
 
