@@ -48,8 +48,8 @@ const ARRAYS = {
 function revive(v) {
   if (Array.isArray(v)) return v.map(revive);
   if (v && typeof v === "object") {
-    if (v.buffer !== undefined && typeof v.dtype === "string" && ARRAYS[v.dtype]) {
-      const b = v.buffer instanceof DataView ? v.buffer : new DataView(v.buffer.buffer ?? v.buffer);
+    if (ArrayBuffer.isView(v.buffer) && ARRAYS[v.dtype]) {     // ipywidgets gives a DataView
+      const b = v.buffer;
       return new ARRAYS[v.dtype](b.buffer.slice(b.byteOffset, b.byteOffset + b.byteLength));
     }
     const out = {};
