@@ -94,7 +94,7 @@ def test_a_closed_library_is_sent_again():
     assert LiveFigure()._library == f"IPY_MODEL_{second.model_id}"
 
 
-def test_plotly_version_is_the_one_whose_widget_api_we_replace():
+def test_every_plotly_edit_message_is_replaced():
     """LiveFigure overrides plotly's private ``_send_*_msg`` methods. If a plotly release
     renames or adds one, an edit would go out as a message no view listens to: fail here."""
     sends = {name for name in dir(go.FigureWidget) if name.startswith("_send_") and name.endswith("_msg")}
