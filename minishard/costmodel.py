@@ -143,7 +143,7 @@ class Plan:
 
 
 def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
-         micro_batch: int = 1, seq_len: int | None = None, precision: str = "bf16_mixed",
+         micro_batch: int = 1, seq_len: int | None = None, precision: str | None = None,
          optimizer: str = "adamw", prefetch: int = 1, recompute: bool = False,
          offload: bool = False, hybrid: bool = False, mfu: float = 0.4,
          bucket_mb: float = 25.0, flash_attention: bool = True, overlap: bool = True) -> Plan:
@@ -152,7 +152,13 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
     ``strategy``: ddp, zero1, zero2, zero3/fsdp. ``hybrid``: shard inside a node, replicate
     across nodes (HSDP). ``offload``: the sharded state lives in host memory (its bytes leave
     the device; PCIe traffic is added to the exposed time). ``overlap=False``: communication
-    cannot hide behind compute (e.g. CPU ranks with every core busy computing)."""
+    cannot hide behind compute (e.g. CPU ranks with every core busy computing).
+
+    ``precision=None`` is each strategy's usual mixed precision (docs/costmodel.md): for ZeRO-3 /
+    FSDP, FSDP2's and torchtitan's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+    (``"bf16_fsdp"``: bf16 gathers, fp32 reduce-scatters, the fp32 shards are the master); for
+    DDP and ZeRO-1/2, bf16 weights and gradients with an fp32 master (``"bf16_mixed"``: gradients
+    reduced in bf16, as DeepSpeed does by default)."""
     cfg = config(model) if isinstance(model, str) else model
     T = seq_len or cfg.seq_len
     N = cluster.world_size
@@ -162,6 +168,8 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
         raise ValueError(f"mfu is a fraction of peak FLOP/s in (0, 1], got {mfu}")
     if strategy == "fsdp":
         strategy = "zero3"
+    if precision is None:
+        precision = "bf16_fsdp" if strategy == "zero3" else "bf16_mixed"
     shard_n = cluster.gpus_per_node if hybrid else N
     n_params, block, _ = param_counts(cfg)
     if shard_n > n_params:

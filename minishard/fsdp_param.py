@@ -246,9 +246,13 @@ class FlatLayout:
                              f"{sorted(str(s.dtype) for s in slots)}: use the per-parameter layout")
         if len({s.requires_grad for s in slots}) > 1:
             frozen = [s.fqn for s in slots if not s.requires_grad]
+            # PyTorch FSDP1 refuses this too with use_orig_params=False (the layout built here);
+            # with use_orig_params=True it accepts the unit but still keeps gradient memory for
+            # the frozen parameters' part of the flat buffer.
             raise ValueError(f"the flat layout cannot mix frozen and trainable parameters in one "
-                             f"unit (frozen: {frozen[:3]}...): the flat buffer has one requires_grad. "
-                             f"Use the per-parameter layout, or put frozen parameters in their own unit")
+                             f"unit (frozen: {frozen[:3]}...): the flat buffer has one requires_grad "
+                             f"(as FSDP1 with use_orig_params=False). Use the per-parameter layout, "
+                             f"or put frozen parameters in their own unit")
         self.slots, self.rank, self.N, self.param_dtype = slots, rank, world_size, param_dtype
         self.offsets = [sum(s.numel for s in slots[:k]) for k in range(len(slots))]
         self.numel = sum(s.numel for s in slots)

@@ -10,8 +10,8 @@ Two halves, one vocabulary of categories:
   category (and freed again); activations are counted as autograd saves them for backward.
   Every entry is an ``alloc``/``free`` event in the rank's trace.
 
-Categories: ``params`` (working weights), ``grads``, ``grad_accum`` (an fp32 gradient accumulator
-kept next to bf16 grads), ``master`` (fp32 master weights), ``exp_avg`` / ``exp_avg_sq`` (Adam
+Categories: ``params`` (working weights), ``grads``, ``main_grads`` (the optimizer's fp32 copy of
+16-bit gradients, Megatron's "main grads"), ``master`` (fp32 master weights), ``exp_avg`` / ``exp_avg_sq`` (Adam
 moments), ``momentum`` (SGD), ``activations``, ``unsharded`` (a unit's temporarily gathered
 parameters), ``comm_buffers``.
 """
@@ -27,9 +27,9 @@ import torch
 
 from .trace import Tracer
 
-CATEGORIES = ("params", "grads", "grad_accum", "master", "exp_avg", "exp_avg_sq", "momentum",
+CATEGORIES = ("params", "grads", "main_grads", "master", "exp_avg", "exp_avg_sq", "momentum",
               "activations", "unsharded", "comm_buffers")
-STATE_CATEGORIES = ("params", "grads", "grad_accum", "master", "exp_avg", "exp_avg_sq", "momentum")
+STATE_CATEGORIES = ("params", "grads", "main_grads", "master", "exp_avg", "exp_avg_sq", "momentum")
 
 # --------------------------------------------------------------------------- the rules
 
@@ -37,7 +37,7 @@ STATE_CATEGORIES = ("params", "grads", "grad_accum", "master", "exp_avg", "exp_a
 # is sharded across ranks. Stages 1..3 are then one code path, and DDP is stage 0.
 SHARDED_FROM_STAGE = {
     "master": 1, "exp_avg": 1, "exp_avg_sq": 1, "momentum": 1,   # optimizer state: ZeRO-1
-    "grads": 2, "grad_accum": 2,                                 # gradients:       ZeRO-2
+    "grads": 2, "main_grads": 2,                                 # gradients:       ZeRO-2
     "params": 3,                                                 # parameters:      ZeRO-3 / FSDP
 }
 STRATEGY_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
@@ -50,7 +50,7 @@ class Precision:
     params: int        # working weights used by forward/backward
     grads: int         # gradients produced by backward (and reduced)
     master: int        # fp32 master copy the optimizer updates (0: the params are the master)
-    grad_accum: int    # a separate fp32 gradient accumulator (0: none)
+    main_grads: int    # an fp32 copy of 16-bit gradients for the optimizer (0: none)
     state: int         # bytes of each optimizer moment element
     about: str
 
@@ -62,14 +62,15 @@ PRECISIONS = {
                             "bf16 weights and grads, fp32 master weights and Adam moments"),
     "bf16_mixed_fp32_grads": Precision(
         "bf16_mixed_fp32_grads", 2, 4, 4, 0, 4,
-        "bf16 compute, gradients reduced and kept in fp32 (FSDP's reduce_dtype=float32)"),
+        "bf16 weights; gradients accumulated and reduced in fp32 (Megatron's main_grad with bf16)"),
     "bf16_fsdp": Precision(
         "bf16_fsdp", 0, 4, 4, 0, 4,
         "FSDP2's MixedPrecisionPolicy(bf16, reduce fp32): the fp32 shards are the master, bf16 "
         "copies exist only while a unit is gathered, gradients reduced and kept in fp32"),
-    "bf16_mixed_fp32_accum": Precision(
-        "bf16_mixed_fp32_accum", 2, 2, 4, 4, 4,
-        "bf16 grads plus a separate fp32 accumulation buffer (Megatron's main_grad)"),
+    "fp16_mixed": Precision(
+        "fp16_mixed", 2, 2, 4, 4, 4,
+        "fp16 weights and grads (loss scaling); the optimizer keeps fp32 copies of both "
+        "(Megatron's main params and main grads)"),
 }
 
 OPTIMIZERS = {
@@ -81,21 +82,41 @@ OPTIMIZERS = {
 }
 
 
-def conventions() -> list[tuple[int, str, str]]:
-    """The bytes-per-parameter figures people quote, each as the setting that produces it."""
-    rows = []
-    for prec, opt, why in [
-        ("bf16_mixed", "adamw", "the standard figure: 2 + 2 + 4 + 4 + 4"),
-        ("fp32", "adamw", "plain fp32 AdamW: 4 + 4 + 4 + 4 — also 16, with no separate master"),
-        ("bf16_mixed", "adamw_8bit", "8-bit Adam moments: 2 + 2 + 4 + 1 + 1"),
-        ("bf16_mixed_fp32_grads", "adamw", "gradients kept in fp32: 2 + 4 + 4 + 4 + 4"),
-        ("bf16_mixed_fp32_accum", "adamw", "bf16 grads and an fp32 accumulator: 2 + 2 + 4 + 4 + 4 + 4"),
-        ("fp32", "sgd_momentum", "fp32 SGD with momentum: 4 + 4 + 4"),
-        ("fp32", "sgd", "fp32 SGD without momentum: 4 + 4"),
-    ]:
-        b = estimate(n_params=1, precision=prec, optimizer=opt).bytes_per_param
-        rows.append((int(b), f"precision={prec}, optimizer={opt}", why))
-    return rows
+@dataclass(frozen=True)
+class Convention:
+    """A bytes-per-parameter figure people quote, and the setting that produces it."""
+    bytes_per_param: int
+    precision: str
+    optimizer: str
+    breakdown: str
+    source: str
+
+
+# Each row is checked against ``estimate`` (tests/test_ledger.py); the sources are in
+# docs/reference-figures.md ("Bytes per parameter").
+_CONVENTIONS = [
+    ("bf16_mixed", "adamw", "2 + 2 + 4 + 4 + 4: 16-bit weights and grads, fp32 master, m, v",
+     "ZeRO paper §3.1 (2Ψ + 2Ψ + KΨ, K = 12)"),
+    ("fp32", "adamw", "4 + 4 + 4 + 4: the fp32 weights are their own master",
+     "Megatron-Core distributed optimizer: 'fp32 param, fp32 grads' = 16"),
+    ("bf16_fsdp", "adamw", "4 + 4 + 4 + 4: fp32 shards are the master; bf16 only while gathered",
+     "PyTorch FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"),
+    ("bf16_mixed_fp32_grads", "adamw", "2 + 4 + 4 + 4 + 4: gradients accumulated in fp32",
+     "Megatron-Core distributed optimizer: 'float16 param, fp32 grads' = 18"),
+    ("fp16_mixed", "adamw", "2 + 2 + 4 + 4 + 4 + 4: 16-bit grads plus fp32 main grads",
+     "Megatron-Core distributed optimizer: 'float16 param, float16 grads' = 20"),
+    ("bf16_mixed", "adamw_8bit", "2 + 2 + 4 + 1 + 1: 8-bit Adam moments",
+     "Dettmers et al., 8-bit Optimizers via Block-wise Quantization"),
+    ("fp32", "sgd_momentum", "4 + 4 + 4: weights, grads, momentum", "torch.optim.SGD(momentum > 0)"),
+    ("fp32", "sgd", "4 + 4: weights and grads", "torch.optim.SGD(momentum = 0)"),
+]
+
+
+def conventions() -> list[Convention]:
+    """The bytes-per-parameter figures people quote, each with the setting behind it."""
+    return [Convention(int(estimate(n_params=1, precision=prec, optimizer=opt).bytes_per_param),
+                       prec, opt, breakdown, source)
+            for prec, opt, breakdown, source in _CONVENTIONS]
 
 
 # --------------------------------------------------------------------------- the analytic ledger
@@ -180,8 +201,8 @@ def estimate(model: torch.nn.Module | None = None, *, n_params: int | None = Non
     state_cats, state_bytes = OPTIMIZERS[optimizer]
     bpp = {"params": prec.params} if prec.params else {}
     bpp["grads"] = prec.grads
-    if prec.grad_accum:
-        bpp["grad_accum"] = prec.grad_accum
+    if prec.main_grads:
+        bpp["main_grads"] = prec.main_grads
     if prec.master:
         bpp["master"] = prec.master
     for c in state_cats:

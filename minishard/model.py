@@ -45,7 +45,7 @@ class GPTConfig:
 
 
 CONFIGS = {
-    # the course's reference model: 6,868,992 parameters (see REFERENCE_FIGURES)
+    # the course's reference model: 6,868,992 parameters (docs/reference-figures.md)
     "tiny": GPTConfig(),
     "nano": GPTConfig(vocab_size=512, seq_len=32, d_model=64, n_layer=3, n_head=4),
     "gpt2-small": GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layer=12, n_head=12),

@@ -9,6 +9,11 @@ full weight: an MLP's first matrix is split by columns and its second by rows, s
     y_r = h_r @ W2[rows of rank r, :]         (B,T,C)     a partial sum
     y   = all_reduce(y_r)                                  activations cross the wire, not weights
 
+Naming: "columns" and "rows" are Megatron's, of the matrix A in Y = X A (W1 is C x F). PyTorch's
+``nn.Linear`` stores A transposed (``weight`` is out x in), so the first matrix's columns are
+rows of ``fc.weight`` (``fc.weight[r F/N:(r+1) F/N, :]``) and the second's rows are columns of
+``proj.weight`` (``proj.weight[:, r F/N:(r+1) F/N]``).
+
 and backward mirrors it (the gradient w.r.t. x is all-reduced). What moves is proportional to
 the activations (B·T·C), not to the weights (C·F) — and each rank does 1/N of the arithmetic.
 The price: a collective inside every layer, on the critical path, which wants NVLink.

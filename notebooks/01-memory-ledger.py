@@ -77,9 +77,12 @@ fig.show()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for bpp, setting, why in conventions():
-    print(f"{bpp:>3} bytes/param  {setting:<52} {why}")
-assert {b for b, _, _ in conventions()} >= {10, 16, 18, 20}
+for c in conventions():
+    print(f"{c.bytes_per_param:>3} B/param  {c.precision + ', ' + c.optimizer:<34}{c.breakdown}")
+    print(f"{'':>13}source: {c.source}")
+quoted = {(c.bytes_per_param, c.precision, c.optimizer) for c in conventions()}
+assert quoted >= {(16, "bf16_mixed", "adamw"), (16, "bf16_fsdp", "adamw"), (18, "bf16_mixed_fp32_grads", "adamw"),
+                  (20, "fp16_mixed", "adamw"), (10, "bf16_mixed", "adamw_8bit")}
 
 # %% [markdown]
 # ## 2. Activations come on top
@@ -116,6 +119,49 @@ for label, key, values in rows:
 for T in (2048, 4096, 8192):
     a = gpt_activation_bytes(config("llama3-8b"), micro_batch=1, seq_len=T, dtype_bytes=2)
     print(f"llama3-8b, micro-batch 1, T = {T:>4}: activations {a / GB:6.1f} GB")
+
+# %% [markdown]
+# ### The literature's formula, measured
+# Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", 2022)
+# count a transformer layer's activations with 16-bit tensors, sequence length $s$, micro-batch
+# $b$, hidden size $h$ and $a$ heads as
+#
+# $$s\,b\,h\left(34 + 5\,\frac{a\,s}{h}\right)\ \text{bytes}
+# = \underbrace{11\,sbh + 5\,as^2b}_{\text{attention}} + \underbrace{19\,sbh}_{\text{MLP}} + \underbrace{4\,sbh}_{\text{2 layer norms}} .$$
+#
+# Those terms include dropout: a 1-byte mask and a 2-byte output after the softmax
+# ($as^2b + 2as^2b$) and a 1-byte mask after each of the attention and MLP outputs ($sbh$
+# each). minishard's GPT has no dropout, so what is left is
+#
+# $$\underbrace{(2 + 4 + 2 + 2)\,sbh + 2\,as^2b}_{\text{qkv input, }q\,k\text{, }v\text{, proj input, softmax}}
+# + \underbrace{(2 + 8 + 8)\,sbh}_{\text{fc input, GELU input, proj input}} + 4\,sbh
+# = 32\,sbh + 2\,as^2b .$$
+#
+# The live ledger measures one layer of the tiny model in bf16 as the difference between a 2-layer
+# and a 1-layer model (one process, one step): the formula plus two small terms Korthikanti leaves
+# out, the causal mask masked_fill keeps ($s^2$ bools) and each layer norm's per-token mean and
+# reciprocal standard deviation ($2 \cdot 2 \cdot sb$ values of 2 bytes).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def measured_activations(n_layer: int, b: int) -> int:
+    out = train(strategy="single", steps=1, model="tiny", micro_batch=b, precision="bf16_mixed",
+                model_overrides={"n_layer": n_layer})
+    return out["ledger"]["category_peaks"]["activations"]
+
+tiny = config("tiny")
+s, h, a = tiny.seq_len, tiny.d_model, tiny.n_head
+for b in (2, 4):
+    layer = measured_activations(2, b) - measured_activations(1, b)
+    korthikanti = s * b * h * 34 + 5 * a * s * s * b          # with dropout
+    no_dropout = 32 * s * b * h + 2 * a * s * s * b
+    small = s * s + 2 * 2 * s * b * 2                           # causal mask, norm statistics
+    print(f"s={s}, b={b}, h={h}, a={a}: sbh(34 + 5as/h) = {korthikanti:,}; without dropout "
+          f"32sbh + 2as²b = {no_dropout:,}; measured one layer = {layer:,} = that + {layer - no_dropout:,} "
+          f"(s² mask + 4sb statistics = {small:,})")
+    assert layer == no_dropout + small                         # measured, to the byte
+    assert layer == (gpt_activation_bytes(config("tiny", n_layer=2), b, dtype_bytes=2)
+                     - gpt_activation_bytes(config("tiny", n_layer=1), b, dtype_bytes=2))
 
 # %% [markdown]
 # ## 3. The calculator

@@ -37,14 +37,16 @@ import torch
 from IPython.display import display
 
 from minishard import GPT, Ranks
+from minishard.parity import bitwise_equal, drift, params_of, max_diff
 from minishard.train import train
 from minishard.viz import Player, ring_figure, ring_schedule, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
 TINY = GPT("tiny", device="meta")
-PSI = sum(p.numel() * 4 for p in TINY.parameters())       # fp32 gradient bytes
+PSI = TINY.num_params()                                    # Ψ: parameters
+GRAD_BYTES = 4 * PSI                                       # 4Ψ: one fp32 gradient, in bytes
 N_TENSORS = len(list(TINY.parameters()))
-print(f"tiny GPT: Ψ = {PSI:,} bytes of gradients in {N_TENSORS} parameter tensors")
+print(f"tiny GPT: Ψ = {PSI:,} parameters in {N_TENSORS} tensors; its fp32 gradient is 4Ψ = {GRAD_BYTES:,} bytes")
 R2 = Ranks(2)                                             # one warm pool for most of the chapter
 
 # %% [markdown]
@@ -97,7 +99,7 @@ for name, out in [("ddp_naive", naive), ("ddp, 4 MiB buckets", run), ("ddp, 25 M
     print(f"{name:<26}{out[0]['calls'][-1]:>17}{out[0]['wire'][-1]:>17,}")
 assert naive[0]["calls"] == [N_TENSORS] * 3                # one all-reduce per parameter tensor
 assert run[0]["calls"] == [6] * 3 and bucketed[0]["calls"] == [2] * 3
-assert naive[0]["wire"] == run[0]["wire"] == bucketed[0]["wire"] == [PSI] * 3
+assert naive[0]["wire"] == run[0]["wire"] == bucketed[0]["wire"] == [GRAD_BYTES] * 3
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -192,11 +194,11 @@ R3.close()
 # %%
 # NBVAL_CHECK_OUTPUT
 # claim: W1
-print(f"{'N':>2}{'2(N-1)/N x Psi':>16}{'recorded (wire)':>17}{'ratio to Psi':>14}")
+print(f"{'N':>2}{'2(N-1)/N x 4Ψ':>16}{'recorded (wire)':>17}{'ratio to 4Ψ':>14}")
 for N, out in per_n.items():
-    formula = 2 * (N - 1) / N * PSI
+    formula = 2 * (N - 1) / N * GRAD_BYTES
     wire = out[0]["wire"][-1]
-    print(f"{N:>2}{formula:>16,.0f}{wire:>17,}{wire / PSI:>14.4f}")
+    print(f"{N:>2}{formula:>16,.0f}{wire:>17,}{wire / GRAD_BYTES:>14.4f}")
     for o in out:                                     # every rank, every step
         assert all(abs(w - formula) <= o["calls"][0] for w in o["wire"])   # exact up to rounding per bucket
 
@@ -225,25 +227,41 @@ theirs = R2.run(train, strategy="torch_ddp", steps=3, model="tiny", micro_batch=
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-def max_diff(a: dict, b: dict) -> float:
-    return max((a[n] - b[n]).abs().max().item() for n in a)
-
+INIT = params_of(GPT("tiny", seed=0))                 # the weights every run starts from
 mean_loss = [sum(o["losses"][s] for o in ours) / 2 for s in range(3)]   # the global batch's loss
 print("single-process loss :", [f"{x:.6f}" for x in single["losses"]])
 print("minishard DDP (mean):", [f"{x:.6f}" for x in mean_loss])
 print("largest loss gap    :", max(abs(a - b) for a, b in zip(mean_loss, single["losses"])))
-print("params vs torch DDP :", max_diff(ours[0]["params"], theirs[0]["params"]))
-print("params vs single    :", max_diff(ours[0]["params"], single["params"]))
-assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mean_loss, single["losses"]))
-assert [o["losses"] for o in ours] == [o["losses"] for o in theirs]             # bitwise
-assert all(torch.equal(ours[0]["params"][n], theirs[0]["params"][n]) for n in single["params"])
-assert max_diff(ours[0]["params"], single["params"]) < 2e-4
+print("params vs single    : largest element gap", max_diff(ours[0]["params"], single["params"]),
+      "; worst tensor's gap / its movement", drift(ours[0]["params"], single["params"], INIT).worst)
 
 # %% [markdown]
-# Bitwise equal to PyTorch's DDP; within 2·10⁻⁴ of the single process. That gap is not a DDP bug:
-# summing the same numbers in a different order changes the last bits, and Adam divides by
-# $\sqrt{v}$, which amplifies those bits wherever a gradient is nearly zero. With plain SGD the
-# same comparison is orders of magnitude tighter:
+# Those digits depend on the machine (its float kernels, its thread count); the relations below
+# do not, and they are what the notebook checks:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+adamw = drift(ours[0]["params"], single["params"], INIT)
+print("losses within 1e-6 (relative) of one process at every step:",
+      all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mean_loss, single["losses"])))
+print("losses and params bitwise equal to PyTorch's DDP:",
+      [o["losses"] for o in ours] == [o["losses"] for o in theirs]
+      and bitwise_equal(ours[0]["params"], theirs[0]["params"]))
+print("params vs one process: every tensor within 0.1% of how far training moved it:", adamw.within(1e-3))
+assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mean_loss, single["losses"]))
+assert [o["losses"] for o in ours] == [o["losses"] for o in theirs]             # bitwise
+assert bitwise_equal(ours[0]["params"], theirs[0]["params"])
+assert adamw.within(1e-3)
+
+# %% [markdown]
+# Bitwise equal to PyTorch's DDP; close to, not equal to, the single process. That gap is not a
+# DDP bug: summing the same numbers in a different order changes the last bits, and Adam divides
+# by $\sqrt{v}$, which amplifies those bits wherever a gradient is nearly zero — an element can
+# land up to about one learning rate away. So the check compares each tensor with how far
+# training moved it (`minishard.parity.drift`): a model that did not train, or trained wrongly,
+# is off by 100% of that, summation order by about 0.01%. With plain SGD, whose update is linear
+# in the gradient, the noise stays the size of the gradients' own rounding — measured over the
+# whole model, an order of magnitude tighter:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -253,9 +271,14 @@ single_sgd = train(strategy="single", steps=3, model="tiny", micro_batch=8, opti
 torch.set_num_threads(threads)
 ours_sgd = R2.run(train, strategy="ddp", steps=3, model="tiny", micro_batch=4, optimizer="sgd",
                   lr=0.1, return_params=True)
-gap = max_diff(ours_sgd[0]["params"], single_sgd["params"])
-print(f"SGD, 3 steps: params within {gap:.1e} of the single process")
-assert gap < 1e-6
+sgd = drift(ours_sgd[0]["params"], single_sgd["params"], INIT)
+print(f"whole model, gap / movement after 3 steps: SGD {sgd.overall:.1e}, AdamW {adamw.overall:.1e}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("SGD: the whole model within 0.001% of its movement:", sgd.overall < 1e-5)
+print("AdamW's gap at least ten times SGD's:", adamw.overall > 10 * sgd.overall)
+assert sgd.overall < 1e-5 and adamw.overall > 10 * sgd.overall and sgd.within(1e-3)
 
 # %% [markdown]
 # ## 6. Gradient accumulation with `no_sync`
@@ -272,10 +295,10 @@ single_acc = train(strategy="single", steps=2, model="tiny", micro_batch=8, accu
 torch.set_num_threads(threads)
 print(f"accum=2: {acc[0]['calls']} all-reduces per step (accum=1: {bucketed[0]['calls'][:2]}), "
       f"{acc[0]['wire'][0]:,} bytes per step")
-assert acc[0]["calls"] == bucketed[0]["calls"][:2] and acc[0]["wire"] == [PSI, PSI]
+assert acc[0]["calls"] == bucketed[0]["calls"][:2] and acc[0]["wire"] == [GRAD_BYTES] * 2
 mean_acc = [sum(o["losses"][s] for o in acc) / 2 for s in range(2)]
 assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mean_acc, single_acc["losses"]))
-assert max_diff(acc[0]["params"], single_acc["params"]) < 2e-4
+assert drift(acc[0]["params"], single_acc["params"], INIT).within(1e-3)
 
 # %%
 R2.close()

@@ -141,7 +141,7 @@ pw.hybrid = True
 strategy_table(pw)
 print(pw.verdict)
 hy = pw.plans
-assert hy["fsdp"].exposed_comm_s < 0.15 * hy["fsdp"].step_s < eth["fsdp"].exposed_comm_s
+assert hy["fsdp"].exposed_comm_s < min(0.25 * hy["fsdp"].step_s, eth["fsdp"].exposed_comm_s / 3)
 assert hy["fsdp"].total_memory > eth["fsdp"].total_memory           # 1/8, not 1/16, of the state
 assert hy["fsdp"].total_memory == p8["fsdp"].total_memory           # exactly one node's sharding
 
@@ -286,8 +286,10 @@ assert w["3. recompute"]["peak"] + one_block < BUDGET
 # ## 3. FSDP versus tensor parallelism
 # Both split a layer's weights over the ranks, but only one of them splits the *work*. FSDP
 # stores 1/N of each matrix and gathers it whole before computing; tensor parallelism splits
-# the matrix multiply itself (columns of the first MLP matrix, rows of the second), so no rank
-# ever holds the full matrix and activations, not weights, cross the wire.
+# the matrix multiply itself (columns of the first MLP matrix A in Y = XA, rows of the second —
+# Megatron's names; in `nn.Linear`, which stores Aᵀ, rows of `fc.weight` and columns of
+# `proj.weight`), so no rank ever holds the full matrix and activations, not weights, cross the
+# wire.
 # [`compare_with_fsdp`](../minishard/tp.py) runs one MLP forward and backward both ways on two
 # ranks:
 
@@ -592,8 +594,10 @@ R2.close()
 
 # %% [markdown]
 # ## Exercise: a tensor-parallel MLP forward
-# Write the forward of an MLP split the Megatron way: this rank's rows of the first Linear, the
-# same columns of the second, one all-reduce of the partial outputs. The check runs it on 1, 2
+# Write the forward of an MLP split the Megatron way: this rank's columns of the first matrix A
+# (in Y = XA) and the same rows of the second — in `nn.Linear` terms, which store Aᵀ, rows of
+# the first Linear's weight and columns of the second's — then one all-reduce of the partial
+# outputs. The check runs it on 1, 2
 # and 4 real ranks with the tiny GPT's first MLP, compares with the whole MLP and with
 # `TensorParallelMLP`, and checks that only activations crossed the wire, never a weight. The
 # function is sent to the ranks as source: keep it self-contained.

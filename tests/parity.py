@@ -3,7 +3,7 @@
 A strategy on N ranks must train exactly like one process on the same global batch: the mean
 of the ranks' losses equals the single-process loss at every step, and the final parameters
 agree (every rank holding the same replica, or — for sharded strategies — the gathered whole).
-Tolerances are those PyTorch's own strategies reach on this machine (REFERENCE_FIGURES.md):
+Tolerances are those PyTorch's own strategies reach on this machine (docs/reference-figures.md):
 fp32 loss 1e-6 relative; AdamW parameters 2e-4 after 10 steps (Adam's normalisation amplifies
 summation-order noise on near-zero gradients); SGD much tighter.
 """

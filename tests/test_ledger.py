@@ -6,7 +6,7 @@ from minishard.ledger import (LiveLedger, conventions, count_params, estimate,
                               gpt_activation_bytes, track_optimizer_state)
 from minishard.model import GPT, batch, config
 
-PSI = 6_868_992      # the tiny GPT (REFERENCE_FIGURES.md)
+PSI = 6_868_992      # the tiny GPT (docs/reference-figures.md)
 
 
 def test_bf16_mixed_adamw_keeps_16_bytes_per_param():
@@ -49,9 +49,14 @@ def test_uneven_world_size_pads_the_last_shard():
     assert est.per_rank["params"] == 4 * 4               # ceil(10/3) = 4 elements each
 
 
-def test_conventions_explain_10_16_18_20():
-    quoted = {b for b, _, _ in conventions()}
-    assert {10, 16, 18, 20} <= quoted
+def test_each_quoted_bytes_per_param_comes_from_its_own_setting():
+    quoted = {(c.bytes_per_param, c.precision, c.optimizer) for c in conventions()}
+    assert quoted == {(16, "bf16_mixed", "adamw"), (16, "fp32", "adamw"), (16, "bf16_fsdp", "adamw"),
+                      (18, "bf16_mixed_fp32_grads", "adamw"), (20, "fp16_mixed", "adamw"),
+                      (10, "bf16_mixed", "adamw_8bit"), (12, "fp32", "sgd_momentum"), (8, "fp32", "sgd")}
+    for c in conventions():              # the breakdown a row prints adds up to its figure
+        assert sum(int(t) for t in c.breakdown.split(":")[0].split(" + ")) == c.bytes_per_param, c
+        assert c.source
 
 
 @pytest.mark.parametrize("kw", [dict(strategy="zero4"), dict(precision="fp8"),

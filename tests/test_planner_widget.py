@@ -81,7 +81,7 @@ def test_slow_network_suggests_hybrid_sharding_and_hybrid_hides_it(pw):
     assert flat.exposed_comm_s > 0.5 * flat.step_s
     assert any("Hybrid sharding" in h for h in pw.hints)
     pw.hybrid = True
-    assert pw.plan.exposed_comm_s < 0.15 * pw.plan.step_s
+    assert pw.plan.exposed_comm_s < min(0.25 * pw.plan.step_s, flat.exposed_comm_s / 3)
     assert pw.plan.total_memory > flat.total_memory           # sharded 8 ways, not 16
 
 
@@ -213,3 +213,12 @@ def test_profile_reads_the_checklist_off_results_and_events():
     assert m["tokens_per_s"] == 4.0 and m["scaling_efficiency"] == 0.4
     assert m["utilisation"] == 0.75 and m["comm_share"] == pytest.approx(1.3 / 4)
     assert m["peak_bytes"] == 120
+
+
+def test_a_suggestion_above_90_percent_of_the_device_carries_the_same_warning(pw):
+    pw.strategy = "fsdp"                          # Llama-3-8B on 8 H100s with recomputation
+    no_recompute = [h for h in pw.hints if h.startswith("It fits without recomputation")]
+    assert no_recompute and "of the device" in no_recompute[0] and "CUDA context" in no_recompute[0]
+    pw.recompute = False                          # now that plan is the current one: same warning
+    assert pw.plan.total_memory > 0.9 * pw.plan.device_memory
+    assert any("CUDA context" in h and "NCCL" in h for h in pw.hints)

@@ -56,7 +56,7 @@ def test_zero_bf16_mixed_precision(pools, N):
     ref = reference(N, MB, **kw)
     for strategy in ("zero1", "zero2"):
         ours = pools(N).run(train, strategy=strategy, micro_batch=MB, return_params=True, **kw)
-        # bf16 rounding: losses within 5e-2 (REFERENCE_FIGURES), weights within a few bf16 ulps
+        # bf16 rounding: losses within 5e-2 (docs/reference-figures.md), weights within a few bf16 ulps
         assert_parity(ours, ref, loss_rtol=5e-2 / 6, param_atol=1e-2)
 
 

@@ -2,8 +2,10 @@
 
 FSDP stores 1/N of every weight but computes each layer whole, after gathering the weight.
 Tensor parallelism never builds the full weight: rank r keeps columns ``[r F/N, (r+1) F/N)`` of
-the first matrix (and those entries of its bias) and the same rows of the second, computes its
-part of the hidden layer, and one all-reduce sums the partial outputs.
+the first matrix A in Y = X A (and those entries of its bias) and the same rows of the second,
+computes its part of the hidden layer, and one all-reduce sums the partial outputs. (Columns and
+rows of A, Megatron's naming; ``nn.Linear.weight`` is A transposed, so below they are the rows
+of the first Linear's weight and the columns of the second's.)
 
 Write the forward. The check runs it on 1, 2 and 4 real ranks with the tiny GPT's first MLP,
 compares the output with the whole MLP computed on one process and with minishard's

@@ -32,7 +32,7 @@ CUSTOM = "custom"
 DEVICES_GB = {"24 GB": 24, "40 GB (A100-40G)": 40, "80 GB (A100/H100)": 80,
               "141 GB (H200)": 141, "192 GB (B200)": 192}
 # every category the analytic ledger can return, bottom of the stack first
-_CATEGORIES = category_order(["params", "grads", "grad_accum", "master", "exp_avg", "exp_avg_sq",
+_CATEGORIES = category_order(["params", "grads", "main_grads", "master", "exp_avg", "exp_avg_sq",
                               "momentum", "activations"])
 
 

@@ -16,7 +16,7 @@ MB = 1_000_000          # the bars are in decimal megabytes, like the "MB" on th
 
 # One colour per ledger category and per phase / collective, the same in every figure.
 COLORS = {
-    "params": "#4C78A8", "grads": "#F58518", "grad_accum": "#FFBF79", "master": "#54A24B",
+    "params": "#4C78A8", "grads": "#F58518", "main_grads": "#FFBF79", "master": "#54A24B",
     "exp_avg": "#88D27A", "exp_avg_sq": "#B6E3A8", "momentum": "#EECA3B",
     "activations": "#E45756", "unsharded": "#72B7B2", "comm_buffers": "#B279A2",
     "forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B",

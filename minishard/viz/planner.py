@@ -42,6 +42,11 @@ from .figures import category_order, color
 from .live_figure import LiveFigure
 
 GiB = 2**30
+# A plan above this share of the device gets a warning, whether it is the current one or a
+# suggestion: the planner does not model the CUDA context, NCCL's buffers, the allocator's
+# fragmentation or the temporaries of each kernel (docs/costmodel.md, "What the planner leaves out").
+HEADROOM = 0.9
+UNMODELLED = "the CUDA context, NCCL's buffers, allocator fragmentation and kernel temporaries"
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "ZeRO-3 / FSDP"}
 WRAPS = ("block", "model")
@@ -280,6 +285,12 @@ class PlannerWidget:
             return ["Fewer GPUs, or a bigger model: the planner refuses this shape."]
         s, out = self.strategy, []
         gib = lambda b: f"{b / GiB:.1f} GiB"                                     # noqa: E731
+
+        def tight(plan: Plan) -> str:     # the same warning for a suggestion as for the current plan
+            if plan.total_memory <= HEADROOM * plan.device_memory:
+                return ""
+            return (f" — {plan.total_memory / plan.device_memory:.0%} of the device, and the plan "
+                    f"leaves out {UNMODELLED}")
         cfg = CONFIGS[self.model]
         logits = self.micro_batch * self.seq_len * cfg.vocab_size * 2            # bf16 log-probs
         if not p.fits:
@@ -303,13 +314,13 @@ class PlannerWidget:
             for bigger in STRATEGIES[STRATEGIES.index(s) + 1:]:
                 alt = self._gain(bigger)
                 if alt is not None and alt.fits:
-                    out.append(f"Shard more: {LABELS[bigger]} needs {gib(alt.total_memory)} per GPU.")
+                    out.append(f"Shard more: {LABELS[bigger]} needs {gib(alt.total_memory)} per GPU{tight(alt)}.")
                     break
             c = self.cluster
             more = self._gain(s, cluster=replace(c, nodes=2 * c.nodes))
             if more is not None and more.fits:
                 out.append(f"Twice the nodes ({2 * c.world_size} GPUs): {gib(more.total_memory)} "
-                           f"per GPU.")
+                           f"per GPU{tight(more)}.")
             acts = p.memory.get("activations", 0)
             if acts > 0.25 * p.device_memory:
                 out.append(f"Activations ({gib(acts)}) do not shrink with more data-parallel GPUs: "
@@ -318,7 +329,7 @@ class PlannerWidget:
             if not self.offload:
                 alt = self._gain(s, offload=True)
                 if alt is not None and alt.fits:
-                    out.append(f"CPU offload fits ({gib(alt.total_memory)}) but adds "
+                    out.append(f"CPU offload fits ({gib(alt.total_memory)}{tight(alt)}) but adds "
                                f"{alt.exposed_comm_s - p.exposed_comm_s:.2f} s of PCIe per step: "
                                f"a last resort.")
             if not out:
@@ -332,27 +343,27 @@ class PlannerWidget:
                 if alt is not None and alt.fits:
                     msg += (f" Hybrid sharding keeps the sharding collectives inside a node: "
                             f"{alt.exposed_comm_s / alt.step_s:.0%} waiting, "
-                            f"{gib(alt.total_memory)} per GPU.")
+                            f"{gib(alt.total_memory)} per GPU{tight(alt)}.")
             out.append(msg)
         for simpler in STRATEGIES[:STRATEGIES.index(s)]:
             alt = self._gain(simpler)
             if alt is not None and alt.fits and alt.step_s <= 1.03 * p.step_s:
-                out.append(f"{LABELS[simpler]} fits too ({gib(alt.total_memory)}) and is about as "
+                out.append(f"{LABELS[simpler]} fits too ({gib(alt.total_memory)}{tight(alt)}) and is about as "
                            f"fast ({alt.step_s:.2f} s against {p.step_s:.2f} s): a simpler system.")
                 break
         if self.offload:
             alt = self._gain(s, offload=False)
             if alt is not None and alt.fits:
-                out.append(f"Offload is not needed: without it {gib(alt.total_memory)} fit and the "
+                out.append(f"Offload is not needed: without it {gib(alt.total_memory)} fit{tight(alt)} and the "
                            f"step is {p.step_s - alt.step_s:.2f} s shorter.")
         if self.recompute:
             alt = self._gain(s, recompute=False)
             if alt is not None and alt.fits and alt.step_s < 0.97 * p.step_s:
-                out.append(f"It fits without recomputation too ({gib(alt.total_memory)}): "
+                out.append(f"It fits without recomputation too ({gib(alt.total_memory)}{tight(alt)}): "
                            f"{1 - alt.step_s / p.step_s:.0%} less time per step.")
-        if p.total_memory > 0.9 * p.device_memory:
-            out.append("Within 10% of the device: allocator fragmentation and temporary buffers "
-                       "not in the plan can tip it over.")
+        if p.total_memory > HEADROOM * p.device_memory:
+            out.append(f"{p.total_memory / p.device_memory:.0%} of the device, and the plan leaves "
+                       f"out {UNMODELLED}: they can tip it over.")
         if not out:
             out.append("Nothing to change: it fits and the network is hidden behind compute.")
         return out
