@@ -51,8 +51,8 @@ WORK = Path(tempfile.mkdtemp(prefix="minishard-00-"))
 # %% [markdown]
 # ## 1. A warm pool of ranks
 # `Ranks(2)` starts two processes from a forkserver that has already imported torch, joins them
-# into one process group, and keeps them. Starting costs about a second; every `R.run` after that
-# reuses the same processes.
+# into one process group, and keeps them. Starting costs about a second (the cell prints this
+# run's time); every `R.run` after that reuses the same processes.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -157,8 +157,8 @@ assert proc.returncode == 0, proc.stderr[-3000:]
 assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl", "trace.json"]
 
 # %% [markdown]
-# Same model, same seeds, same data, two launchers: the losses agree exactly, and the two traces
-# hold the same events.
+# Same model, same seeds, same data, two launchers: the losses agree to every digit `torchrun`
+# printed (four decimals), and the two traces hold the same events and the same ledger.
 
 # %%
 replay = Player(trace_dir, title="replayed from torchrun's trace files")

@@ -71,9 +71,13 @@ fig.update_layout(title="Llama-3-8B, mixed-precision AdamW: what one DDP rank mu
 fig.show()
 
 # %% [markdown]
-# The weights cross nothing; the gradients, the fp32 master copy and Adam's two moments carry the
-# total past the device at the third bar. 16 bytes is the usual figure, not the only one:
-# [`conventions()`](../minishard/ledger.py) lists the settings behind the others people quote.
+# The weights alone cross nothing; the gradients and the fp32 master copy bring the total to about
+# 64 GB, and Adam's first moment carries it past the device at the fourth bar. 16 bytes is the
+# usual figure, not the only one: [`conventions()`](../minishard/ledger.py) lists the settings
+# behind the others people quote, each with its source (more in
+# [docs/reference-figures.md](../docs/reference-figures.md)). Note that 16 stands for three
+# different settings, and that 18 and 20 are both Megatron-Core's: fp32 gradients in place of
+# 16-bit ones (18), or 16-bit gradients plus the optimizer's fp32 copy of them, `main_grads` (20).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -167,7 +171,7 @@ for b in (2, 4):
 # ## 3. The calculator
 # Every knob of the analytic ledger in one widget: the bars are one rank's memory (one bar per
 # rank: under DDP they are identical), the dashed line one device. Change the strategy to
-# `zero1`…`zero3` to preview chapters 3–4.
+# `zero1`…`zero3` to preview chapters 03–05.
 
 # %%
 calc = LedgerCalculator(model="llama3-8b", world_size=8, strategy="ddp", device_gb=80)

@@ -21,10 +21,12 @@
 # same update and the replicas stay identical. The long explanation is in
 # [tutorial/02-ddp.md](../tutorial/02-ddp.md); this notebook runs it and measures it.
 #
-# **The one-line "syntax"** — on rank $r$ of $N$, with $\Psi$ the bytes of the gradients:
+# **The one-line "syntax"** — on rank $r$ of $N$, with $\Psi$ the number of parameters (so the
+# fp32 gradient is $4\Psi$ bytes):
 #
 # $$g = \frac{1}{N}\sum_{r=0}^{N-1} \nabla L(x_r) \quad\text{(all-reduce)},\qquad
-# \text{bytes each rank sends per step} = \frac{2(N-1)}{N}\,\Psi .$$
+# \text{elements each rank sends per step} = \frac{2(N-1)}{N}\,\Psi
+# \ \ (\times 4 \text{ bytes in fp32}).$$
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -144,7 +146,8 @@ timeline_figure([e for e in events if e.get("step") == 1]).update_layout(
 # A ring all-reduce on N ranks cuts the buffer into N chunks. For N−1 rounds each rank passes a
 # partial sum of one chunk to its neighbour (**reduce-scatter**: afterwards each rank owns one
 # fully summed chunk); then for N−1 more rounds each forwards finished chunks (**all-gather**).
-# Every round a rank sends one chunk of Ψ/N, so it sends 2(N−1)·Ψ/N in all.
+# Every round a rank sends one chunk of Ψ/N elements, so it sends 2(N−1)·Ψ/N elements in all —
+# 2(N−1)/N · 4Ψ bytes for an fp32 gradient.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -258,10 +261,10 @@ assert adamw.within(1e-3)
 # DDP bug: summing the same numbers in a different order changes the last bits, and Adam divides
 # by $\sqrt{v}$, which amplifies those bits wherever a gradient is nearly zero — an element can
 # land up to about one learning rate away. So the check compares each tensor with how far
-# training moved it (`minishard.parity.drift`): a model that did not train, or trained wrongly,
-# is off by 100% of that, summation order by about 0.01%. With plain SGD, whose update is linear
-# in the gradient, the noise stays the size of the gradients' own rounding — measured over the
-# whole model, an order of magnitude tighter:
+# training moved it (`minishard.parity.drift`): a model that did not train is off by 100% of
+# that; summation order stays well below the 0.1% the check allows. With plain SGD, whose update
+# is linear in the gradient, the noise stays the size of the gradients' own rounding — measured
+# over the whole model, at least ten times smaller than AdamW's:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -284,8 +287,8 @@ assert sgd.overall < 1e-5 and adamw.overall > 10 * sgd.overall and sgd.within(1e
 # ## 6. Gradient accumulation with `no_sync`
 # With `accum=2` each optimizer step runs two micro-batches per rank. Inside `no_sync()` the first
 # backward only accumulates into the buckets; the all-reduce runs once, after the second. The
-# traffic per optimizer step stays Ψ-sized, and the result still matches one process that
-# accumulates over the same data.
+# traffic per optimizer step stays that of one all-reduce of the gradient, 4Ψ bytes at N = 2, and
+# the result still matches one process that accumulates over the same data.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -306,8 +309,9 @@ R4.close()
 
 # %% [markdown]
 # > **Takeaway.** DDP keeps N identical replicas and makes them stay identical by all-reducing the
-# > gradients once per step: each rank sends 2(N−1)/N · Ψ bytes — Ψ at N = 2, 1.5 Ψ at N = 4,
-# > approaching 2 Ψ — measured here exactly, and confirmed by the operating system's byte count.
+# > gradients once per step: each rank sends 2(N−1)/N · Ψ gradient elements — Ψ at N = 2, 1.5Ψ at
+# > N = 4, approaching 2Ψ; in fp32 bytes 4Ψ, 6Ψ, approaching 8Ψ — measured here exactly, and
+# > confirmed by the operating system's byte count.
 # > Bucketing turns one collective per tensor into a few large ones and starts them during
 # > backward. The result is bitwise PyTorch's DDP and, up to summation order, one process training
 # > on the whole batch. What DDP does not do is save memory: chapter 01's full ledger sits on every
@@ -319,8 +323,9 @@ R4.close()
 #
 # <details><summary>Answer</summary>
 #
-# From 2·3/4 Ψ = 1.5 Ψ to 2·63/64 Ψ ≈ 1.97 Ψ: about 31% more. Per-rank traffic of a ring
-# all-reduce is almost independent of N; what grows with N is the number of rounds (latency).
+# From 2·3/4 · Ψ = 1.5Ψ to 2·63/64 · Ψ ≈ 1.97Ψ gradient elements (× 4 bytes in fp32): about 31%
+# more. Per-rank traffic of a ring all-reduce is almost independent of N; what grows with N is
+# the number of rounds (latency).
 # </details>
 #
 # 2. Why must every rank launch its buckets in the same order, even if on some rank bucket 2 is

@@ -189,9 +189,11 @@ assert ops == [("backward", "reduce_scatter"), ("optimizer", "all_gather")]
 # Stage 1 does not *need* the full summed gradient on every rank — only its own slice. The version
 # most write-ups describe still all-reduces the gradients as DDP does and then all-gathers the
 # parameters; the other reduce-scatters. Same memory, same result, different traffic. Counted in
-# gradient elements, with the ring formulas of chapter 02 (fp32 here, so one Ψ is 4Ψ bytes):
+# gradient elements (Ψ parameters, so one gradient is Ψ elements), with the ring formulas of
+# chapter 02. The runs below are fp32, 4 bytes an element, so the table prints each rank's bytes
+# sent ÷ 4Ψ:
 #
-# | version | collectives | volume (N→∞) | each rank sends |
+# | version | collectives | volume (N→∞, elements) | each rank sends (elements) |
 # |---|---|---|---|
 # | DDP | all-reduce | 2Ψ | 2(N−1)/N · Ψ |
 # | ZeRO-1, `zero1_allreduce` | all-reduce + all-gather | 3Ψ | 3(N−1)/N · Ψ |
@@ -324,7 +326,9 @@ for s, out in parity.items():
 # Both ranks hold the same full model after every all-gather. It is bit for bit the model
 # PyTorch's `ZeroRedundancyOptimizer` trains (with two ranks every reduction adds the same two
 # numbers, whatever the collective), and the model one process trains up to the summation-order
-# noise chapter 02 explained (Adam amplifies it wherever a gradient is nearly zero).
+# noise chapter 02 explained (Adam amplifies it wherever a gradient is nearly zero): losses within
+# 10⁻⁶, every tensor within 0.1% of its movement. The digits of the cell before the table depend
+# on this machine's float kernels; the relations in the table hold on any CPU.
 #
 # ## 6. The ZeRO paper's table, regenerated
 # The ZeRO paper illustrates the stages with a 7.5B-parameter model under mixed-precision Adam
@@ -377,9 +381,9 @@ R4.close()
 # > per parameter — as one slice per rank, measured here at exactly 1/N of DDP's; memory per rank
 # > is 4Ψ + 12Ψ/N. The step becomes reduce-scatter the gradients → update my slice → all-gather
 # > the parameters: the two halves of DDP's all-reduce with the optimizer in between, so the
-# > reduce-scatter version sends exactly DDP's 2(N−1)/N · Ψ. The all-reduce version, which many
-# > texts and PyTorch's `ZeroRedundancyOptimizer` use, sends 1.5× that. Either way it trains the
-# > same model as one process.
+# > reduce-scatter version sends exactly DDP's 2(N−1)/N · Ψ elements. The all-reduce version,
+# > which many texts and PyTorch's `ZeroRedundancyOptimizer` use, sends 1.5× that. Either way it
+# > trains the same model as one process.
 #
 # **Questions**
 #
@@ -409,8 +413,9 @@ R4.close()
 # <details><summary>Answer</summary>
 #
 # Both, for different implementations (§3). All-reduce the gradients and all-gather the
-# parameters: 2(N−1)/N + (N−1)/N = 3(N−1)/N · Ψ, 1.5× DDP. Reduce-scatter instead, since a rank
-# only needs its own slice of the summed gradient: (N−1)/N + (N−1)/N = 2(N−1)/N · Ψ, DDP's volume.
+# parameters: 2(N−1)/N + (N−1)/N = 3(N−1)/N · Ψ elements, 1.5× DDP. Reduce-scatter instead, since
+# a rank only needs its own slice of the summed gradient: (N−1)/N + (N−1)/N = 2(N−1)/N · Ψ, DDP's
+# volume.
 # </details>
 
 # %% [markdown]

@@ -25,7 +25,7 @@
 # **The one-line "syntax"** — Ψ parameters, bf16-mixed AdamW, N ranks:
 #
 # $$\text{memory per rank} = \underbrace{2\Psi}_{\text{bf16 weights: replicated}} + \underbrace{\frac{2\Psi + 12\Psi}{N}}_{\text{grads}+\text{master}+m+v\text{: sharded}} \;(+\ \text{the buckets in flight}),\qquad
-# \text{each rank sends } \frac{2(N-1)}{N}\,\Psi \text{ per step, as DDP.}$$
+# \text{each rank sends } \frac{2(N-1)}{N}\,\Psi \text{ elements per step, as DDP.}$$
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -141,7 +141,7 @@ ledger_bars(live.snapshot(), live.replay.ymax,
 
 # %% [markdown]
 # Two buckets in flight, each with its local copy and its receive buffer, plus the one filling:
-# at most five buckets' worth. With 4 MiB buckets on a 27 MB model that is most of a gradient —
+# at most five buckets' worth. With 4 MiB buckets on a 26 MiB gradient that is most of it —
 # the bound depends on the bucket size, not on the model, so it is the *ratio* that matters.
 # Smaller buckets, same model:
 
@@ -159,9 +159,9 @@ for cap, (out, evs) in by_cap.items():
 assert max(h for *_, h in bucket_buffers(by_cap[1][1])) < worst / 2
 
 # %% [markdown]
-# For the ZeRO paper's 7.5B model, PyTorch's default 25 MiB buckets bound the buffers at about
-# 130 MB against a 15 GB bf16 gradient; NCCL's reduce-scatter needs no separate receive copy, which
-# brings it to three buckets.
+# For the ZeRO paper's 7.5B model, PyTorch's default 25 MiB buckets bound the buffers at
+# 5 × 25 = 125 MiB against a bf16 gradient of 2Ψ = 15 × 10⁹ bytes (14,305 MiB); NCCL's
+# reduce-scatter needs no separate receive copy, which brings it to three buckets, 75 MiB.
 #
 # ## 3. Memory per rank: 2Ψ + 14Ψ/N, for N = 1…4
 # bf16 mixed, the nano model, buckets capped at 0.1 MiB. The state categories at the end of
@@ -204,8 +204,8 @@ for N, out in mem.items():
 #
 # ## 4. Bytes on the wire: DDP's 2(N−1)/N · Ψ
 # Same volume as DDP and as ZeRO-1's reduce-scatter version (chapter 03): a reduce-scatter of
-# the gradients, (N−1)/N · Ψ, plus an all-gather of the parameters, (N−1)/N · Ψ. fp32 here, so
-# one Ψ of traffic is 4Ψ bytes.
+# the gradients, (N−1)/N · Ψ elements, plus an all-gather of the parameters, (N−1)/N · Ψ
+# elements. fp32 here, 4 bytes an element, so the table prints each rank's bytes ÷ 4Ψ.
 
 # %%
 one_step = dict(model="nano", steps=1, micro_batch=1, track_activations=False, bucket_cap_mb=0.1)
@@ -301,7 +301,7 @@ for s, (loss_gap, d) in acc_drift.items():
 # batch), cut into the slices two ZeRO ranks would hold:
 
 # %%
-# NBVAL_CHECK_OUTPUT
+# NBVAL_IGNORE_OUTPUT
 net = GPT("nano", seed=0)                                # the weights every run below starts from
 x, y = batch(config("nano"), 0, 2)                       # step 0's global batch (2 sequences)
 net(x, y).backward()
@@ -391,9 +391,9 @@ R4.close()
 # > fills, and keeps only the summed slice the rank updates: memory per rank is
 # > 2Ψ + 14Ψ/N — measured within the formula for N = 1…4 — plus a few buckets in flight
 # > (`comm_buffers`), bounded by the bucket size, not the model. It sends exactly what DDP sends,
-# > 2(N−1)/N · Ψ per step. Two costs: with gradient accumulation it reduces every micro-batch
-# > instead of once per step, and clipping needs one extra all-reduce of the squared norm. The
-# > replicated bf16 weights (2Ψ) are now the floor; stage 3 removes it.
+# > 2(N−1)/N · Ψ elements per step. Two costs: with gradient accumulation it reduces every
+# > micro-batch instead of once per step, and clipping needs one extra all-reduce of the squared
+# > norm. The replicated bf16 weights (2Ψ) are now the floor; stage 3 removes it.
 #
 # **Questions**
 #
@@ -402,8 +402,9 @@ R4.close()
 #
 # <details><summary>Answer</summary>
 #
-# ZeRO-1 (with `no_sync`): one reduce-scatter per step, 63/64 · Ψ ≈ Ψ. ZeRO-2: one per
-# micro-batch, 8 · 63/64 · Ψ ≈ 7.9 Ψ. The parameter all-gather (≈ Ψ) is the same for both.
+# In gradient elements (times 2 for bf16 bytes): ZeRO-1 (with `no_sync`), one reduce-scatter per
+# step, 63/64 · Ψ ≈ Ψ. ZeRO-2: one per micro-batch, 8 · 63/64 · Ψ ≈ 7.9 Ψ. The parameter
+# all-gather (≈ Ψ) is the same for both.
 # When accumulation is deep and the network slow, stage 1 (or stage 2 with a full local
 # accumulation buffer, giving up its memory saving for gradients) can win.
 # </details>

@@ -30,7 +30,8 @@
 # \qquad \text{sent per rank per step} = \underbrace{3}_{\text{gather fwd, gather bwd, reduce-scatter}}\cdot\frac{N-1}{N}\,\Psi
 # \;\;\text{vs DDP's}\;\; 2\cdot\frac{N-1}{N}\,\Psi .$$
 #
-# (Traffic in parameter *elements*; in fp32 each is 4 bytes.)
+# (Traffic in parameter *elements*; in fp32 each is 4 bytes. In bytes the 3 : 2 holds only when
+# every pass moves the same dtype — §3 measures the mixed-precision case.)
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -323,17 +324,18 @@ assert calls["ddp"] == 2 and calls["fsdp"] == 2 * 6 + 1 + 6 + 1   # 13 gathers, 
 assert fsdp_run[0]["wire"][-1] > 1.3 * ddp_run[0]["wire"][-1]
 
 # %% [markdown]
-# In the run committed with this notebook ZeRO-3's step took **1.20×** DDP's on the tiny model
-# (1.20× in CPU time too) and 1.51× on the nano model (1.55× in CPU time). Single wall-clock
-# figures on a shared 2-core machine are noisy — across our runs the tiny model's ratio ranged
-# from about 1.2 to 1.5, and with only a few steps a burst of other load can even hide the gap —
-# while the CPU-time ratios (1.1–1.3 for tiny) and the nano model's ratios (1.5–1.9) were steady:
-# stage 3 is slower here, and more so the smaller the collectives.
+# The race above prints one run's ratios; they change from run to run. Single wall-clock figures
+# on a shared 2-core machine are noisy: across our runs of the current code the tiny model's
+# wall-clock ratio ranged from about 0.9 to 2.1 — with only a few steps a burst of other load can
+# hide the gap or double it — while its CPU-time ratio stayed at 1.1–1.2, and the nano model's
+# ratios were 1.9–2.6 (wall clock) and 1.8–2.4 (CPU time). Stage 3 is slower here, and more so
+# the smaller the collectives.
 # Where does the time go? The timeline of one step shows it: DDP's two all-reduces run during
 # backward, while each of ZeRO-3's forward all-gathers sits on the critical path — a block cannot
 # compute before its weights have arrived (prefetch is off: `train(..., prefetch=0)`, the
-# default) — and there are 20 collectives instead of 2, each with its own latency. (Prefetching the next unit while the current one computes hides much of this;
-# that is the prefetch chapter's subject.)
+# default) — and there are 20 collectives instead of 2, each with its own latency. (Prefetching
+# the next unit while the current one computes hides much of this; that is the prefetch
+# chapter's subject.)
 
 # %%
 timeline_figure([e for e in events if e.get("step") == 1]).update_layout(
@@ -413,8 +415,8 @@ assert measured["bytes ratio, textbook (§3)"] == 1.5 and measured["bytes ratio,
 # %% [markdown]
 # Same memory saving, opposite verdicts on time: on NVLink the planner predicts no slowdown for
 # about half the memory, so "default" is a fair word there; over Ethernet it predicts the same job
-# about half again slower, and ZeRO-1, which fits, is the better choice. The disagreement is the trade-off
-# itself: stage 3 is the default only where the network can carry it.
+# about half again slower, and ZeRO-1, which fits, is the better choice. The disagreement is the
+# trade-off itself: stage 3 is the default only where the network can carry it.
 
 # %%
 R2.close()
@@ -423,10 +425,13 @@ R2.close()
 # > **Takeaway.** ZeRO-3 shards the parameters too: between uses a rank keeps 1/N of every
 # > weight, gradient and optimizer moment — 16Ψ/N bytes, measured to the byte — and a unit's full
 # > parameters exist only while it computes (the `unsharded` staircase of §2). The price is a third
-# > pass of the parameters over the network: 3(N−1)/N·Ψ per rank per step, exactly 1.5× DDP when
-# > every unit is gathered twice, 1.345× for this model with FSDP2's habit of keeping the root
-# > gathered. Plus 20 collectives instead of 2, the forward ones on the critical path: on a model
-# > that fits anyway, stage 3 is simply slower. Use it when memory, not time, is what you lack.
+# > pass of the parameters over the network: 3(N−1)/N·Ψ elements per rank per step, exactly 1.5×
+# > DDP when every unit is gathered twice, 1.345× for this model with FSDP2's habit of keeping the
+# > root gathered. In bytes that assumes one dtype on the wire: with FSDP2's usual bf16 gathers and
+# > fp32 reduce-scatter, ZeRO-3 sends exactly what a DDP with fp32 gradients sends, and twice a
+# > DDP with bf16 gradients. Plus 20 collectives instead of 2, the forward ones on the critical
+# > path: on a model that fits anyway, stage 3 is simply slower. Use it when memory, not time, is
+# > what you lack.
 #
 # **Questions**
 #

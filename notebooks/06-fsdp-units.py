@@ -97,7 +97,8 @@ assert all(h["matches_hooks"] for h in hand)   # bit for bit the step the hooks 
 # %% [markdown]
 # Read the table top to bottom:
 #
-# * **At rest** a rank stores only shards: `params` and `grads` are Ψ/2 each, and
+# * **At rest** a rank stores only shards: `params` and `grads` are Ψ/2 elements each (4Ψ/2
+#   bytes in the ledger), and
 #   `blocks[0].attn.qkv.weight` *is* a (96, 64) row block — that is what `model.parameters()`
 #   returns, so a plain `torch.optim.AdamW` updates shards and never knows.
 # * **`unshard()`** allocates the full parameters and all-gathers them. With `async_op=True` the
@@ -153,7 +154,9 @@ unit_state_figure(events, rank=0, step=1,
 
 # %% [markdown]
 # ## 3. Wrapping granularity: one unit, one per block, one per Linear
-# Which modules become units is FSDP's most consequential setting. `wrap="model"` makes the whole
+# Which modules become units is the FSDP setting that matters most for memory at the peak (how
+# many full parameters a rank holds at once) and for the number of collectives a step issues.
+# `wrap="model"` makes the whole
 # model one unit; `"block"` one per transformer block (plus the root); `"linear"` one per
 # `nn.Linear`. Two steps each on two ranks; the peak and the collectives per step, measured:
 
@@ -199,11 +202,12 @@ for w in ("model", "block", "linear"):
 # This is the trade-off in numbers. `wrap="model"` gathers the whole model at once: at its peak a
 # rank holds its shards *and* a full copy, 1,305,984 bytes of parameters against DDP's 870,656 —
 # sharding the parameters saved nothing at the moment that matters (the total peak stays below
-# DDP's only because gradients and Adam state are still sharded). It is also the fastest here: two
-# collectives a step, DDP's bytes. `wrap="linear"` has the smallest peak but 41 collectives, so
-# small that their fixed cost dominates: its step took about 1.7× the per-block one in the run
-# committed here. (It also sends more bytes than per-block: the head, a Linear, leaves the root
-# and becomes a unit that is gathered twice.) One unit per block sits between, and is the usual
+# DDP's only because gradients and Adam state are still sharded). With two collectives a step and
+# DDP's bytes, it is also the fastest in the timing above. `wrap="linear"` has the smallest peak
+# but 41 collectives, so small that their fixed cost dominates: the timing above shows its step
+# well above the per-block one (the digits change from run to run on this machine). It also
+# sends more bytes than per-block: the head, a Linear, leaves the root and becomes a unit that is
+# gathered twice. One unit per block sits between, and is the usual
 # choice: a block is large enough that its gather carries real payload, and one gathered block is a
 # small fraction of the model.
 #
@@ -298,7 +302,9 @@ assert views[0]["per_param"]["padding"] == views[1]["per_param"]["padding"] == d
 #
 # **Frozen parameters inside a unit.** Freeze the positional embedding and the first block's
 # first norm: both live in units with trainable parameters. The flat buffer has one
-# `requires_grad`, so the flat layout refuses:
+# `requires_grad`, so the flat layout refuses — as PyTorch's FSDP1 does with
+# `use_orig_params=False`. (With `use_orig_params=True` FSDP1 accepts such a unit, but its flat
+# gradient covers the whole flat parameter, so it still keeps gradient memory for the frozen ones.)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -312,7 +318,8 @@ except ValueError as e:
 
 # %% [markdown]
 # The per-parameter layout keeps `requires_grad` per parameter, trains, and matches one process
-# that freezes the same parameters (plain SGD, so that the comparison can be tight):
+# that freezes the same parameters (SGD with momentum rather than AdamW, so that the comparison
+# can be tight):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -352,7 +359,8 @@ assert "one dtype per unit" in md["flat"]["error"]
 # %% [markdown]
 # ## 5. `reshard_after_forward=False`: less traffic, more memory
 # If the blocks keep their full parameters from forward to backward, the backward all-gathers
-# disappear: one gather and one reduce-scatter per unit, DDP's 2(N−1)/N·Ψ. The price is holding
+# disappear: one gather and one reduce-scatter per unit, DDP's 2(N−1)/N·Ψ elements
+# (2(N−1)/N·4Ψ bytes). The price is holding
 # the whole model gathered at the end of forward.
 
 # %%
@@ -412,13 +420,14 @@ R2.close()
 # ## 7. So: are ZeRO-3 and FSDP the same thing?
 # Not quite, and this notebook holds the evidence. **ZeRO-3 is a partitioning of the training
 # state**: every rank stores 1/N of the parameters, gradients and optimizer state, and parameters
-# are gathered for use (chapter 05: 16Ψ/N, 3(N−1)/N·Ψ on the wire). **FSDP is PyTorch's
+# are gathered for use (chapter 05: 16Ψ/N bytes of state, 3(N−1)/N·Ψ elements on the wire).
+# **FSDP is PyTorch's
 # implementation framework** around that idea — units, a lifecycle driven by module hooks, wrap
 # policies, layouts, reshard and prefetch options — and its settings reach well beyond stage 3:
 #
 # | FSDP setting (measured above) | what it behaves like |
 # |---|---|
-# | one unit per block, `reshard_after_forward=True` | ZeRO-3 (with the root kept gathered: 1.345× DDP's bytes, not 1.5×) |
+# | one unit per block, `reshard_after_forward=True` | ZeRO-3 (with the root kept gathered: 1,170,560 bytes a step against DDP's 870,656, 1.34×, not 1.5×) |
 # | `reshard_after_forward=False` | DDP's traffic, sharded only at rest (`SHARD_GRAD_OP`, "ZeRO-2-like") |
 # | `wrap="model"` | the whole model gathered at once: at the peak, more parameter memory than DDP |
 # | flat (FSDP1) vs per-parameter (FSDP2) | the same bits; different parameters, checkpoints, frozen and dtype support |

@@ -134,8 +134,8 @@ for k in DEPTHS[1:]:                                               # one block p
 # %% [markdown]
 # The formula is exact to the byte for the flat layout; the per-parameter layout peaks at the
 # same bytes from k = 1 on (at k = 0 its peak falls inside backward, 0.8% above). Each unit of
-# depth costs one block: 3.16 MB here, 436 MB of bf16 for a Llama-3-8B block, 1.7 GB for a
-# Llama-3-70B block — on every rank, whatever N is.
+# depth costs one block: 3,159,040 bytes here, 436 MB of bf16 for a Llama-3-8B block, 1.7 GB
+# for a Llama-3-70B block — on every rank, whatever N is.
 #
 # Where do the full parameters sit? `gathered_peaks` folds rank 0's trace: `unsharded` are
 # parameters a module can compute with; *in flight* are the packed all-gather buffers the
@@ -201,9 +201,10 @@ for k in (0, 1):
 # every collective on each rank's communication lane; the per-unit waits are phases *inside*
 # forward and backward, so they are not drawn as lanes but named in the title as you step —
 # "jump to phase" → `wait_unshard` goes to the next one. (A wait is recorded only when compute
-# actually had to wait, so how many there are depends on the run.) Blocks.0 was prefetched by
-# the root; at the moment it turns `unsharded`, rank 0 holds the root and that one block in
-# full, and the gather of blocks.1 is issued right after:
+# actually had to wait, so how many there are depends on the run.) The cell below jumps instead
+# to a unit event every run has: "blocks.0 → unsharded" in rank 0's forward of step 1. Blocks.0
+# was prefetched by the root; at that moment rank 0 holds the root and that one block in full,
+# and the gather of blocks.1 is issued right after:
 
 # %%
 player = Player(traces["fsdp_flat", 1], title="FSDP (flat), prefetch depth 1, 2 ranks, tiny model")
@@ -252,7 +253,7 @@ print("exposed communication with k=1 below k=0:", med["exposed_s"][1] < med["ex
 # processes take turns on them too. What prefetch still hides here is mostly *skew*: a gather
 # cannot complete until the slower rank has joined it, and without prefetch the faster rank
 # idles at every unit. In our runs the waits drop as soon as k ≥ 1 (§3's single step shows
-# them vanish for the blocks), while the step time follows less clearly and deeper prefetch
+# them almost gone for the blocks), while the step time follows less clearly and deeper prefetch
 # sometimes helps a little more, sometimes not — under this much noise, not a claim to assert.
 # The memory cost of §2, in contrast, is exact on every run. (`scripts/gpu_check.py` is where the GPU side gets measured.)
 #
@@ -323,10 +324,10 @@ R2.close()
 #
 # <details><summary>Answer</summary>
 #
-# Shrink any other term of the formula: a smaller micro-batch (activations are 66 MB of it),
-# activation recomputation (keep each block's input, recompute the rest in backward), or more
-# ranks (on four ranks 16Ψ/N drops by 27.5 MB). Or keep depth 2 in forward and use depth 1 in
-# backward, where the peak is — `set_prefetch(model, forward=2, backward=1)`.
+# Shrink any other term of the formula: a smaller micro-batch (activations are 66,220,036 bytes
+# of it), activation recomputation (keep each block's input, recompute the rest in backward), or
+# more ranks (on four ranks 16Ψ/N drops by 27,475,968 bytes). Or keep depth 2 in forward and
+# use depth 1 in backward, where the peak is — `set_prefetch(model, forward=2, backward=1)`.
 # </details>
 #
 # 3. In §2's per-parameter table, "both at once" is 2 × root at k = 0 and 1, not

@@ -20,7 +20,10 @@
 # After FSDP a rank holds 16Ψ/N bytes of training state plus what one step needs on the spot:
 # activations and a few gathered units. Offload moves the first part — the parameter shards,
 # their gradients, Adam's moments — to a larger, slower tier: host memory, or files on an NVMe
-# drive. The device keeps only what compute touches right now. This notebook shows a
+# drive. The device keeps only what compute touches right now, and each unit's parameter shard
+# comes over for every gather: parameter *and* optimizer offload, as PyTorch FSDP2's
+# `CPUOffloadPolicy` or DeepSpeed ZeRO-3's `offload_param` + `offload_optimizer` (not
+# ZeRO-Offload, which keeps the fp16 parameters on the GPU). This notebook shows a
 # configuration that runs out of device memory become one that trains, and measures what
 # crosses between the tiers every step; the reasoning is in
 # [tutorial/08-offload.md](../tutorial/08-offload.md).
@@ -127,7 +130,8 @@ assert host[0]["ledger"]["by_device"] == {"host": dict.fromkeys(STATE, 4 * PSI /
 assert disk[0]["ledger"]["by_device"] == {"disk": dict.fromkeys(STATE, 4 * PSI // N)}
 
 # %% [markdown]
-# Between steps the device holds nothing at all: all 16Ψ/N = 54.95 MB per rank sit in the tier.
+# Between steps the device holds nothing at all: all 16Ψ/N = 54,951,936 bytes per rank sit in the
+# tier.
 # What is left on the device is what a step needs while it runs, broken down at its peak:
 
 # %%
@@ -271,7 +275,7 @@ print(f"per GPU per step: compute {compute:.1f} s; shards in over PCIe 5.0 {i / 
       f"({t_in / compute:.0%} of the compute); gradients out {o / 1e9:.1f} GB the other way")
 
 # %% [markdown]
-# On the device it needs 158 GiB per GPU; with the state offloaded, 26 GiB. The host must then
+# On the device it needs 160.9 GiB per GPU; with the state offloaded, 29.5 GiB. The host must then
 # hold 1.13 TB of state for the node, and each GPU pulls about 70 GB of fp32 shards over PCIe
 # every step. At this size that is still small next to the compute — if the shard copies are
 # prefetched like the all-gathers of chapter 07, they can hide behind it. Not counted, and not
@@ -318,8 +322,8 @@ R2.close()
 # <details><summary>Answer</summary>
 #
 # Yes. SGD keeps no moments, so the state is 8Ψ/N instead of 16Ψ/N: the peak drops by
-# `exp_avg` + `exp_avg_sq` = 2 × 13.7 MB, from 96.6 MB to about 69 MB, under the 83.9 MB budget.
-# The choice of optimizer is a memory setting too.
+# `exp_avg` + `exp_avg_sq` = 2 × 13,737,984 bytes (2 × 13.1 MiB), from 92.2 MiB to about 66 MiB,
+# under the 80 MiB budget. The choice of optimizer is a memory setting too.
 # </details>
 #
 # 2. With `reshard_after_forward=False`, how many bytes would come in per step in §3, and what
@@ -329,8 +333,8 @@ R2.close()
 #
 # Every unit would be gathered once, so each shard crosses once: 6 · 1,579,520 + 4,260,864 =
 # 13,737,984 bytes, 4Ψ/N, the same as going out. In exchange every block stays gathered from
-# its forward to its backward: up to all six blocks' full parameters (19 MB) on the device at
-# the start of backward — the memory offload was meant to free.
+# its forward to its backward: up to all six blocks' full parameters (18,954,240 bytes) on the
+# device at the start of backward — the memory offload was meant to free.
 # </details>
 #
 # 3. In some runs §4 measures the disk tier faster than the host tier. Is that evidence that

@@ -100,10 +100,10 @@ assert "Shard more: ZeRO-1" in pw.hints[0]
 
 # %% [markdown]
 # **Am I short of memory?** Under DDP, yes: 16 bytes per parameter is 120 GiB before a single
-# activation. From ZeRO-1 on, no — and the three sharded strategies take the same time here
-# (within 2%), because NVLink hides their traffic behind compute. So the smallest step that fits is the
-# answer: ZeRO-1 (or ZeRO-2), not full sharding. Setting the widget to FSDP says the same in its
-# hints:
+# activation. From ZeRO-1 on, no — and the three sharded strategies take about the same time here
+# (within 3%: ZeRO-1's 1.45 s against 1.42 s), because NVLink hides their traffic behind compute.
+# So the smallest step that fits is the answer: ZeRO-1 (or ZeRO-2), not full sharding. Setting the
+# widget to FSDP says the same in its hints:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -114,6 +114,11 @@ for h in pw.hints:
 assert pw.fits and any(h.startswith("ZeRO-1 fits too") for h in pw.hints)
 
 # %% [markdown]
+# The second hint comes with the planner's warning for any plan above 90% of the device: without
+# recomputation the job needs 97% of the 80 GiB, and the plan leaves out the CUDA context, NCCL's
+# buffers, allocator fragmentation and kernel temporaries. Such a plan is one to measure on the
+# hardware, not to adopt from the table.
+#
 # **Can my network carry it?** The same job on **two nodes joined by 100 Gb Ethernet**. A ring
 # is as fast as its slowest link, so every collective now runs at Ethernet speed — and FSDP's
 # third pass over the parameters shows:
@@ -147,8 +152,8 @@ assert hy["fsdp"].total_memory == p8["fsdp"].total_memory           # exactly on
 
 # %% [markdown]
 # **When is full sharding the answer?** When nothing less fits. **Llama-3-70B on four nodes
-# (32 H100s) with InfiniBand NDR**: 16 bytes per parameter is 1.1 TB; only ZeRO-3 / FSDP divides
-# all of it.
+# (32 H100s) with InfiniBand NDR**: 16 bytes per parameter is over 1,000 GiB; only ZeRO-3 / FSDP
+# divides all of it.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -268,7 +273,7 @@ assert w["all four mistakes"]["calls"] == 2 and w["1. wrap per block"]["calls"] 
 #   reduce-scattered).
 #
 # The last two rows are two different fixes for the same symptom, and they cost differently:
-# recomputation redoes a forward pass of every block (§4), chunking only the head's. Which one
+# recomputation redoes a forward pass of every block (§4.6), chunking only the head's. Which one
 # is "the" fix depends on which term dominates — and the ledger tells you.
 #
 # One caveat, measured in the numbers: the ledger counts what autograd saves during forward. With
@@ -442,11 +447,14 @@ for name in ("4. or: chunked loss", "3. recompute"):
 # (timing, not asserted: under load the ratio can flip) ratio["3. recompute"] > ratio["4. or: chunked loss"]
 
 # %% [markdown]
-# With recomputation, backward grows by about one forward's worth of time (the textbook ratio
-# goes from 2× to 3×; FSDP's gathers, the small model's head and the load of a shared machine
-# blur it, but the gap shows in every run). That is worth paying when activations are what does not fit (§2), and pure
-# waste when the job fits without it — the planner's hint in §1: 25% faster without. On a slow
-# network it compounds: the extra forward and the exposed gathers add up, step after step.
+# With recomputation, backward should grow by one forward's worth of time: the textbook ratio
+# goes from 2× to 3×. The table above shows less than that, because the chunked loss of row 4
+# recomputes the head in backward too, and FSDP's gathers and the load of a shared machine blur
+# both rows; it is one run's timing (not asserted: under load the order can even flip). The
+# extra forward is worth paying when activations are what does not fit (§2), and waste when the
+# job truly fits without it — the planner's hint in §1: 25% less time per step without, but at
+# 97% of the device, a plan to measure before trusting. On a slow network it compounds: the extra
+# forward and the exposed gathers add up, step after step.
 #
 # ### 4.7 CPU offload switched on blindly
 # Offload keeps the sharded state in host memory; every step the parameter shards come to the
