@@ -19,6 +19,8 @@ a trace's events only (plotly is imported lazily, so rank processes do not pay f
 """
 from __future__ import annotations
 
+import itertools
+
 import time
 
 from .comm import Comm
@@ -102,12 +104,15 @@ def who_is_gathered(events: list[dict], rank: int = 0, step: int = 1) -> list[di
     """The prefetch schedule of one step, read from the trace.
 
     One row each time a unit starts computing: the pass, the unit, and the units whose
-    all-gather is then in flight (``unsharding``) — the ones prefetched behind it. A unit
+    all-gather is then in flight (``unsharding``) — the ones prefetched behind it, in the order
+    their all-gathers were issued. A unit
     becomes ``unsharded`` when its own all-gather is done, then issues its prefetches; the row
     is read when compute begins, i.e. at the first event that is not gathering bookkeeping (an
     activation saved or freed, a gradient, another state change). Needs a trace recorded with
     activations tracked (``train``'s default)."""
     state: dict[str, str] = {}
+    issued: dict[str, int] = {}                 # unit -> when its current all-gather was issued
+    tick = itertools.count()
     rows, current, pending = [], "forward", None
 
     def bookkeeping(e) -> bool:
@@ -118,7 +123,8 @@ def who_is_gathered(events: list[dict], rank: int = 0, step: int = 1) -> list[di
 
     for e in _rank_events(events, rank, step):
         if pending is not None and not bookkeeping(e):
-            pending["in_flight"] = [u for u, s in state.items() if s == "unsharding"]
+            pending["in_flight"] = sorted((u for u, s in state.items() if s == "unsharding"),
+                                          key=issued.get)
             rows.append(pending)
             pending = None
         if e["kind"] == "phase" and e["name"] in PASSES and e["edge"] == "begin" and not e.get("unit"):
@@ -126,6 +132,8 @@ def who_is_gathered(events: list[dict], rank: int = 0, step: int = 1) -> list[di
         if e["kind"] != "unit":
             continue
         state[e["name"]] = e["state"]
+        if e["state"] == "unsharding":
+            issued[e["name"]] = next(tick)
         if e["state"] == "unsharded":
             pending = {"pass": current, "unit": e["name"]}
     return rows

@@ -108,8 +108,15 @@ def compare_with_fsdp(rank: RankContext, micro_batch: int = 2, model: str = "tin
     tx = x.clone().requires_grad_(True)
     y = tp(tx)
     y.sum().backward()
+    # this rank's slices of the unsharded MLP's weight gradients (proj.bias: whole on every rank)
+    N, F_ = comm.world_size, full.fc.out_features
+    part = slice(rank.rank * F_ // N, (rank.rank + 1) * F_ // N)
+    want = {"fc_w": full.fc.weight.grad[part], "fc_b": full.fc.bias.grad[part],
+            "proj_w": full.proj.weight.grad[:, part], "proj_b": full.proj.bias.grad}
     out["tp"] = {"output_matches": torch.allclose(y, ref, atol=1e-5),
                  "grad_x_matches": torch.allclose(tx.grad, ref_x.grad, atol=1e-5),
+                 "grad_w_gap": {n: (getattr(tp, n).grad - g).abs().max().item() for n, g in want.items()},
+                 "grad_w_scale": {n: g.abs().max().item() for n, g in want.items()},
                  "peak_weight_bytes": ledger.category_peaks.get(("params", "device"), 0),
                  "wire": comm.totals["wire"], "calls": comm.totals["calls"]}
 

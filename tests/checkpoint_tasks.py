@@ -1,5 +1,6 @@
 """Rank tasks of the checkpoint tests (importable by the rank processes). Each runs several
 scenarios per launch: starting ranks costs seconds, a nano model's save or load milliseconds."""
+import contextlib
 import os
 import signal
 
@@ -50,6 +51,47 @@ def save_runs(rank, root: str, runs: list) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def recording_reads():
+    """Record, at the file boundary, every element range ``checkpoint.load`` reads from a saved
+    piece: ``(file, key, lo, hi, element size)``. What the plan *says* is read is computed from
+    metadata; this is what the load actually asked safetensors for."""
+    import safetensors
+    real, seen = safetensors.safe_open, []
+
+    class Slice:
+        def __init__(self, sl, file, key):
+            self.sl, self.file, self.key = sl, file, key
+
+        def get_dtype(self):
+            return self.sl.get_dtype()
+
+        def __getitem__(self, idx):
+            values = self.sl[idx]
+            seen.append((self.file, self.key, idx.start, idx.stop, values.element_size()))
+            return values
+
+    class Handle:
+        def __init__(self, path, **kw):
+            self.ctx, self.file = real(path, **kw), os.path.basename(path)
+
+        def __enter__(self):
+            self.h = self.ctx.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.ctx.__exit__(*exc)
+
+        def get_slice(self, key):
+            return Slice(self.h.get_slice(key), self.file, key)
+
+    safetensors.safe_open = Handle
+    try:
+        yield seen
+    finally:
+        safetensors.safe_open = real
+
+
 def load_runs(rank, root: str, loads: list) -> list:
     """For each ``(name, strategy, precision)``: a model with *other* initial weights and no
     optimizer state is built under ``strategy`` and loads ``root/name``. Each rank compares what
@@ -60,7 +102,8 @@ def load_runs(rank, root: str, loads: list) -> list:
     for name, strategy, precision in loads:
         comm = Comm(rank.tracer)
         model, opt = build(GPT(config(MODEL), seed=1), strategy, comm, None, precision=precision)
-        info = checkpoint.load(model, opt, os.path.join(root, name), comm=comm)
+        with recording_reads() as seen:
+            info = checkpoint.load(model, opt, os.path.join(root, name), comm=comm)
         if name not in files:
             files[name] = {n: t.reshape(-1) for n, t in checkpoint.read_full(os.path.join(root, name)).items()}
         full = files[name]
@@ -78,7 +121,8 @@ def load_runs(rank, root: str, loads: list) -> list:
         out.append({"name": name, "strategy": strategy, "cover": cover, "wrong": wrong,
                     "casts": sum(g.cast for g in checkpoint.describe(model, opt, comm).regions),
                     "steps": _steps(opt), "lr": getattr(opt, "optimizer", opt).param_groups[0]["lr"],
-                    "reads": info["reads"], "bytes_read": info["bytes_read"], "step": info["step"]})
+                    "reads": info["reads"], "bytes_read": info["bytes_read"], "step": info["step"],
+                    "file_reads": seen})
     return out
 
 

@@ -1,4 +1,6 @@
 """The planner reuses the live ledger's formulas and reproduces published figures."""
+from dataclasses import replace
+
 import pytest
 
 from minishard.costmodel import DEVICES, LINKS, Cluster, choose, deepspeed_estimate, plan, ring_time
@@ -76,10 +78,18 @@ def test_more_ranks_than_parameters_is_refused():
         plan(tiny, Cluster(DEVICES["h100-80gb"], gpus_per_node=8, nodes=64), "fsdp")
 
 
-def test_a_device_smaller_than_one_unit_does_not_fit():
-    small = Cluster(DEVICES["rtx4090"], gpus_per_node=1)
-    p = plan("llama3-70b", small, "fsdp", seq_len=1024, recompute=True)
-    assert not p.fits
+def test_a_device_smaller_than_one_gathered_unit_does_not_fit():
+    """1,024 GPUs shard Llama-3-70B's state to about 1 GiB each; what a rank cannot shard is the
+    unit it gathers to compute (a 70B block: 0.86 B parameters) — so a 6 GiB device holds the
+    state and the activations, and fails on the unit alone; a 16 GiB device fits."""
+    def on(gib: float):
+        device = replace(DEVICES["h100-80gb"], memory=int(gib * 2**30))
+        return plan("llama3-70b", Cluster(device, gpus_per_node=8, nodes=128), "fsdp",
+                    seq_len=512, recompute=True)
+    small, large = on(6), on(16)
+    gathered = small.memory["unsharded"] + small.memory.get("comm_buffers", 0)
+    assert small.total_memory - gathered < small.device_memory < small.total_memory
+    assert not small.fits and large.fits and large.total_memory == small.total_memory
 
 
 @pytest.mark.parametrize("N", [2, 4])

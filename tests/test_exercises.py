@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import minishard.exercises as exercises
 from minishard.exercises import ExerciseFailed
@@ -169,3 +170,73 @@ def test_tensor_parallel_that_gathers_the_weight_fails(ranks):
         return F.linear(h, full_proj.view(-1, x.shape[-1]).t()) + proj_b
     with pytest.raises(ExerciseFailed, match="never gathers a weight"):
         ch10.check_tp_mlp_forward(tp_mlp_forward, ranks=ranks)
+
+
+def test_a_hello_prediction_that_forgets_the_all_gather_half_fails(ranks):
+    from minishard.exercises import ch00
+
+    def predict_hello(world_size, payload_mb):
+        nbytes = int(payload_mb * 2**20)
+        return world_size * (world_size + 1) / 2, (world_size - 1) * nbytes // world_size
+    with pytest.raises(ExerciseFailed, match="2\\(N-1\\)/N"):
+        ch00.check_predict_hello(predict_hello, ranks=ranks)
+
+
+def test_a_ledger_without_the_master_copy_fails():
+    from minishard.exercises import ch01
+
+    def ddp_state_bytes(n_params, precision):
+        b = 2 if precision == "bf16_mixed" else 4          # forgets the fp32 master under bf16
+        return {"params": b * n_params, "grads": b * n_params,
+                "exp_avg": 4 * n_params, "exp_avg_sq": 4 * n_params}
+    with pytest.raises(ExerciseFailed, match="bf16_mixed"):
+        ch01.check_ddp_state_bytes(ddp_state_bytes, ranks={})
+
+
+def test_zero1_that_forgets_to_average_the_gradient_fails(ranks):
+    from minishard.exercises import ch03
+
+    def zero1_step(comm, flat_param, flat_grad, shard, optimizer):
+        N, r = comm.world_size, comm.rank
+        chunk = flat_param.numel() // N
+        mine = torch.empty(chunk)
+        comm.reduce_scatter(mine, flat_grad)
+        shard.grad = mine                                 # the sum over ranks, not the mean
+        optimizer.step()
+        comm.all_gather(flat_param, shard.detach().clone())
+    with pytest.raises(ExerciseFailed, match="divide by N"):
+        ch03.check_zero1_step(zero1_step, ranks=ranks)
+    assert ranks[2].alive and ranks[4].alive
+
+
+def test_an_unshard_that_keeps_the_padding_gets_a_hint_and_the_pool_survives(ranks):
+    from minishard.exercises import ch05
+
+    def unshard_param(comm, shard, shape):
+        N = comm.world_size
+        out = torch.empty(N * shard.numel(), dtype=shard.dtype)
+        comm.all_gather(out, shard.reshape(-1).contiguous())
+        return out.view(shape)                            # the padding rows are still there
+    with pytest.raises(ExerciseFailed, match="padded"):
+        ch05.check_unshard_param(unshard_param, ranks=ranks)
+    assert ranks[2].alive and ranks[3].alive             # a wrong answer is a hint, not a dead pool
+
+
+def test_a_prefetch_schedule_in_the_wrong_order_fails(ranks):
+    from minishard.exercises import ch07
+
+    def prefetch_targets(blocks, unit, depth, forward):
+        order = list(blocks) if forward else list(reversed(blocks))
+        i = -1 if unit == "root" else order.index(unit)
+        return sorted(order[i + 1:i + 1 + depth])        # the right units, in name order
+    with pytest.raises(ExerciseFailed, match="wrong order"):
+        ch07.check_prefetch_targets(prefetch_targets, ranks=ranks)
+
+
+def test_offload_bytes_that_gather_the_root_twice_fail(ranks):
+    from minishard.exercises import ch08
+
+    def offload_bytes(block_shard, root_shard, n_blocks):
+        return 2 * (n_blocks * block_shard + root_shard), n_blocks * block_shard + root_shard
+    with pytest.raises(ExerciseFailed, match="root: 1"):
+        ch08.check_offload_bytes(offload_bytes, ranks=ranks)

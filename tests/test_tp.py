@@ -11,6 +11,11 @@ def test_tensor_parallel_never_holds_the_full_matrix_fsdp_gathers_it(pools, N):
         full, acts = r["full_weight_bytes"], r["activation_bytes"]
         tp, fs = r["tp"], r["fsdp"]
         assert tp["output_matches"] and tp["grad_x_matches"] and fs["output_matches"]
+        # each rank's weight gradients are its slices of the unsharded MLP's (fc rows, proj
+        # columns, the whole proj bias), to float rounding
+        assert tp["grad_w_gap"].keys() == {"fc_w", "fc_b", "proj_w", "proj_b"}
+        for name, gap in tp["grad_w_gap"].items():
+            assert gap <= 1e-5 * tp["grad_w_scale"][name] + 1e-7, (name, gap)
         # TP: 1/N of both matrices (plus the replicated output bias) — at every moment
         assert tp["peak_weight_bytes"] < full / N + 4 * 256 + 4096
         # FSDP: its shard, plus the whole matrix while the layer computes

@@ -11,7 +11,7 @@ from minishard.model import GPT
 from minishard.train import train
 from minishard.zero import ZeroOptimizer
 
-from parity import assert_parity, rank_params, reference
+from parity import as_reference, assert_parity, reference
 import rank_tasks
 
 STEPS, MB = 4, 2
@@ -29,9 +29,7 @@ def test_zero_stages_match_single_process_and_torch_zero(pools, N):
         ours = pool.run(train, strategy=strategy, micro_batch=MB, return_params=True, **NANO)
         assert_parity(ours, ref)
         # PyTorch's ZeroRedundancyOptimizer as the second oracle
-        assert_parity(ours, {"losses": [sum(r["losses"][s] for r in torch_zero) / N
-                                        for s in range(STEPS)],
-                             "params": rank_params(torch_zero)}, param_atol=1e-5)
+        assert_parity(ours, as_reference(torch_zero, ref["init"]))
 
 
 @pytest.mark.parametrize("N", [2, 3, 4])
@@ -39,7 +37,7 @@ def test_zero_stages_match_single_process_and_torch_zero(pools, N):
 def test_zero_sgd_with_accumulation_and_clipping(pools, N, strategy):
     kw = dict(NANO, optimizer="sgd_momentum", lr=0.05, accum=2, clip=0.5)
     ours = pools(N).run(train, strategy=strategy, micro_batch=MB, return_params=True, **kw)
-    assert_parity(ours, reference(N, MB, **kw), param_atol=1e-6)
+    assert_parity(ours, reference(N, MB, **kw))
 
 
 @pytest.mark.parametrize("N", [2, 4])
@@ -48,16 +46,6 @@ def test_zero_adamw_with_accumulation_and_clipping(pools, N):
     for strategy in ("zero1", "zero2"):
         ours = pools(N).run(train, strategy=strategy, micro_batch=MB, return_params=True, **kw)
         assert_parity(ours, reference(N, MB, **kw))
-
-
-@pytest.mark.parametrize("N", [2, 3])
-def test_zero_bf16_mixed_precision(pools, N):
-    kw = dict(model="nano", steps=2, precision="bf16_mixed")
-    ref = reference(N, MB, **kw)
-    for strategy in ("zero1", "zero2"):
-        ours = pools(N).run(train, strategy=strategy, micro_batch=MB, return_params=True, **kw)
-        # bf16 rounding: losses within 5e-2 (docs/reference-figures.md), weights within a few bf16 ulps
-        assert_parity(ours, ref, loss_rtol=5e-2 / 6, param_atol=1e-2)
 
 
 @pytest.mark.parametrize("N", [2, 3, 4])

@@ -121,6 +121,19 @@ def run_on_rank(spec: dict, *args, **kwargs):
         raise NotImplementedError(f"{spec['name']} raises NotImplementedError") from e
 
 
+def run_guarded(spec: dict, *args, **kwargs) -> tuple[object, str | None]:
+    """Call the learner's function on a rank; ``(result, None)``, or ``(None, "Error: message")``
+    when it raises. A wrong answer thus comes back as a hint instead of a rank error, which would
+    close the learner's pool of ranks. (Every rank runs the same code, so every rank fails at the
+    same place and no collective is left waiting for a rank that gave up.)"""
+    try:
+        return run_on_rank(spec, *args, **kwargs), None
+    except NotImplementedError:
+        raise
+    except Exception as e:                                   # noqa: BLE001 — reported, not hidden
+        return None, f"{type(e).__name__}: {e}"
+
+
 class pools:
     """``with pools(ranks, 2, 4) as get: get(2).run(...)`` — use the caller's warm pool when it
     has the right size (a notebook's ``R2``, a test's fixture), else start one and close it."""

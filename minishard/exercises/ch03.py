@@ -6,9 +6,11 @@ optimizer over that shard alone. Write one step: get the *averaged* gradient of 
 (reduce-scatter), update your shard, and all-gather the updated chunks so every rank has the
 whole model again.
 
-The check runs your step for three AdamW steps on 2 and 4 real ranks, next to minishard's
-``ZeroOptimizer(stage=1)`` training an identical model on the same data, and compares the
-parameters — and the bytes you sent, which should be DDP's 2(N−1)/N·Ψ, not 3(N−1)/N·Ψ.
+The check runs your step for three steps of SGD with momentum on 2 and 4 real ranks, next to
+minishard's ``ZeroOptimizer(stage=1)`` training an identical model on the same data, and compares
+the parameters — and the bytes you sent, which should be DDP's 2(N−1)/N·Ψ, not 3(N−1)/N·Ψ.
+(SGD, not AdamW: Adam divides by the gradient's own scale, so it would not notice a gradient
+summed over the ranks instead of averaged — the mistake this exercise is most often failed by.)
 """
 from __future__ import annotations
 
@@ -63,8 +65,10 @@ def _task(ctx, spec: dict) -> dict:
     flat_param = torch.zeros(N * chunk)
     torch.cat([p.detach().reshape(-1) for p in params], out=flat_param[:numel])
     shard = nn.Parameter(flat_param[r * chunk:(r + 1) * chunk].clone())
-    opt = torch.optim.AdamW([shard], lr=1e-2, weight_decay=0.01)
+    opt = torch.optim.SGD([shard], lr=0.1, momentum=0.9)
     comm = Comm(None)
+    start = flat_param[:numel].clone()
+    first = None
     for step in range(STEPS):
         with torch.no_grad():                          # the model reads the flat buffer
             off = 0
@@ -76,17 +80,23 @@ def _task(ctx, spec: dict) -> dict:
         flat_grad = torch.zeros(N * chunk)
         torch.cat([g.reshape(-1) for g in grads], out=flat_grad[:numel])
         run_on_rank(spec, comm, flat_param, flat_grad, shard, opt)
+        if first is None:
+            first = (flat_param[:numel] - start).norm().item()
     zcomm = Comm(None)
-    zopt = ZeroOptimizer(ref, torch.optim.AdamW, stage=1, comm=zcomm, lr=1e-2, weight_decay=0.01)
+    zopt = ZeroOptimizer(ref, torch.optim.SGD, stage=1, comm=zcomm, lr=0.1, momentum=0.9)
     zcomm.reset_counters()                               # (ZeroOptimizer broadcasts rank 0's model first)
+    ref_first = None
     for step in range(STEPS):
         zopt.zero_grad()
         ref(_batch(step, r)).pow(2).mean().backward()
         zopt.step()
+        if ref_first is None:
+            ref_first = (torch.cat([p.detach().reshape(-1) for p in ref.parameters()]) - start).norm().item()
     theirs = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
     return {"rank": r, "mine": flat_param[:numel].clone(), "theirs": theirs,
             "wire": comm.totals["wire"], "by_op": dict(comm.by_op),
-            "zero_wire": zcomm.totals["wire"], "numel": numel}
+            "zero_wire": zcomm.totals["wire"], "numel": numel,
+            "step_ratio": first / ref_first if ref_first else 1.0}
 
 
 @attempt
@@ -101,9 +111,13 @@ def check_zero1_step(fn=None, ranks=None) -> None:
             expect(torch.equal(o["mine"], out[0]["mine"]),
                    f"N={n}: rank {o['rank']}'s parameters differ from rank 0's — did every "
                    f"rank all-gather the updated chunks into flat_param?")
+            ratio = o["step_ratio"]
             expect(gap <= 1e-5, f"N={n} rank {o['rank']}: your parameters are {gap:.2e} away "
-                   f"from ZeroOptimizer's. Average the gradient (the reduce-scatter sums it), "
-                   f"update only your shard, and gather every rank's updated chunk.")
+                   f"from ZeroOptimizer's" + (f"; your first update was {ratio:.2g}x its size: "
+                   f"average the gradient — the reduce-scatter sums it over the {n} ranks, "
+                   f"divide by N" if abs(ratio - 1) > 1e-3 else ". Average the gradient (the "
+                   f"reduce-scatter sums it), update only your shard, and gather every rank's "
+                   f"updated chunk."))
             psi = 4 * n * math.ceil(o["numel"] / n)          # fp32 bytes, padded
             ddp_volume = 2 * (n - 1) * psi // n
             expect(o["wire"] <= ddp_volume * STEPS + 8 * n * STEPS,

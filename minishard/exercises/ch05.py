@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import at_world_sizes, attempt, expect, portable, run_on_rank
+from . import at_world_sizes, attempt, expect, portable, run_guarded
 
 
 def unshard_param(comm, shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -37,17 +37,22 @@ def _task(ctx, spec: dict) -> dict:
     want = fsdp.full_parameters(net)                  # minishard's gather, unit by unit
     names = {id(m): n for n, m in net.named_modules()}
     comm.reset_counters()
-    got, wrong = {}, []
+    got, wrong, error = {}, [], None
     for unit in fsdp.units(net):
         for slot, shard in zip(unit.layout.slots, unit.layout.sharded):
             prefix = names[id(slot.module)]
             name = f"{prefix}.{slot.name}" if prefix else slot.name
-            full = run_on_rank(spec, comm, shard.detach(), tuple(slot.shape))
+            full, error = run_guarded(spec, comm, shard.detach(), tuple(slot.shape))
+            if error is not None:
+                error = (name, tuple(shard.shape), tuple(slot.shape), error)
+                break
             got[name] = full
             if tuple(full.shape) != tuple(want[name].shape) or not torch.equal(full, want[name]):
                 wrong.append(name)
+        if error is not None:
+            break
     padded = sum(unit.layout.per_rank for unit in fsdp.units(net)) * 4 * ctx.world_size
-    return {"rank": ctx.rank, "wrong": wrong, "n": len(got), "wire": comm.totals["wire"],
+    return {"rank": ctx.rank, "wrong": wrong, "error": error, "n": len(got), "wire": comm.totals["wire"],
             "calls": comm.totals["calls"], "padded_bytes": padded,
             "example": next(iter(wrong), None) and (tuple(got[wrong[0]].shape), tuple(want[wrong[0]].shape))}
 
@@ -57,6 +62,12 @@ def check_unshard_param(fn=None, ranks=None) -> None:
     spec = portable(fn or unshard_param)
     for n, out in at_world_sizes(_task, spec, ranks, (1, 2, 3)):
         for o in out:
+            if o["error"] is not None:
+                name, shard, shape, error = o["error"]
+                expect(False, f"N={n}: for {name} (shard {shard}, full shape {shape}) your function "
+                       f"raised {error}. The all-gather returns N blocks of ceil(rows / N) rows, "
+                       f"the last ones zero-padded: keep the first {shape[0] if shape else 1} "
+                       f"rows, then reshape to {shape}")
             ring = (n - 1) * o["padded_bytes"] // n
             print(f"N={n} rank {o['rank']}: {o['n'] - len(o['wrong'])} of {o['n']} parameters "
                   f"equal minishard's gather; you sent {o['wire']:,} bytes in {o['calls']} "

@@ -6,8 +6,9 @@ the embeddings), then the blocks in order; backward also starts with the root (i
 and runs the blocks in reverse. Write which units a unit prefetches.
 
 The check trains the nano model on 2 real ranks with depth 0, 1, 2 and 3, reads from rank 0's
-trace which all-gathers were in flight when each unit started computing, and compares them with
-your schedule.
+trace which all-gathers were in flight when each unit started computing, in the order they were
+issued, and compares them with your schedule — order included: the unit needed next must be
+gathered first.
 """
 from __future__ import annotations
 
@@ -36,11 +37,15 @@ def check_prefetch_targets(fn=None, ranks=None) -> None:
             get(2).run(train, strategy="fsdp_flat", model="nano", micro_batch=1, steps=2, prefetch=k)
             rows = who_is_gathered(get(2).last_events, rank=0, step=1)
             for r in rows:
-                mine = call(fn, blocks, r["unit"], k, r["pass"] == "forward")
+                mine = list(call(fn, blocks, r["unit"], k, r["pass"] == "forward"))
                 expect(sorted(mine) == sorted(r["in_flight"]),
                        f"depth {k}, {r['pass']}: when {r['unit']} started computing, the all-gathers "
                        f"in flight were {r['in_flight'] or 'none'}; your schedule prefetches "
                        f"{mine or 'none'}")
+                expect(mine == r["in_flight"],
+                       f"depth {k}, {r['pass']}: the right units in the wrong order — the trace "
+                       f"issued {r['in_flight']}, you {mine}. Gather first the unit the pass "
+                       f"reaches first (in backward, the blocks run in reverse)")
             line = "  ".join(f"{r['unit']}[{','.join(r['in_flight'])}]" for r in rows
                              if r["pass"] == "forward")
             print(f"depth {k}: matches the trace in forward and backward; forward: {line}")

@@ -1,0 +1,194 @@
+"""Plant one-line bugs in a copy of minishard and check that the test suite catches each one.
+
+    python scripts/mutation_check.py              # every bug below (about 5 minutes on 2 cores)
+    python scripts/mutation_check.py ddp fsdp     # only the bugs whose name contains a word
+    python scripts/mutation_check.py --list       # the bugs, and the tests each one runs
+
+A parity test only counts if a wrong implementation fails it. For each bug this script copies
+the package and the tests to a temporary folder, replaces one line of the engine (the text must
+occur exactly once: a redesign that moves it makes the script say so), runs the tests that
+exist to catch it against the copy — rank processes included, through ``PYTHONPATH`` — and
+records which failed. It first runs the same tests on the unmodified copy: a test that fails
+without a bug proves nothing. It exits non-zero if any bug survives, and prints a table
+(bug → the tests that caught it → seconds) for the README's testing section.
+
+Adding a bug when a new mechanism lands: append a ``Bug(name, file, original, planted, tests)``
+to ``BUGS`` — ``original`` a line (or unique part of one) of the mechanism as it is, ``planted``
+the one-line mistake a reader could make, ``tests`` the pytest selection that should catch it
+(``path`` or ``path::test`` or ``path -k expr``). Run ``python scripts/mutation_check.py NAME``
+until it is caught, by a test of the default suite.
+
+Why not a mutation-testing package: mutmut and cosmic-ray mutate every line they can reach and
+run the suite in the process they control; minishard's tests run in warm rank processes started
+from a forkserver, which those tools do not follow, and a full mutation run would take hours on
+two cores. A short list of the bugs the course is about — each one a claim a learner relies on —
+keeps the check meaningful and about five minutes long.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    file: str            # relative to the repository root
+    original: str        # must occur exactly once in the file
+    planted: str
+    tests: str           # a pytest selection, run from the repository root
+
+
+PARITY = "tests/test_parity.py"
+BUGS = [
+    # the four that survived the whole suite before the parity tests saw several buckets and SGD
+    Bug("zero: last bucket's parameter all-gather skipped", "minishard/zero.py",
+        "works.append(self.comm.all_gather(region, mine.clone(), async_op=True,",
+        "if b.index < len(self.buckets) - 1 or len(self.buckets) == 1: works.append(self.comm.all_gather(region, mine.clone(), async_op=True,",
+        f"{PARITY} -k zero"),
+    Bug("ddp: only the first bucket divided by N", "minishard/ddp.py",
+        "b.buffer.div_(self.comm.world_size)",
+        "b.buffer.div_(self.comm.world_size if b.index == 0 else 1)",
+        f"{PARITY} -k ddp"),
+    Bug("zero-1: only the first bucket divided by N", "minishard/zero.py",
+        "region.div_(N)",
+        "region.div_(N if b.index == 0 else 1)",
+        f"{PARITY} -k zero1"),
+    Bug("zero bf16: the fp32 master never copied back into the bf16 weights", "minishard/zero.py",
+        "mine.copy_(s)",
+        "mine.copy_(mine)",
+        f"{PARITY} -k zero"),
+    # the 1/N of every strategy, missing and doubled
+    Bug("ddp: 1/N missing", "minishard/ddp.py",
+        "b.buffer.div_(self.comm.world_size)", "b.buffer.div_(1)", f"{PARITY} -k ddp"),
+    Bug("ddp: 1/N applied twice", "minishard/ddp.py",
+        "b.buffer.div_(self.comm.world_size)", "b.buffer.div_(self.comm.world_size ** 2)",
+        f"{PARITY} -k ddp"),
+    Bug("zero-2: 1/N missing", "minishard/zero.py",
+        "b.buffer.div_(N)", "b.buffer.div_(1)", f"{PARITY} -k zero2"),
+    Bug("zero-1: 1/N applied twice", "minishard/zero.py",
+        "region.div_(N)", "region.div_(N * N)", f"{PARITY} -k zero1"),
+    Bug("fsdp: 1/N missing", "minishard/fsdp.py",
+        "inp.div_(self.comm.world_size * replicas)", "inp.div_(replicas)", f"{PARITY} -k fsdp"),
+    Bug("fsdp: 1/N applied twice", "minishard/fsdp.py",
+        "inp.div_(self.comm.world_size * replicas)", "inp.div_((self.comm.world_size * replicas) ** 2)",
+        f"{PARITY} -k fsdp"),
+    # the other mechanisms the course measures
+    Bug("checkpoint: checksums never compared", "minishard/checkpoint.py",
+        "if got != want:", "if False:", "tests/test_checkpoint.py -k bad_input"),
+    Bug("fsdp: prefetch depth ignored", "minishard/fsdp.py",
+        'root.prefetch_depth = (_depth(forward, "forward"), _depth(backward, "backward"))',
+        'root.prefetch_depth = (0 * _depth(forward, "forward"), 0 * _depth(backward, "backward"))',
+        "tests/test_prefetch.py"),
+    Bug("comm: all-reduce counted as one ring pass, not two", "minishard/comm.py",
+        "return 2 * (N - 1) * nbytes // N", "return (N - 1) * nbytes // N",
+        "tests/test_comm.py tests/test_ddp.py -k 'wire or sends'"),
+    Bug("ledger: ZeRO-2 does not shard the gradients", "minishard/ledger.py",
+        '"grads": 2, "main_grads": 2,', '"grads": 3, "main_grads": 3,',
+        "tests/test_ledger.py tests/test_zero.py -k 'formula or memory'"),
+]
+
+
+def copy_repo(dest: Path) -> None:
+    for part in ("minishard", "tests", "solutions", "pyproject.toml"):
+        src = ROOT / part
+        if src.is_dir():
+            shutil.copytree(src, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dest / part)
+
+
+def plant(dest: Path, bug: Bug) -> None:
+    check_applies(bug, dest)
+    path = dest / bug.file
+    path.write_text(path.read_text().replace(bug.original, bug.planted))
+
+
+def run_tests(dest: Path, selection: str) -> tuple[bool, list[str], float]:
+    """Run a pytest selection against the copy; (passed, failed test ids, seconds)."""
+    env = dict(os.environ, PYTHONPATH=str(dest), MINISHARD_REQUIRE_BROWSER="")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--maxfail=3",
+           *shlex.split(selection)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=1800)
+    seconds = time.perf_counter() - t0
+    failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
+    if proc.returncode not in (0, 1) or (proc.returncode == 1 and not failed):
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+        raise SystemExit(f"pytest could not run `{selection}` (exit {proc.returncode}):\n{tail}")
+    return proc.returncode == 0, failed, seconds
+
+
+def caught_by(failed: list[str]) -> str:
+    """``tests/test_parity.py::test_x[ddp-2]`` ... -> ``test_parity::test_x [ddp-2, ddp-3]``."""
+    grouped: dict[str, list[str]] = {}
+    for node in failed:
+        path, _, test = node.partition("::")
+        name, _, param = test.partition("[")
+        grouped.setdefault(f"{Path(path).stem}::{name}", []).append(param.rstrip("]"))
+    return "; ".join(k + (f" [{', '.join(p for p in ps if p)}]" if any(ps) else "")
+                     for k, ps in grouped.items())
+
+
+def check_applies(bug: Bug, root: Path = ROOT) -> None:
+    """The bug's original text occurs exactly once (else the code moved: update BUGS)."""
+    n = (root / bug.file).read_text().count(bug.original)
+    if n != 1:
+        raise ValueError(f"bug {bug.name!r}: {bug.file} holds {n} copies of {bug.original!r} (need "
+                         f"exactly one); the code moved — update BUGS in scripts/mutation_check.py")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("words", nargs="*", help="only the bugs whose name contains one of these")
+    ap.add_argument("--list", action="store_true", help="list the bugs and their tests, run nothing")
+    args = ap.parse_args(argv)
+    bugs = [b for b in BUGS if not args.words or any(w in b.name for w in args.words)]
+    if not bugs:
+        ap.error(f"no bug matches {args.words}; names: {[b.name for b in BUGS]}")
+    if args.list:
+        for b in bugs:
+            print(f"{b.name:<70} {b.file:<26} {b.tests}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="minishard-mutants-") as tmp:
+        base = Path(tmp) / "clean"
+        copy_repo(base)
+        for selection in dict.fromkeys(b.tests for b in bugs):       # each selection once
+            ok, failed, _ = run_tests(base, selection)
+            if not ok:
+                print(f"the unmodified code fails `{selection}`: {failed}; fix that first")
+                return 2
+        rows, survivors = [], []
+        for i, bug in enumerate(bugs):
+            dest = Path(tmp) / f"bug{i}"
+            shutil.copytree(base, dest)          # from the snapshot taken at the start
+            plant(dest, bug)
+            ok, failed, seconds = run_tests(dest, bug.tests)
+            rows.append((bug.name, "SURVIVED" if ok else caught_by(failed), seconds))
+            if ok:
+                survivors.append(bug.name)
+            print(f"{'survived' if ok else 'caught  '}  {seconds:6.1f} s  {bug.name}", flush=True)
+            shutil.rmtree(dest)
+    print("\n| bug planted | caught by | seconds |\n|---|---|---|")
+    for name, caught, seconds in rows:
+        print(f"| {name} | {caught} | {seconds:.0f} |")
+    if survivors:
+        print(f"\n{len(survivors)} bug(s) survived: {survivors}")
+        return 1
+    print(f"\nall {len(rows)} bugs caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
