@@ -31,7 +31,7 @@ import time
 
 from minishard.costmodel import measure_compute
 from minishard.launch import Ranks
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 # (label, train kwargs, baseline label to compare against, run by default?)
 CONTENDERS = [
@@ -93,8 +93,7 @@ def bench(world_size: int, rounds: int, steps: int, warmup: int, model: str, mic
             compute += steady([{"step_times": t} for t in ranks.run(measure_compute, **solo)],
                               warmup, steps)
             for label, kw, _ in contenders:
-                res = ranks.run(train, steps=steps, model=model, micro_batch=micro_batch,
-                                bucket_cap_mb=bucket_cap_mb, **kw)
+                res = ranks.run(train, TrainConfig(steps=steps, model=model, micro_batch=micro_batch, bucket_cap_mb=bucket_cap_mb, **kw))
                 times[label] += steady(res, warmup, steps)
                 sent[label] += [res[0]["wchar"][s] for s in range(warmup, steps)]
     t_compute, t_alone = statistics.median(compute), statistics.median(alone)

@@ -5,7 +5,7 @@
 
 For each world size one warm pool of ranks trains a step and saves (warm-up, not timed), then
 ``--repeats`` times resumes from that checkpoint, trains one step and saves it again
-(``train(resume_from=..., save_to=...)``), which times one load and one save per round.
+(``train(None, TrainConfig(resume_from=..., save_to=...))``), which times one load and one save per round.
 
 * save MB/s: bytes the rank wrote / seconds of its whole ``checkpoint.save`` — describing,
   hashing, writing, fsync, the ranks' agreement, rank 0's metadata and the renames;
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from minishard.launch import Ranks
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 
 def copy_rate(src: Path, dst: Path) -> float:
@@ -72,9 +72,9 @@ def main() -> None:
             ck = root / f"n{N}"
             rows = {k: [[] for _ in range(N)] for k in ("save", "write", "load", "par", "seq")}
             with Ranks(N) as ranks:
-                ranks.run(train, steps=1, save_to=str(ck), **kw)           # warm-up
+                ranks.run(train, TrainConfig(steps=1, save_to=str(ck), **kw))           # warm-up
                 for _ in range(args.repeats):
-                    out = ranks.run(train, steps=1, resume_from=str(ck), save_to=str(ck), **kw)
+                    out = ranks.run(train, TrainConfig(steps=1, resume_from=str(ck), save_to=str(ck), **kw))
                     together, alone = copies(ck, root / "copy")
                     for r, o in enumerate(out):
                         s, ld = o["checkpoint"]["save"], o["checkpoint"]["load"]

@@ -25,7 +25,7 @@ from minishard.costmodel import (Cluster, Device, Link, measure_all_reduce, meas
                                   plan, train_flops_per_token)
 from minishard.launch import Ranks
 from minishard.model import config
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 CORES = os.cpu_count() or 1
 STEPS, WARMUP = 10, 3      # CPU step times settle only after a few steps
@@ -70,8 +70,7 @@ def main(rounds: int = 3) -> None:
             with Ranks(N) as ranks:
                 flops.setdefault(N, []).append(calibrate_compute(ranks))
                 for label, _, ours, kw in RUNS:
-                    res = ranks.run(train, strategy=ours, model=MODEL, micro_batch=MB, steps=STEPS,
-                                    track_activations=False, **kw)
+                    res = ranks.run(train, TrainConfig(strategy=ours, model=MODEL, micro_batch=MB, steps=STEPS, track_activations=False, **kw))
                     measured.setdefault((label, N), []).append(steady(res))
     link = Link("loopback (gloo, calibrated)", statistics.median(x.bandwidth for x in links),
                 statistics.median(x.latency for x in links))

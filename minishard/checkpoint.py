@@ -795,12 +795,12 @@ def layout(strategy: str, rank: int, world_size: int, model_config, *, optimizer
     """What rank ``rank`` of ``world_size`` would hold under ``strategy`` — computed on the meta
     device, from the layout math alone (no ranks, no memory)."""
     from .model import GPT, GPTConfig
-    from .train import build                    # (train imports this module: import late)
+    from .strategies import build
+    from .config import TrainConfig
     cfg = GPTConfig(**model_config) if isinstance(model_config, dict) else model_config
     comm = _LayoutComm(rank, world_size)
-    model, opt = build(GPT(cfg, device="meta"), strategy, comm, None, optimizer=optimizer,
-                       **build_options)
-    return describe(model, opt, comm)
+    built = build(GPT(cfg, device="meta"), TrainConfig(strategy, optimizer=optimizer, **build_options), comm)
+    return describe(built.model, built.optimizer, comm)
 
 
 def _optimizer_name(meta: dict) -> str:
@@ -976,10 +976,12 @@ def resume_and_compare(rank, path: str, strategy: str, *, model: str = "tiny", s
                        **build_options) -> dict:
     """Rank task: build ``model`` with *other* initial weights (``seed``) under ``strategy`` on
     this world size, load the checkpoint, and compare what the rank then holds with it."""
+    from .config import TrainConfig
     from .model import GPT, config
-    from .train import build
+    from .strategies import build
     comm = Comm(rank.tracer)
-    net, opt = build(GPT(config(model), seed=seed), strategy, comm, None, **build_options)
+    built = build(GPT(config(model), seed=seed), TrainConfig(strategy, model=model, **build_options), comm)
+    net, opt = built.model, built.optimizer
     info = load(net, opt, path, comm=comm)
     return {**compare(net, opt, path, comm=comm), "strategy": strategy,
             "bytes_read": info["bytes_read"], "seconds": info["seconds"], "step": info["step"]}

@@ -21,8 +21,9 @@ MB = 2**20
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    from .train import OPTIMIZERS, STRATEGIES
-    p.add_argument("--strategy", default="ddp", choices=STRATEGIES)
+    from .strategies import names
+    from .train import OPTIMIZERS
+    p.add_argument("--strategy", default="ddp", choices=names())
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--model", default="tiny")
     p.add_argument("--micro-batch", type=int, default=4)
@@ -57,7 +58,7 @@ def format_table(results: list[dict]) -> str:
 
 
 def demo(args) -> int:
-    from .train import train
+    from .train import TrainConfig, train
     kwargs = dict(strategy=args.strategy, steps=args.steps, model=args.model,
                   micro_batch=args.micro_batch, accum=args.accum, optimizer=args.optimizer,
                   bucket_cap_mb=args.bucket_cap_mb)
@@ -65,7 +66,7 @@ def demo(args) -> int:
         from .comm import Comm
         from .launch import context_from_env
         ctx = context_from_env()
-        out = train(ctx, **kwargs)
+        out = train(ctx, TrainConfig(**kwargs))
         out.pop("params", None)
         results = Comm().gather_object(out)
         events = ctx.tracer.events
@@ -80,7 +81,7 @@ def demo(args) -> int:
         return 0
     from .launch import Ranks
     with Ranks(args.world_size or 1) as ranks:
-        results = ranks.run(train, **kwargs)
+        results = ranks.run(train, TrainConfig(**kwargs))
         events = ranks.last_events
     if args.trace:
         from .trace import write_dir

@@ -274,8 +274,8 @@ def measure_compute(rank, **train_kw) -> list[float]:
     """A rank task: step times of single-process training on every rank at once, with no
     communication — what one "device" computes when all the ranks share this machine's cores
     (see benchmarks/bench_planner.py)."""
-    from .train import train
-    return train(strategy="single", track_activations=False, **train_kw)["step_times"]
+    from .train import TrainConfig, train
+    return train(None, TrainConfig(strategy="single", track_activations=False, **train_kw))["step_times"]
 
 
 def measure_all_reduce(rank, sizes: list[int], repeats: int = 5) -> list[float]:

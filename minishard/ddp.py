@@ -139,6 +139,8 @@ class DDP(BucketedReduction, nn.Module):
     order. ``no_sync()`` skips the all-reduce for gradient accumulation.
     """
 
+    owns_gradients = True          # every .grad is a view into one of its buckets
+
     def __init__(self, module: nn.Module, comm: Comm, ledger: LiveLedger | None = None, *,
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0):
         super().__init__()

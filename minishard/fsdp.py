@@ -482,6 +482,25 @@ def no_sync(model: nn.Module):
 
 
 @torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the norm of the *whole* gradient, which no rank holds: each rank sums the squares
+    of its gradient shards (padding is zero), one all-reduce of that number over the shard group
+    adds the ranks up (hybrid: each replica group holds the same shards), and every rank scales
+    by the same factor — ``torch.nn.utils.clip_grad_norm_``'s rule, as ZeRO's."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    comm = units(model)[0].comm
+    sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
+    for g in grads:
+        sq += g.double().pow(2).sum()
+    comm.all_reduce(sq, tag="grad_norm")
+    total = sq.sqrt().to(torch.float32)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+@torch.no_grad()
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full value by its original name, gathered unit by unit (a collective:
     every rank must call it)."""

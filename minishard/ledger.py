@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from . import strategies
 from .trace import Tracer
 
 CATEGORIES = ("params", "grads", "main_grads", "master", "exp_avg", "exp_avg_sq", "momentum",
@@ -40,7 +41,6 @@ SHARDED_FROM_STAGE = {
     "grads": 2, "main_grads": 2,                                 # gradients:       ZeRO-2
     "params": 3,                                                 # parameters:      ZeRO-3 / FSDP
 }
-STRATEGY_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 
 
 @dataclass(frozen=True)
@@ -190,14 +190,13 @@ def estimate(model: torch.nn.Module | None = None, *, n_params: int | None = Non
         raise ValueError(f"n_params must be a positive integer, got {n_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if strategy not in STRATEGY_STAGE:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGY_STAGE)}")
+    stage = strategies.get(strategy).stage      # (a ValueError names the strategies there are)
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZERS)}")
 
-    prec, stage = PRECISIONS[precision], STRATEGY_STAGE[strategy]
+    prec = PRECISIONS[precision]
     state_cats, state_bytes = OPTIMIZERS[optimizer]
     bpp = {"params": prec.params} if prec.params else {}
     bpp["grads"] = prec.grads

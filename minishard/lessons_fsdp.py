@@ -156,32 +156,29 @@ def race(rank, variants: dict[str, dict] | None = None, model: str = "tiny", ste
          micro_batch: int = 4, warmup: int = 1) -> dict[str, list[float]]:
     """Train one model per variant side by side on the same ranks, *alternating step by step*
     (A, B, B, A, A, B, ...), so that load from other processes on a shared machine falls on all
-    alike. ``variants`` maps a label to :func:`minishard.train.build` options (default: ``ddp``
+    alike. ``variants`` maps a label to :class:`minishard.TrainConfig` fields (default: ``ddp``
     and ``fsdp``). Every step starts from a barrier. Returns this rank's wall-clock step times per
     label, and (key ``"cpu:<label>"``) the CPU seconds the rank process burned in each step, all
     threads included — a figure other processes' load hardly changes. The ``warmup`` first steps
     of each are dropped."""
     import time
 
-    from .train import build
+    from .train import TrainConfig, build, train_step
     variants = variants or {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}}
     cfg = config(model)
     runs = {}
     for label, opts in variants.items():
-        opts = dict(opts)
         comm = Comm()
-        runs[label] = (comm, *build(GPT(cfg).to(rank.device), opts.pop("strategy"), comm, None, **opts))
+        runs[label] = (comm, build(GPT(cfg).to(rank.device), TrainConfig(model=model, **opts), comm))
     labels = list(variants)
     times = {k: [] for s in labels for k in (s, f"cpu:{s}")}
     for step in range(warmup + steps):
         x, y = batch(cfg, step, micro_batch, rank.rank, rank.world_size)
         for s in (labels if step % 2 == 0 else labels[::-1]):
-            comm, wrapped, opt = runs[s]
+            comm, built = runs[s]
             comm.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            wrapped(x, y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
+            train_step(built, [(x, y)])
             if step >= warmup:
                 times[s].append(time.perf_counter() - t0)
                 times[f"cpu:{s}"].append(time.process_time() - c0)

@@ -26,7 +26,7 @@ from .ledger import DeviceOutOfMemory
 
 
 def under_budget(rank: RankContext, budget: int, *, peak_too: bool = True, **train_kw) -> dict[str, Any]:
-    """``train(**train_kw)`` with ``device_budget=budget``. Returns whether it fit, and either
+    """``train`` with ``TrainConfig(**train_kw, device_budget=budget)``. Returns whether it fit, and either
     the measured peak (``peak``, ``peak_snapshot`` by category) or the out-of-memory report
     read as data (:func:`oom_report`: what failed to allocate, what the device held). With
     ``peak_too``, a run that does not fit is repeated without the budget, to add the peak it
@@ -35,15 +35,15 @@ def under_budget(rank: RankContext, budget: int, *, peak_too: bool = True, **tra
     Every rank runs the same shapes, so every rank reaches the allocation that crosses the
     budget at the same point of the program and raises there: no rank is left waiting in a
     collective, and the warm pool stays usable (a real CUDA OOM usually ends the job)."""
-    from .train import train
+    from .train import TrainConfig, train
     try:
-        out = train(rank, device_budget=budget, **train_kw)
+        out = train(rank, TrainConfig(device_budget=budget, **train_kw))
         report: dict[str, Any] = {"fits": True}
     except DeviceOutOfMemory as e:
         if not peak_too:
             return {"fits": False, "error": str(e), **oom_report(str(e))}
         report = {"fits": False, "error": str(e), **oom_report(str(e))}
-        out = train(rank, **train_kw)
+        out = train(rank, TrainConfig(**train_kw))
     led = out["ledger"]
     return {**report, "peak": led["peak"], "peak_snapshot": led["peak_snapshot"],
             "calls": out["calls"][-1], "step_times": out["step_times"]}
@@ -79,11 +79,11 @@ def straggler(rank: RankContext, slow_rank: int = 1, every: int = 5, delay: floa
     Returns this rank's wall-clock step times, measured from a common barrier."""
     from .comm import Comm
     from .model import GPT, batch, config
-    from .train import build
+    from .train import TrainConfig, build, train_step
 
     cfg = config(model)
     comm = Comm()
-    net, opt = build(GPT(cfg).to(rank.device), strategy, comm, None)
+    built = build(GPT(cfg).to(rank.device), TrainConfig(strategy, model=model), comm)
     times = []
     for step in range(steps + 1):                  # step 0 warms up (first-touch allocations)
         x, y = batch(cfg, step, micro_batch, rank.rank, rank.world_size)
@@ -91,9 +91,7 @@ def straggler(rank: RankContext, slow_rank: int = 1, every: int = 5, delay: floa
         t0 = time.perf_counter()
         if rank.rank == slow_rank and step % every == every - 1:
             time.sleep(delay)
-        net(x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+        train_step(built, [(x, y)])
         comm.barrier()                             # the step ends when every rank is done
         if step:
             times.append(time.perf_counter() - t0)

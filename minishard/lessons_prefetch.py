@@ -41,26 +41,23 @@ def prefetch_race(rank, depths=(0, 1, 2, 3), model: str = "tiny", steps: int = 5
     rank: wall-clock seconds per step, seconds compute waited on communication per step (the
     sum over units of :attr:`FSDPUnit.exposed_s`), CPU seconds the rank process burned. The
     ``warmup`` first steps are dropped."""
-    from . import fsdp
-    from .train import build
+    from .train import TrainConfig, build, train_step
     cfg = config(model)
     runs = {}
     for k in depths:
         comm = Comm()
-        net, opt = build(GPT(cfg).to(rank.device), strategy, comm, None, prefetch=k)
-        runs[k] = (comm, net, opt, fsdp.units(net))
+        runs[k] = (comm, build(GPT(cfg).to(rank.device), TrainConfig(strategy, model=model, prefetch=k), comm))
     out = {"step_s": {k: [] for k in depths}, "exposed_s": {k: [] for k in depths},
            "cpu_s": {k: [] for k in depths}}
     for step in range(warmup + steps):
         x, y = batch(cfg, step, micro_batch, rank.rank, rank.world_size)
         for k in (depths if step % 2 == 0 else depths[::-1]):
-            comm, net, opt, units = runs[k]
+            comm, built = runs[k]
+            units = built.units
             comm.barrier()
             e0 = sum(u.exposed_s for u in units)
             t0, c0 = time.perf_counter(), time.process_time()
-            net(x, y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
+            train_step(built, [(x, y)])
             if step >= warmup:
                 out["step_s"][k].append(time.perf_counter() - t0)
                 out["cpu_s"][k].append(time.process_time() - c0)
@@ -277,16 +274,16 @@ def disk_tier_files(rank, directory: str, model: str = "tiny", micro_batch: int 
     ``{"files": n, "bytes": total, "sizes": sorted sizes}`` for this rank."""
     import os
 
-    from .train import build
+    from .train import TrainConfig, build
     cfg = config(model)
     comm = Comm()
-    net, opt = build(GPT(cfg).to(rank.device), "fsdp_flat", comm, None, offload="disk",
-                     offload_dir=directory)
+    built = build(GPT(cfg).to(rank.device), TrainConfig("fsdp_flat", model=model, offload="disk",
+                                                        offload_dir=directory), comm)
     x, y = batch(cfg, 0, micro_batch, rank.rank, rank.world_size)
-    net(x, y).backward()
-    opt.step()
-    tier_dir = opt.tier.directory
+    built.model(x, y).backward()
+    built.optimizer.step()
+    tier_dir = built.tier.directory
     sizes = sorted(os.path.getsize(tier_dir / f) for f in os.listdir(tier_dir))
-    opt.tier.cleanup()
+    built.tier.cleanup()
     return {"files": len(sizes), "bytes": sum(sizes), "sizes": sizes,
             "left_behind": os.path.exists(tier_dir)}

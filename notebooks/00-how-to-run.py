@@ -42,7 +42,7 @@ from IPython.display import display
 
 from minishard import RankError, Ranks
 from minishard.examples import fail_on_rank, hello
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import Player, static_player_figure, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"   # small files; renders offline in Lab
@@ -89,7 +89,7 @@ assert all(r["wire"] == 2 * (2 - 1) * 2**20 // 2 for r in second)
 # %%
 live = Player(title="live: 2 ranks, DDP, nano model, 2 steps")
 display(live.widget)
-out = R.run(train, strategy="ddp", steps=2, model="nano", on_event=live.feed)
+out = R.run(train, TrainConfig(strategy="ddp", steps=2, model="nano"), on_event=live.feed)
 live.flush()
 
 # %% [markdown]

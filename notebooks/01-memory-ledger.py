@@ -36,7 +36,7 @@ import psutil
 from IPython.display import display
 
 from minishard import GPT, Ranks, config, conventions, estimate, gpt_activation_bytes
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import LedgerCalculator, ledger_bars
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -149,8 +149,7 @@ for T in (2048, 4096, 8192):
 # %%
 # NBVAL_CHECK_OUTPUT
 def measured_activations(n_layer: int, b: int) -> int:
-    out = train(strategy="single", steps=1, model="tiny", micro_batch=b, precision="bf16_mixed",
-                model_overrides={"n_layer": n_layer})
+    out = train(None, TrainConfig(strategy="single", steps=1, model="tiny", micro_batch=b, precision="bf16_mixed", model_overrides={"n_layer": n_layer}))
     return out["ledger"]["category_peaks"]["activations"]
 
 tiny = config("tiny")
@@ -205,8 +204,8 @@ assert calc.figure.data[0].y == (e8b.per_rank["params"] / GB,) * 8   # the bars 
 # %%
 R2 = Ranks(2)                      # one warm pool for this section
 with Ranks(4) as R4:
-    measured = {2: R2.run(train, strategy="ddp", steps=2, model="tiny", micro_batch=4),
-                4: R4.run(train, strategy="ddp", steps=2, model="tiny", micro_batch=4)}
+    measured = {2: R2.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny", micro_batch=4)),
+                4: R4.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny", micro_batch=4))}
     rss = [psutil.Process(pid).memory_info().rss for pid in R4.pids]   # while the ranks live
 
 # %%
@@ -251,7 +250,7 @@ ledger_bars({o["rank"]: o["ledger"]["peak_snapshot"] for o in measured[4]},
 # %%
 # NBVAL_CHECK_OUTPUT
 # claim: L1
-mixed = R2.run(train, strategy="ddp", steps=2, model="tiny", micro_batch=4, precision="bf16_mixed")
+mixed = R2.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny", micro_batch=4, precision="bf16_mixed"))
 gaps = compare(mixed, "bf16_mixed", 2)
 split = {c: mixed[0]["ledger"]["peak_snapshot"][c] / mixed[0]["n_params"]
          for c in ("params", "grads", "master", "exp_avg", "exp_avg_sq")}
@@ -282,7 +281,7 @@ assert calc.per_rank_bytes == measured[4][0]["ledger"]["peak"]
 # NBVAL_CHECK_OUTPUT
 for B in (2, 4, 8):
     got = [o["ledger"]["peak_snapshot"]["activations"]
-           for o in R2.run(train, strategy="ddp", steps=2, model="tiny", micro_batch=B)]
+           for o in R2.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny", micro_batch=B))]
     want = gpt_activation_bytes(config("tiny"), micro_batch=B)
     print(f"micro-batch {B}: predicted {want:>11,}  measured {got}")
     assert got == [want, want]

@@ -40,7 +40,7 @@ from IPython.display import display
 
 from minishard import GPT, Ranks
 from minishard.parity import bitwise_equal, drift, params_of, max_diff
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import Player, ring_figure, ring_schedule, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -60,8 +60,7 @@ R2 = Ranks(2)                                             # one warm pool for mo
 # %%
 live = Player(title="DDP, 2 ranks, tiny model, 3 steps, 4 MiB buckets")
 display(live.widget)
-run = R2.run(train, strategy="ddp", steps=3, model="tiny", bucket_cap_mb=4,
-             return_params=True, on_event=live.feed)
+run = R2.run(train, TrainConfig(strategy="ddp", steps=3, model="tiny", bucket_cap_mb=4, return_params=True), on_event=live.feed)
 live.flush()
 events = R2.last_events
 
@@ -91,8 +90,8 @@ assert run[0]["losses"] != run[1]["losses"]               # ... although each sa
 # moment backward has produced its last gradient. Same bytes, far fewer messages:
 
 # %%
-naive = R2.run(train, strategy="ddp_naive", steps=3, model="tiny")
-bucketed = R2.run(train, strategy="ddp", steps=3, model="tiny")          # 25 MiB buckets
+naive = R2.run(train, TrainConfig(strategy="ddp_naive", steps=3, model="tiny"))
+bucketed = R2.run(train, TrainConfig(strategy="ddp", steps=3, model="tiny"))          # 25 MiB buckets
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -162,7 +161,7 @@ assert [r.label.split()[0] for r in ring_schedule("all_reduce", 4)] == ["reduce-
 
 # %%
 R4 = Ranks(4)
-four = R4.run(train, strategy="ddp", steps=2, model="tiny")
+four = R4.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny"))
 p4 = Player(R4.last_events, title="DDP, 4 ranks: one bucket's all-reduce on the ring")
 i = next(i for i, e in enumerate(p4.replay.events)
          if e["kind"] == "collective" and e["op"] == "all_reduce" and e.get("step") == 1)
@@ -191,7 +190,7 @@ ring_figure(4, coll, round=1).show()
 
 # %%
 R3 = Ranks(3)
-per_n = {2: bucketed, 3: R3.run(train, strategy="ddp", steps=2, model="tiny"), 4: four}
+per_n = {2: bucketed, 3: R3.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny")), 4: four}
 R3.close()
 
 # %%
@@ -223,10 +222,10 @@ for N, out in per_n.items():
 # %%
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
-single = train(strategy="single", steps=3, model="tiny", micro_batch=8, return_params=True)
+single = train(None, TrainConfig(strategy="single", steps=3, model="tiny", micro_batch=8, return_params=True))
 torch.set_num_threads(threads)
-ours = R2.run(train, strategy="ddp", steps=3, model="tiny", micro_batch=4, return_params=True)
-theirs = R2.run(train, strategy="torch_ddp", steps=3, model="tiny", micro_batch=4, return_params=True)
+ours = R2.run(train, TrainConfig(strategy="ddp", steps=3, model="tiny", micro_batch=4, return_params=True))
+theirs = R2.run(train, TrainConfig(strategy="torch_ddp", steps=3, model="tiny", micro_batch=4, return_params=True))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -269,11 +268,9 @@ assert adamw.within(1e-3)
 # %%
 # NBVAL_IGNORE_OUTPUT
 torch.set_num_threads(1)
-single_sgd = train(strategy="single", steps=3, model="tiny", micro_batch=8, optimizer="sgd",
-                   lr=0.1, return_params=True)
+single_sgd = train(None, TrainConfig(strategy="single", steps=3, model="tiny", micro_batch=8, optimizer="sgd", lr=0.1, return_params=True))
 torch.set_num_threads(threads)
-ours_sgd = R2.run(train, strategy="ddp", steps=3, model="tiny", micro_batch=4, optimizer="sgd",
-                  lr=0.1, return_params=True)
+ours_sgd = R2.run(train, TrainConfig(strategy="ddp", steps=3, model="tiny", micro_batch=4, optimizer="sgd", lr=0.1, return_params=True))
 sgd = drift(ours_sgd[0]["params"], single_sgd["params"], INIT)
 print(f"whole model, gap / movement after 3 steps: SGD {sgd.overall:.1e}, AdamW {adamw.overall:.1e}")
 
@@ -292,9 +289,9 @@ assert sgd.overall < 1e-5 and adamw.overall > 10 * sgd.overall and sgd.within(1e
 
 # %%
 # NBVAL_CHECK_OUTPUT
-acc = R2.run(train, strategy="ddp", steps=2, model="tiny", micro_batch=4, accum=2, return_params=True)
+acc = R2.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny", micro_batch=4, accum=2, return_params=True))
 torch.set_num_threads(1)
-single_acc = train(strategy="single", steps=2, model="tiny", micro_batch=8, accum=2, return_params=True)
+single_acc = train(None, TrainConfig(strategy="single", steps=2, model="tiny", micro_batch=8, accum=2, return_params=True))
 torch.set_num_threads(threads)
 print(f"accum=2: {acc[0]['calls']} all-reduces per step (accum=1: {bucketed[0]['calls'][:2]}), "
       f"{acc[0]['wire'][0]:,} bytes per step")

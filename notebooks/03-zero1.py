@@ -39,7 +39,7 @@ from IPython.display import display
 
 from minishard import GPT, Ranks, estimate
 from minishard.parity import bitwise_equal, drift, params_of, max_diff
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import Player, ring_schedule, static_player_figure
 from minishard.viz.figures import category_order, color
 
@@ -57,12 +57,11 @@ R4 = Ranks(4)                                               # one warm pool per 
 # AdamW steps — first under DDP, then under ZeRO-1. The player follows the ZeRO-1 run live.
 
 # %%
-ddp_run = R4.run(train, strategy="ddp", steps=2, model="nano", micro_batch=2, precision="bf16_mixed")
+ddp_run = R4.run(train, TrainConfig(strategy="ddp", steps=2, model="nano", micro_batch=2, precision="bf16_mixed"))
 ddp_player = Player(R4.last_events, title="DDP, 4 ranks")
 live = Player(title="ZeRO-1, 4 ranks, nano model, bf16 mixed, 2 steps")
 display(live.widget)
-zero_run = R4.run(train, strategy="zero1", steps=2, model="nano", micro_batch=2,
-                  precision="bf16_mixed", on_event=live.feed)
+zero_run = R4.run(train, TrainConfig(strategy="zero1", steps=2, model="nano", micro_batch=2, precision="bf16_mixed"), on_event=live.feed)
 live.flush()
 zero_events = R4.last_events
 
@@ -203,7 +202,7 @@ assert ops == [("backward", "reduce_scatter"), ("optimizer", "all_gather")]
 R2, R3 = Ranks(2), Ranks(3)
 pools = {2: R2, 3: R3, 4: R4}
 one_step = dict(model="nano", steps=1, micro_batch=1, track_activations=False)
-traffic = {(N, s): pools[N].run(train, strategy=s, **one_step)
+traffic = {(N, s): pools[N].run(train, TrainConfig(strategy=s, **one_step))
            for N in pools for s in ("ddp", "zero1_allreduce", "zero1")}
 
 # %%
@@ -234,7 +233,7 @@ for (N, s), out in traffic.items():
 # %%
 # NBVAL_IGNORE_OUTPUT
 for N in (2, 4):
-    torch_z = pools[N].run(train, strategy="torch_zero1", **one_step)
+    torch_z = pools[N].run(train, TrainConfig(strategy="torch_zero1", **one_step))
     for s in ("ddp", "zero1_allreduce", "zero1"):
         extra = max(o["wchar"][0] - o["wire"][0] for o in traffic[(N, s)])
         print(f"N={N} {s:<16} OS count {traffic[(N, s)][0]['wchar'][0] / PSI_B:.3f} × 4Ψ "
@@ -261,7 +260,7 @@ for N in (2, 4):
 R1 = Ranks(1)
 pools[1] = R1
 mem_kw = dict(model="nano", steps=2, micro_batch=1, precision="bf16_mixed", track_activations=False)
-mem = {N: pools[N].run(train, strategy="zero1", **mem_kw) for N in (1, 2, 3, 4)}
+mem = {N: pools[N].run(train, TrainConfig(strategy="zero1", **mem_kw)) for N in (1, 2, 3, 4)}
 R1.close()
 
 # %%
@@ -293,9 +292,9 @@ for N, out in mem.items():
 # %%
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
-single = train(strategy="single", steps=3, model="nano", micro_batch=4, return_params=True)
+single = train(None, TrainConfig(strategy="single", steps=3, model="nano", micro_batch=4, return_params=True))
 torch.set_num_threads(threads)
-parity = {s: R2.run(train, strategy=s, steps=3, model="nano", micro_batch=2, return_params=True)
+parity = {s: R2.run(train, TrainConfig(strategy=s, steps=3, model="nano", micro_batch=2, return_params=True))
           for s in ("zero1", "zero1_allreduce", "torch_zero1")}
 
 # %%

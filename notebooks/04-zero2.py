@@ -37,7 +37,7 @@ from IPython.display import display
 from minishard import GPT, Ranks, batch, config, estimate
 from minishard.ddp import plan_buckets
 from minishard.parity import drift, params_of
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import Player, ledger_bars, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -56,8 +56,7 @@ R2 = Ranks(2)                                               # one warm pool per 
 # %%
 live = Player(title="ZeRO-2, 2 ranks, tiny model, 2 steps, 4 MiB buckets")
 display(live.widget)
-run = R2.run(train, strategy="zero2", steps=2, model="tiny", micro_batch=4, bucket_cap_mb=4,
-             on_event=live.feed)
+run = R2.run(train, TrainConfig(strategy="zero2", steps=2, model="tiny", micro_batch=4, bucket_cap_mb=4), on_event=live.feed)
 live.flush()
 events = R2.last_events
 n_buckets = len(run[0]["layout"]["buckets"])
@@ -147,7 +146,7 @@ ledger_bars(live.snapshot(), live.replay.ymax,
 
 # %%
 # NBVAL_CHECK_OUTPUT
-one = R2.run(train, strategy="zero2", steps=2, model="tiny", micro_batch=4, bucket_cap_mb=1)
+one = R2.run(train, TrainConfig(strategy="zero2", steps=2, model="tiny", micro_batch=4, bucket_cap_mb=1))
 by_cap = {4: (run, live.replay.events), 1: (one, R2.last_events)}
 print(f"{'bucket cap':>10}{'buckets':>9}{'largest':>12}{'most held':>12}{'÷ gradient':>12}")
 for cap, (out, evs) in by_cap.items():
@@ -173,7 +172,7 @@ R1, R3, R4 = Ranks(1), Ranks(3), Ranks(4)
 pools = {1: R1, 2: R2, 3: R3, 4: R4}
 mem_kw = dict(model="nano", steps=2, micro_batch=1, precision="bf16_mixed",
               track_activations=False, bucket_cap_mb=0.1)
-mem = {N: pools[N].run(train, strategy="zero2", **mem_kw) for N in pools}
+mem = {N: pools[N].run(train, TrainConfig(strategy="zero2", **mem_kw)) for N in pools}
 R1.close()
 
 # %%
@@ -209,7 +208,7 @@ for N, out in mem.items():
 
 # %%
 one_step = dict(model="nano", steps=1, micro_batch=1, track_activations=False, bucket_cap_mb=0.1)
-traffic = {(N, s): pools[N].run(train, strategy=s, **one_step)
+traffic = {(N, s): pools[N].run(train, TrainConfig(strategy=s, **one_step))
            for N in (2, 3, 4) for s in ("ddp", "zero2")}
 R3.close()
 
@@ -237,8 +236,7 @@ assert all(abs(traffic[(N, "zero2")][0]["wire"][0] - traffic[(N, "ddp")][0]["wir
 # nano, fp32:
 
 # %%
-acc = {(s, a): R2.run(train, strategy=s, steps=2, model="nano", micro_batch=1, accum=a,
-                      bucket_cap_mb=0.1, track_activations=False, return_params=(a == 2))
+acc = {(s, a): R2.run(train, TrainConfig(strategy=s, steps=2, model="nano", micro_batch=1, accum=a, bucket_cap_mb=0.1, track_activations=False, return_params=(a == 2)))
        for s in ("ddp", "zero1", "zero2") for a in (1, 2)}
 
 # %%
@@ -272,8 +270,7 @@ for s in ("ddp", "zero1", "zero2"):
 # NBVAL_IGNORE_OUTPUT
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
-single_acc = train(strategy="single", steps=2, model="nano", micro_batch=2, accum=2,
-                   track_activations=False, return_params=True)
+single_acc = train(None, TrainConfig(strategy="single", steps=2, model="nano", micro_batch=2, accum=2, track_activations=False, return_params=True))
 torch.set_num_threads(threads)
 
 INIT = params_of(GPT("nano", seed=0))                 # the weights every run starts from
@@ -341,10 +338,10 @@ assert local[0] != local[1]
 # %%
 # NBVAL_CHECK_OUTPUT
 clip_kw = dict(steps=2, model="nano", track_activations=False, clip=MAX_NORM, return_params=True)
-clipped = R2.run(train, strategy="zero2", micro_batch=1, **clip_kw)
+clipped = R2.run(train, TrainConfig(strategy="zero2", micro_batch=1, **clip_kw))
 torch.set_num_threads(1)
-single_clip = train(strategy="single", micro_batch=2, **clip_kw)
-unclipped = train(strategy="single", micro_batch=2, **dict(clip_kw, clip=None))
+single_clip = train(None, TrainConfig(strategy="single", micro_batch=2, **clip_kw))
+unclipped = train(None, TrainConfig(strategy="single", micro_batch=2, **dict(clip_kw, clip=None)))
 torch.set_num_threads(threads)
 norm_op = clipped[0]["by_op"]["all_reduce"]
 print(f"extra collective: {norm_op['calls']} all-reduces in 2 steps, "

@@ -45,7 +45,7 @@ from IPython.display import display
 
 from minishard import GPT, Ranks, config, estimate
 from minishard.lessons_fsdp import race, unit_states_at, unsharded_series, with_unit_states
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import Player, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -87,7 +87,7 @@ for label, model, N, prec, unit, name in [("tiny, N = 2, fp32", TINY, 2, "fp32",
 # the gathered parameters are freed), so the ledger should equal the prediction to the byte.
 
 # %%
-runs = {s: R2.run(train, strategy=s, steps=1, model="tiny", micro_batch=1, track_activations=False)
+runs = {s: R2.run(train, TrainConfig(strategy=s, steps=1, model="tiny", micro_batch=1, track_activations=False))
         for s in ("ddp", "zero1", "zero2", "fsdp")}
 
 # %%
@@ -111,7 +111,7 @@ assert sum(runs["fsdp"][0]["ledger"]["final"].values()) == 16 * PSI // 2
 # NBVAL_CHECK_OUTPUT
 R4 = Ranks(4)
 nano_psi = GPT("nano", device="meta").num_params()
-four = R4.run(train, strategy="fsdp", steps=2, model="nano", micro_batch=1)
+four = R4.run(train, TrainConfig(strategy="fsdp", steps=2, model="nano", micro_batch=1))
 state4 = [sum(o["ledger"]["final"].values()) for o in four]
 print(f"nano on 4 ranks: {state4} bytes of state per rank = {state4[0] / nano_psi:g} x Ψ")
 assert state4 == [16 * nano_psi // 4] * 4
@@ -128,7 +128,7 @@ assert state4 == [16 * nano_psi // 4] * 4
 live = Player(title="ZeRO-3 (fsdp), 2 ranks, tiny model, 2 steps")
 view, states = with_unit_states(live)
 display(view)
-fsdp_run = R2.run(train, strategy="fsdp", steps=2, model="tiny", on_event=live.feed)
+fsdp_run = R2.run(train, TrainConfig(strategy="fsdp", steps=2, model="tiny"), on_event=live.feed)
 live.flush()
 events = R2.last_events
 
@@ -183,7 +183,7 @@ assert states.value.count(">unsharded<") >= 2          # the panel under the pla
 
 # %%
 # NBVAL_CHECK_OUTPUT
-ddp_run = R2.run(train, strategy="ddp", steps=2, model="tiny")
+ddp_run = R2.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny"))
 print(f"{'category':<14}{'ddp':>14}{'zero3 (fsdp)':>14}")
 peaks = {s: out[0]["ledger"]["peak_snapshot"] for s, out in [("ddp", ddp_run), ("fsdp", fsdp_run)]}
 for c in ("params", "grads", "exp_avg", "exp_avg_sq", "unsharded", "comm_buffers", "activations"):
@@ -206,15 +206,14 @@ assert peaks["fsdp"]["params"] == peaks["ddp"]["params"] // 2
 
 # %%
 kw = dict(steps=1, micro_batch=1, track_activations=False)
-wire = {N: {"ddp": R.run(train, strategy="ddp", model=m, **kw),
-            "textbook": R.run(train, strategy="fsdp", model=m, reshard_root=True, **kw),
-            "default": R.run(train, strategy="fsdp", model=m, **kw)}
+wire = {N: {"ddp": R.run(train, TrainConfig(strategy="ddp", model=m, **kw)),
+            "textbook": R.run(train, TrainConfig(strategy="fsdp", model=m, reshard_root=True, **kw)),
+            "default": R.run(train, TrainConfig(strategy="fsdp", model=m, **kw))}
         for N, R, m in [(2, R2, "tiny"), (4, R4, "nano")]}
 # the same on the nano model in bf16 mixed precision (below): FSDP2's usual policy, DDP in bf16
-mixed = {N: {"ddp fp32 grads": R.run(train, strategy="ddp", model="nano", **kw),
-             "ddp bf16 grads": R.run(train, strategy="ddp", model="nano", precision="bf16_mixed", **kw),
-             "zero3 bf16/fp32": R.run(train, strategy="fsdp", model="nano", precision="bf16_mixed",
-                                      reshard_root=True, **kw)}
+mixed = {N: {"ddp fp32 grads": R.run(train, TrainConfig(strategy="ddp", model="nano", **kw)),
+             "ddp bf16 grads": R.run(train, TrainConfig(strategy="ddp", model="nano", precision="bf16_mixed", **kw)),
+             "zero3 bf16/fp32": R.run(train, TrainConfig(strategy="fsdp", model="nano", precision="bf16_mixed", reshard_root=True, **kw))}
          for N, R in [(2, R2), (4, R4)]}
 R4.close()
 
@@ -289,7 +288,7 @@ for N, cases in mixed.items():
 
 # %%
 # NBVAL_CHECK_OUTPUT
-theirs = R2.run(train, strategy="torch_fsdp", model="tiny", **kw)
+theirs = R2.run(train, TrainConfig(strategy="torch_fsdp", model="tiny", **kw))
 print(f"torch FSDP2, 2 ranks: {theirs[0]['wchar'][0] / (4 * PSI):.2f} x 4Ψ bytes written per rank per step "
       f"(minishard's FSDP: {wire[2]['default'][0]['wire'][0] / (4 * PSI):.2f}, DDP: 1.00)")
 assert 1.8 < theirs[0]["wchar"][0] / (4 * PSI) < 1.9
@@ -332,7 +331,7 @@ assert fsdp_run[0]["wire"][-1] > 1.3 * ddp_run[0]["wire"][-1]
 # the smaller the collectives.
 # Where does the time go? The timeline of one step shows it: DDP's two all-reduces run during
 # backward, while each of ZeRO-3's forward all-gathers sits on the critical path — a block cannot
-# compute before its weights have arrived (prefetch is off: `train(..., prefetch=0)`, the
+# compute before its weights have arrived (prefetch is off: `train(..., TrainConfig(prefetch=0))`, the
 # default) — and there are 20 collectives instead of 2, each with its own latency. (Prefetching
 # the next unit while the current one computes hides much of this; that is the prefetch
 # chapter's subject.)

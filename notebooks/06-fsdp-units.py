@@ -50,7 +50,7 @@ from minishard import GPT, Ranks
 from minishard.lessons_fsdp import (layout_views, lifecycle_by_hand, lifecycle_order, mixed_dtypes,
                                     padding_table, race, unit_state_figure, with_unit_states)
 from minishard.parity import bitwise_equal, drift, params_of
-from minishard.train import train, wrap_targets
+from minishard.train import TrainConfig, train, wrap_targets
 from minishard.viz import Player
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -124,7 +124,7 @@ assert all(h["matches_hooks"] for h in hand)   # bit for bit the step the hooks 
 player = Player(title="FSDP, 2 ranks, nano model (3 blocks), 2 steps")
 view, panel = with_unit_states(player)
 display(view)
-hooked = R2.run(train, strategy="fsdp", steps=2, model="nano", micro_batch=2, on_event=player.feed)
+hooked = R2.run(train, TrainConfig(strategy="fsdp", steps=2, model="nano", micro_batch=2), on_event=player.feed)
 player.flush()
 events = R2.last_events
 
@@ -161,9 +161,9 @@ unit_state_figure(events, rank=0, step=1,
 # `nn.Linear`. Two steps each on two ranks; the peak and the collectives per step, measured:
 
 # %%
-sweep = {w: R2.run(train, strategy="fsdp", wrap=w, steps=2, model="nano", micro_batch=2)
+sweep = {w: R2.run(train, TrainConfig(strategy="fsdp", wrap=w, steps=2, model="nano", micro_batch=2))
          for w in ("model", "block", "linear")}
-ddp = R2.run(train, strategy="ddp", steps=2, model="nano", micro_batch=2)
+ddp = R2.run(train, TrainConfig(strategy="ddp", steps=2, model="nano", micro_batch=2))
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -218,8 +218,8 @@ for w in ("model", "block", "linear"):
 
 # %%
 kw = dict(steps=3, model="nano", micro_batch=2, return_params=True)
-per_param = R2.run(train, strategy="fsdp", **kw)
-flat = R2.run(train, strategy="fsdp_flat", **kw)
+per_param = R2.run(train, TrainConfig(strategy="fsdp", **kw))
+flat = R2.run(train, TrainConfig(strategy="fsdp_flat", **kw))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -310,7 +310,7 @@ assert views[0]["per_param"]["padding"] == views[1]["per_param"]["padding"] == d
 # NBVAL_CHECK_OUTPUT
 FREEZE = ("pos_emb", "blocks.0.ln1")
 try:
-    train(strategy="fsdp_flat", model="nano", steps=1, freeze=FREEZE)
+    train(None, TrainConfig(strategy="fsdp_flat", model="nano", steps=1, freeze=FREEZE))
     raise AssertionError("the flat layout should refuse")
 except ValueError as e:
     print("fsdp_flat:", e)
@@ -326,9 +326,9 @@ except ValueError as e:
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
 fkw = dict(model="nano", steps=3, optimizer="sgd_momentum", lr=0.05, freeze=FREEZE, return_params=True)
-single_frozen = train(strategy="single", micro_batch=4, **fkw)
+single_frozen = train(None, TrainConfig(strategy="single", micro_batch=4, **fkw))
 torch.set_num_threads(threads)
-frozen = R2.run(train, strategy="fsdp", micro_batch=2, **fkw)
+frozen = R2.run(train, TrainConfig(strategy="fsdp", micro_batch=2, **fkw))
 INIT = params_of(GPT("nano", seed=0))                 # the weights every run starts from
 frozen_drift = drift(frozen[0]["params"], single_frozen["params"], INIT)
 unmoved = all(torch.equal(frozen[0]["params"][k], INIT[k]) for k in INIT if k.startswith(FREEZE))
@@ -365,7 +365,7 @@ assert "one dtype per unit" in md["flat"]["error"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
-keep = R2.run(train, strategy="fsdp", steps=2, model="nano", micro_batch=2, reshard_after_forward=False)
+keep = R2.run(train, TrainConfig(strategy="fsdp", steps=2, model="nano", micro_batch=2, reshard_after_forward=False))
 print(f"{'':<30}{'collectives':>12}{'bytes/step':>12}{'unsharded at peak':>19}{'peak':>11}")
 for name, out in [("reshard_after_forward=True", sweep["block"]), ("reshard_after_forward=False", keep),
                   ("(ddp)", ddp)]:
@@ -390,9 +390,9 @@ assert keep[0]["ledger"]["peak"] > sweep["block"][0]["ledger"]["peak"]
 # %%
 # NBVAL_CHECK_OUTPUT
 torch.set_num_threads(1)
-single = train(strategy="single", steps=3, model="nano", micro_batch=4, return_params=True)
+single = train(None, TrainConfig(strategy="single", steps=3, model="nano", micro_batch=4, return_params=True))
 torch.set_num_threads(threads)
-theirs = R2.run(train, strategy="torch_fsdp", **kw)
+theirs = R2.run(train, TrainConfig(strategy="torch_fsdp", **kw))
 mean_loss = [sum(o["losses"][s] for o in per_param) / 2 for s in range(3)]
 fsdp_drift = drift(per_param[0]["params"], single["params"], INIT)
 print("losses vs single process : within 1e-6 (relative) at every step:",

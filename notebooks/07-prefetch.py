@@ -50,7 +50,7 @@ from minishard.launch import RankError
 from minishard.ledger import gpt_activation_bytes
 from minishard.lessons_prefetch import (gather_waits, gathered_peaks, prefetch_race,
                                         prefetch_timeline, who_is_gathered)
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import Player
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -75,7 +75,7 @@ DEPTHS = (0, 1, 2, 3)
 sweep, traces = {}, {}
 for layout in ("fsdp_flat", "fsdp"):
     for k in DEPTHS:
-        sweep[layout, k] = R2.run(train, strategy=layout, model="tiny", micro_batch=4, steps=2, prefetch=k)
+        sweep[layout, k] = R2.run(train, TrainConfig(strategy=layout, model="tiny", micro_batch=4, steps=2, prefetch=k))
         traces[layout, k] = R2.last_events
 
 # %% [markdown]
@@ -276,12 +276,12 @@ assert [formula(k) <= BUDGET for k in DEPTHS] == [True, True, False, False]
 # %%
 # NBVAL_CHECK_OUTPUT
 budget_kw = dict(strategy="fsdp_flat", model="tiny", micro_batch=4, steps=2, device_budget=BUDGET)
-fits = R2.run(train, prefetch=1, **budget_kw)
+fits = R2.run(train, TrainConfig(prefetch=1, **budget_kw))
 print("k=1: peak per rank", [o["ledger"]["peak"] for o in fits], "<= budget:",
       all(o["ledger"]["peak"] <= BUDGET for o in fits))
 assert all(o["ledger"]["peak"] == formula(1) for o in fits)
 try:
-    R2.run(train, prefetch=3, **budget_kw)
+    R2.run(train, TrainConfig(prefetch=3, **budget_kw))
     raise AssertionError("depth 3 should not fit")
 except RankError as e:
     print("k=3:", e.error.split(" would take")[0] + " ... over its budget")

@@ -36,8 +36,8 @@
 # \qquad \text{out} = \big(L\cdot\text{block} + \text{root}\big)\frac{4}{N} = \frac{4\,\Psi}{N}\ \text{bytes}.$$
 #
 # ```python
-# train(rank, strategy="fsdp_flat", offload="host")                       # CPU memory
-# train(rank, strategy="fsdp_flat", offload="disk", offload_dir="/nvme")  # memory-mapped files
+# train(rank, TrainConfig(strategy="fsdp_flat", offload="host"))                       # CPU memory
+# train(rank, TrainConfig(strategy="fsdp_flat", offload="disk", offload_dir="/nvme"))  # memory-mapped files
 # ```
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
@@ -52,7 +52,7 @@ from minishard import GPT, Ranks
 from minishard.costmodel import DEVICES, LINKS, Cluster, plan
 from minishard.launch import RankError
 from minishard.lessons_prefetch import disk_tier_files, transfer_table
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 TINY = GPT("tiny", device="meta")
 PSI = TINY.num_params()
@@ -74,13 +74,13 @@ R2 = Ranks(2)
 # %%
 BUDGET = 80 * 2**20
 KW = dict(strategy="fsdp_flat", model="tiny", micro_batch=2, steps=2)
-plain = R2.run(train, **KW)
+plain = R2.run(train, TrainConfig(**KW))
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print(f"needs {plain[0]['ledger']['peak']:,} B per rank at its peak; the device has {BUDGET:,} B")
 try:
-    R2.run(train, device_budget=BUDGET, **KW)
+    R2.run(train, TrainConfig(device_budget=BUDGET, **KW))
     raise AssertionError("plain FSDP should not fit")
 except RankError as e:
     print(e.error.split(" would take")[0] + " ... over its budget")
@@ -97,9 +97,9 @@ R2 = Ranks(2)                       # a rank that failed closed the pool: start 
 
 # %%
 offload_dir = tempfile.mkdtemp(prefix="minishard-offload-")
-host = R2.run(train, offload="host", device_budget=BUDGET, **KW)
+host = R2.run(train, TrainConfig(offload="host", device_budget=BUDGET, **KW))
 host_events = R2.last_events
-disk = R2.run(train, offload="disk", offload_dir=offload_dir, device_budget=BUDGET, **KW)
+disk = R2.run(train, TrainConfig(offload="disk", offload_dir=offload_dir, device_budget=BUDGET, **KW))
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -31,8 +31,8 @@
 # \text{new rank } r' \text{ reads } \bigcup_{\text{pieces } p} \; p \,\cap\, \text{regions}(r').$$
 #
 # ```python
-# train(rank, strategy="fsdp", steps=3, save_to="ckpt")            # rank{r}.safetensors + metadata.json
-# train(rank, strategy="zero1", steps=3, resume_from="ckpt")       # on any number of ranks
+# train(rank, TrainConfig(strategy="fsdp", steps=3, save_to="ckpt"))            # rank{r}.safetensors + metadata.json
+# train(rank, TrainConfig(strategy="zero1", steps=3, resume_from="ckpt"))       # on any number of ranks
 # checkpoint.export("ckpt", "release/")                            # per-layer files + index.json
 # ```
 #
@@ -55,7 +55,7 @@ from minishard import GPT, Ranks, checkpoint
 from minishard.comm import Comm
 from minishard.model import config
 from minishard.parity import bitwise_equal, drift, params_of
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import reshard_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -76,8 +76,7 @@ R4 = Ranks(4)
 
 # %%
 ck = WORK / "step3"
-run4 = R4.run(train, strategy="fsdp", steps=3, micro_batch=GLOBAL // 4, save_to=str(ck),
-              return_params=True, **KW)
+run4 = R4.run(train, TrainConfig(strategy="fsdp", steps=3, micro_batch=GLOBAL // 4, save_to=str(ck), return_params=True, **KW))
 meta = checkpoint.read_metadata(ck)
 
 # %%
@@ -157,13 +156,10 @@ reshard_figure(plan3).show()
 # and train steps 3–5 on the same global batch of 12 sequences, split 4 × 3, 2 × 6 and 3 × 4.
 
 # %%
-whole = R4.run(train, strategy="fsdp", steps=6, micro_batch=GLOBAL // 4, return_params=True, **KW)
-resumed = {"4 x fsdp": R4.run(train, strategy="fsdp", steps=3, micro_batch=GLOBAL // 4,
-                              resume_from=str(ck), return_params=True, **KW),
-           "2 x zero1": R2.run(train, strategy="zero1", steps=3, micro_batch=GLOBAL // 2,
-                               resume_from=str(ck), return_params=True, **KW),
-           "3 x fsdp_flat": R3.run(train, strategy="fsdp_flat", steps=3, micro_batch=GLOBAL // 3,
-                                   resume_from=str(ck), return_params=True, **KW)}
+whole = R4.run(train, TrainConfig(strategy="fsdp", steps=6, micro_batch=GLOBAL // 4, return_params=True, **KW))
+resumed = {"4 x fsdp": R4.run(train, TrainConfig(strategy="fsdp", steps=3, micro_batch=GLOBAL // 4, resume_from=str(ck), return_params=True, **KW)),
+           "2 x zero1": R2.run(train, TrainConfig(strategy="zero1", steps=3, micro_batch=GLOBAL // 2, resume_from=str(ck), return_params=True, **KW)),
+           "3 x fsdp_flat": R3.run(train, TrainConfig(strategy="fsdp_flat", steps=3, micro_batch=GLOBAL // 3, resume_from=str(ck), return_params=True, **KW))}
 
 
 def mean_losses(out):
@@ -254,7 +250,7 @@ plain = GPT("tiny", seed=123)                                  # other weights, 
 plain.load_state_dict(checkpoint.load_exported(release), strict=True)
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
-single = train(strategy="single", steps=3, micro_batch=GLOBAL, return_params=True, **KW)
+single = train(None, TrainConfig(strategy="single", steps=3, micro_batch=GLOBAL, return_params=True, **KW))
 torch.set_num_threads(threads)
 
 # %%

@@ -49,7 +49,7 @@ from minishard.ledger import gpt_activation_bytes
 from minishard.lessons_oom import percentile, phase_seconds, profile, straggler, under_budget
 from minishard.model import config
 from minishard.tp import compare_with_fsdp
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import PlannerWidget
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -332,16 +332,16 @@ MB_SCALE, STEPS = 1, 3
 tokens_per_rank = MB_SCALE * cfg.seq_len
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
-single = train(strategy="single", model="tiny", micro_batch=MB_SCALE, steps=STEPS)
+single = train(None, TrainConfig(strategy="single", model="tiny", micro_batch=MB_SCALE, steps=STEPS))
 torch.set_num_threads(threads)
 single_tps = tokens_per_rank / statistics.median(single["step_times"][1:])
 scaling = {1: {"world_size": 1, "step_s": statistics.median(single["step_times"][1:]),
                "tokens_per_s": single_tps, "scaling_efficiency": 1.0,
                "peak_bytes": single["ledger"]["peak"]}}
 kw = dict(strategy="fsdp", model="tiny", micro_batch=MB_SCALE, steps=STEPS, prefetch=1)
-scaling[2] = profile(R2.run(train, **kw), R2.last_events, tokens_per_rank, single_tps)
+scaling[2] = profile(R2.run(train, TrainConfig(**kw)), R2.last_events, tokens_per_rank, single_tps)
 with Ranks(4) as R4:
-    scaling[4] = profile(R4.run(train, **kw), R4.last_events, tokens_per_rank, single_tps)
+    scaling[4] = profile(R4.run(train, TrainConfig(**kw)), R4.last_events, tokens_per_rank, single_tps)
 print(f"{'ranks':>5}{'step (s)':>10}{'tokens/s':>10}{'scaling efficiency':>20}")
 for n, m in scaling.items():
     print(f"{n:>5}{m['step_s']:>10.3f}{m['tokens_per_s']:>10,.0f}{m['scaling_efficiency']:>20.0%}")
@@ -463,7 +463,7 @@ for name in ("4. or: chunked loss", "3. recompute"):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-off = R2.run(train, strategy="fsdp", model="tiny", micro_batch=2, steps=2, prefetch=1, offload="host")[0]
+off = R2.run(train, TrainConfig(strategy="fsdp", model="tiny", micro_batch=2, steps=2, prefetch=1, offload="host"))[0]
 moved = off["transfer"][-1]
 dev = off["ledger"]["by_device"]
 print(f"per step: host -> device {moved['h2d_bytes']:,} bytes, device -> host {moved['d2h_bytes']:,} bytes")
@@ -494,7 +494,7 @@ STATE = ("params", "grads", "exp_avg", "exp_avg_sq")
 print(f"{'':<8}{'state bytes/param':>18}{'sent bytes/param/step':>23}")
 names = {}
 for s in ("ddp", "zero1", "zero2", "fsdp"):
-    r = R2.run(train, strategy=s, model="nano", micro_batch=2, steps=2, track_activations=False)[0]
+    r = R2.run(train, TrainConfig(strategy=s, model="nano", micro_batch=2, steps=2, track_activations=False))[0]
     state = sum(r["ledger"]["final"].get(c, 0) for c in STATE) / NANO
     names[s] = (state, r["wire"][-1] / NANO)
     print(f"{s:<8}{state:>18.1f}{names[s][1]:>23.2f}")

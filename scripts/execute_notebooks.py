@@ -2,6 +2,7 @@
 
     python scripts/execute_notebooks.py                 # every chapter
     python scripts/execute_notebooks.py 05 06           # chapters whose name starts with these
+    python scripts/execute_notebooks.py --sources-only  # new cell sources, outputs kept (see below)
 
 Each ``notebooks/NN-topic.py`` (the reviewed source) becomes ``NN-topic.ipynb`` executed in a
 fresh kernel in ``notebooks/``, with the stored widget state dropped (megabytes of plotly.js;
@@ -9,6 +10,11 @@ fresh kernel in ``notebooks/``, with the stored widget state dropped (megabytes 
 
 Before committing, compare the result under another CPU kernel path (``make test-nb-second``):
 a checked cell must print the same text there.
+
+``--sources-only`` copies the cell sources into the executed notebook and keeps its outputs,
+for a change that renames things without changing any output (nbval re-runs the notebook and
+compares every checked cell, so a change that does alter an output still fails there). Cells
+must match one to one; re-execute otherwise.
 """
 from __future__ import annotations
 
@@ -38,9 +44,20 @@ def execute(py: Path, timeout: int = 600) -> float:
     return seconds
 
 
+def update_sources(py: Path) -> None:
+    nb, old = jupytext.read(py), nbformat.read(py.with_suffix(".ipynb"), as_version=4)
+    if [c.cell_type for c in nb.cells] != [c.cell_type for c in old.cells]:
+        raise SystemExit(f"{py.name}: cells were added or removed; execute the notebook instead")
+    for new, cell in zip(nb.cells, old.cells):
+        cell.source = new.source
+    nbformat.write(old, py.with_suffix(".ipynb"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("chapters", nargs="*", help="name prefixes, e.g. 05 06 (default: every chapter)")
+    ap.add_argument("--sources-only", action="store_true",
+                    help="update the cell sources of the executed notebooks, keep their outputs")
     args = ap.parse_args(argv)
     sources = sorted(NOTEBOOKS.glob("[0-9][0-9]-*.py"))
     if args.chapters:
@@ -48,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         if not sources:
             ap.error(f"no notebook starts with {args.chapters}; there are "
                      f"{[p.stem for p in NOTEBOOKS.glob('[0-9][0-9]-*.py')]}")
+    if args.sources_only:
+        for py in sources:
+            update_sources(py)
+        return 0
     total = 0.0
     for py in sources:
         seconds = execute(py)

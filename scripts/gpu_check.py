@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from minishard.launch import RankContext
 from minishard.trace import Tracer
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 GB = 1e9
 
@@ -81,8 +81,7 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
         ctx = RankContext(0, 1, device, Tracer(keep=False), "nccl" if cuda else "gloo")
         t0 = time.perf_counter()
-        out = train(ctx, strategy="fsdp", model=model, model_overrides=overrides, steps=args.steps,
-                    micro_batch=1, precision="bf16_mixed", offload=offload, track_activations=True)
+        out = train(ctx, TrainConfig(strategy="fsdp", model=model, model_overrides=overrides, steps=args.steps, micro_batch=1, precision="bf16_mixed", offload=offload, track_activations=True))
         wall = time.perf_counter() - t0
         led = out["ledger"]
         tag = "state on device" if offload is None else "state offloaded to host"

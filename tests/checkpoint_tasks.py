@@ -9,7 +9,7 @@ import torch
 from minishard import checkpoint
 from minishard.comm import Comm
 from minishard.model import GPT, batch, config
-from minishard.train import build, train
+from minishard.train import TrainConfig, build, train, train_step
 
 MODEL = "nano"
 MICRO_BATCH = 2
@@ -19,13 +19,10 @@ def _trained(rank, strategy: str, precision: str, steps: int = 2, seed: int = 0)
     """A nano model and its optimizer under ``strategy``, after ``steps`` AdamW steps."""
     comm = Comm(rank.tracer)
     cfg = config(MODEL)
-    model, opt = build(GPT(cfg, seed=seed), strategy, comm, None, precision=precision)
+    built = build(GPT(cfg, seed=seed), TrainConfig(strategy, model=MODEL, precision=precision), comm)
     for step in range(steps):
-        x, y = batch(cfg, step, MICRO_BATCH, rank.rank, rank.world_size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt, comm
+        train_step(built, [batch(cfg, step, MICRO_BATCH, rank.rank, rank.world_size)])
+    return built.model, built.optimizer, comm
 
 
 def portable(dump: dict) -> dict:
@@ -101,7 +98,8 @@ def load_runs(rank, root: str, loads: list) -> list:
     out, files = [], {}
     for name, strategy, precision in loads:
         comm = Comm(rank.tracer)
-        model, opt = build(GPT(config(MODEL), seed=1), strategy, comm, None, precision=precision)
+        built = build(GPT(config(MODEL), seed=1), TrainConfig(strategy, model=MODEL, precision=precision), comm)
+        model, opt = built.model, built.optimizer
         with recording_reads() as seen:
             info = checkpoint.load(model, opt, os.path.join(root, name), comm=comm)
         if name not in files:
@@ -130,7 +128,7 @@ def save_then_die(rank, path: str, die_rank: int) -> None:
     """Save a good checkpoint; train on from it; then, inside the second save, rank ``die_rank``
     writes half of its file and SIGKILLs itself — a node lost in the middle of a checkpoint."""
     kw = dict(strategy="zero1", model=MODEL, micro_batch=MICRO_BATCH, track_activations=False)
-    train(rank, steps=2, save_to=path, **kw)
+    train(rank, TrainConfig(steps=2, save_to=path, **kw))
 
     real_write = checkpoint._write_safetensors
 
@@ -144,4 +142,4 @@ def save_then_die(rank, path: str, die_rank: int) -> None:
         return real_write(file, entries, tensors, *args)
 
     checkpoint._write_safetensors = dying_write
-    train(rank, steps=1, resume_from=path, save_to=path, **kw)
+    train(rank, TrainConfig(steps=1, resume_from=path, save_to=path, **kw))

@@ -15,7 +15,7 @@ import torch
 
 from minishard.model import GPT
 from minishard.parity import Drift, bitwise_equal, drift, params_of
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 _reference_cache: dict = {}
 _init_cache: dict = {}
@@ -36,8 +36,7 @@ def reference(world_size: int, micro_batch: int, **kw) -> dict:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)               # one thread, like each rank: the same kernels
         try:
-            ref = train(strategy="single", micro_batch=micro_batch * world_size,
-                        return_params=True, track_activations=False, **kw)
+            ref = train(None, TrainConfig(strategy="single", micro_batch=micro_batch * world_size, return_params=True, track_activations=False, **kw))
         finally:
             torch.set_num_threads(threads)
         ref["init"] = initial(kw.get("model", "tiny"), kw.get("seed", 0))

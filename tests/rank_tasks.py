@@ -101,9 +101,8 @@ def zero_state_roundtrip(rank, stage: int):
 
 def backward_overlap(rank, strategy: str):
     """Which collectives ran while backward was still running."""
-    from minishard.train import train
-    train(rank, strategy=strategy, steps=1, model="nano", micro_batch=1, bucket_cap_mb=0.2,
-          track_activations=False)
+    from minishard.train import TrainConfig, train
+    train(rank, TrainConfig(strategy=strategy, steps=1, model="nano", micro_batch=1, bucket_cap_mb=0.2, track_activations=False))
     evs = rank.tracer.events
     end = next(e["t"] for e in evs if e["kind"] == "phase" and e["name"] == "backward"
                and e["edge"] == "end")
@@ -113,9 +112,8 @@ def backward_overlap(rank, strategy: str):
 def fsdp_lifecycle(rank, layout: str = "per_param"):
     """One FSDP step of the 3-block nano GPT: the unit state changes and the collectives, in the
     order they were issued."""
-    from minishard.train import train
-    train(rank, strategy="fsdp" if layout == "per_param" else "fsdp_flat", steps=1,
-          model="nano", micro_batch=1, track_activations=False)
+    from minishard.train import TrainConfig, train
+    train(rank, TrainConfig(strategy="fsdp" if layout == "per_param" else "fsdp_flat", steps=1, model="nano", micro_batch=1, track_activations=False))
     evs = [e for e in rank.tracer.events if e["kind"] in ("unit", "collective", "phase")]
     evs.sort(key=lambda e: (e["t"], e["seq"]))       # collectives by the time they were issued
     out = []
@@ -163,9 +161,8 @@ def fsdp_manual_vs_hooks(rank, steps: int = 2):
 
 def fsdp_forward_order(rank, prefetch: int):
     """Unit state changes during the first forward of an FSDP step with prefetch."""
-    from minishard.train import train
-    train(rank, strategy="fsdp", steps=1, model="nano", micro_batch=1, prefetch=prefetch,
-          track_activations=False)
+    from minishard.train import TrainConfig, train
+    train(rank, TrainConfig(strategy="fsdp", steps=1, model="nano", micro_batch=1, prefetch=prefetch, track_activations=False))
     evs = rank.tracer.events
     end = next(i for i, e in enumerate(evs) if e["kind"] == "phase" and e["name"] == "forward"
                and e["edge"] == "end")

@@ -18,7 +18,7 @@ from minishard.checkpoint import CheckpointError
 from minishard.comm import Comm
 from minishard.launch import RankError, Ranks
 from minishard.model import GPT, batch, config
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import reshard_figure
 
 import checkpoint_tasks
@@ -199,19 +199,18 @@ def test_64_ranks_resharded_to_32_from_metadata_alone():
 def test_training_continues_with_identical_losses(pools, tmp_path):
     kw = dict(model="nano", track_activations=False, return_params=True)
     ck = str(tmp_path / "run")
-    whole = pools(4).run(train, strategy="fsdp", steps=4, micro_batch=3, **kw)
-    pools(4).run(train, strategy="fsdp", steps=2, micro_batch=3, save_to=ck, **kw)
-    same = pools(4).run(train, strategy="fsdp", steps=2, micro_batch=3, resume_from=ck, **kw)
+    whole = pools(4).run(train, TrainConfig(strategy="fsdp", steps=4, micro_batch=3, **kw))
+    pools(4).run(train, TrainConfig(strategy="fsdp", steps=2, micro_batch=3, save_to=ck, **kw))
+    same = pools(4).run(train, TrainConfig(strategy="fsdp", steps=2, micro_batch=3, resume_from=ck, **kw))
     assert [o["losses"] for o in same] == [o["losses"][2:] for o in whole]      # bitwise
     assert all(torch.equal(same[0]["params"][n], whole[0]["params"][n]) for n in whole[0]["params"])
     want = [sum(o["losses"][s] for o in whole) / 4 for s in (2, 3)]
     # the same global batch of 12 sequences on 2, 3 (uneven: 3 divides no parameter) and 1 ranks
     for M, strategy in ((2, "zero1"), (3, "fsdp_flat"), (3, "ddp"), (1, "single")):
         if M == 1:
-            out = [train(strategy=strategy, steps=2, micro_batch=12, resume_from=ck, **kw)]
+            out = [train(None, TrainConfig(strategy=strategy, steps=2, micro_batch=12, resume_from=ck, **kw))]
         else:
-            out = pools(M).run(train, strategy=strategy, steps=2, micro_batch=12 // M,
-                               resume_from=ck, **kw)
+            out = pools(M).run(train, TrainConfig(strategy=strategy, steps=2, micro_batch=12 // M, resume_from=ck, **kw))
         assert out[0]["checkpoint"]["load"]["step"] == 2
         got = [sum(o["losses"][s] for o in out) / M for s in range(2)]
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want)), (M, strategy, got, want)
@@ -233,8 +232,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert (tmp_path / ".run.saving").exists()             # the half-written new one, aside
     assert checkpoint.read_metadata(ck)["step"] == 2        # the previous one, untouched
     before = _digest(ck)
-    reloaded = train(strategy="single", model="nano", steps=1, micro_batch=4, resume_from=str(ck),
-                     track_activations=False, save_to=str(ck))  # loads, trains, saves again
+    reloaded = train(None, TrainConfig(strategy="single", model="nano", steps=1, micro_batch=4, resume_from=str(ck), track_activations=False, save_to=str(ck)))  # loads, trains, saves again
     assert reloaded["checkpoint"]["load"]["saved_world_size"] == 2
     assert checkpoint.read_metadata(ck)["step"] == 3
     assert not (tmp_path / ".run.saving").exists() and _digest(ck) != before
@@ -242,8 +240,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
 
 def test_export_equals_single_process_weights(pools, tmp_path):
     kw = dict(model="nano", steps=2, track_activations=False, return_params=True)
-    single = train(strategy="single", micro_batch=4, save_to=str(tmp_path / "one"), **kw)
-    ranks = pools(2).run(train, strategy="fsdp_flat", micro_batch=2, save_to=str(tmp_path / "two"), **kw)
+    single = train(None, TrainConfig(strategy="single", micro_batch=4, save_to=str(tmp_path / "one"), **kw))
+    ranks = pools(2).run(train, TrainConfig(strategy="fsdp_flat", micro_batch=2, save_to=str(tmp_path / "two"), **kw))
     for ck, params, exact in ((tmp_path / "one", single["params"], True),
                               (tmp_path / "two", ranks[0]["params"], True),
                               (tmp_path / "two", single["params"], False)):

@@ -96,12 +96,11 @@ def test_a_device_smaller_than_one_gathered_unit_does_not_fit():
 def test_planner_memory_matches_measured_runs_within_2_percent(pools, N):
     """The planner's memory for this machine's runs (fp32, the explicit-attention tiny GPT) is
     the live ledger's measured peak, for DDP and ZeRO-3."""
-    from minishard.train import train
+    from minishard.train import TrainConfig, train
     cpu = Cluster(DEVICES["h100-80gb"], gpus_per_node=N)       # the device does not matter here
     for strategy, ours, prefetch in (("ddp", "ddp", 0), ("zero3", "fsdp_flat", 0),
                                      ("zero3", "fsdp_flat", 2)):
-        measured = pools(N).run(train, strategy=ours, model="tiny", micro_batch=4, steps=2,
-                                prefetch=prefetch)[0]["ledger"]["peak"]
+        measured = pools(N).run(train, TrainConfig(strategy=ours, model="tiny", micro_batch=4, steps=2, prefetch=prefetch))[0]["ledger"]["peak"]
         p = plan("tiny", cpu, strategy, micro_batch=4, precision="fp32", prefetch=prefetch,
                  flash_attention=False)
         predicted = sum(v for k, v in p.memory.items() if k != "comm_buffers")

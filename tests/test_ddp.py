@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 from parity import as_reference, assert_parity, reference
 
@@ -13,9 +13,9 @@ NANO = dict(model="nano", steps=STEPS)   # 217,664 parameters: not divisible by 
 @pytest.mark.parametrize("N", [1, 2, 3, 4])
 def test_ddp_matches_single_process_and_torch_ddp(pools, N):
     pool = pools(N)
-    ours = pool.run(train, strategy="ddp", micro_batch=MB, return_params=True, **NANO)
-    naive = pool.run(train, strategy="ddp_naive", micro_batch=MB, return_params=True, **NANO)
-    torchs = pool.run(train, strategy="torch_ddp", micro_batch=MB, return_params=True, **NANO)
+    ours = pool.run(train, TrainConfig(strategy="ddp", micro_batch=MB, return_params=True, **NANO))
+    naive = pool.run(train, TrainConfig(strategy="ddp_naive", micro_batch=MB, return_params=True, **NANO))
+    torchs = pool.run(train, TrainConfig(strategy="torch_ddp", micro_batch=MB, return_params=True, **NANO))
     ref = reference(N, MB, **NANO)
     for results in (ours, naive, torchs):
         assert_parity(results, ref)
@@ -32,30 +32,29 @@ def test_ddp_matches_single_process_and_torch_ddp(pools, N):
 @pytest.mark.parametrize("N", [2, 3])
 def test_ddp_sgd_parity_is_tight(pools, N):
     kw = dict(NANO, optimizer="sgd_momentum", lr=0.05)
-    ours = pools(N).run(train, strategy="ddp", micro_batch=MB, return_params=True, **kw)
+    ours = pools(N).run(train, TrainConfig(strategy="ddp", micro_batch=MB, return_params=True, **kw))
     assert_parity(ours, reference(N, MB, **kw))
 
 
 @pytest.mark.parametrize("N", [2, 4])
 def test_gradient_accumulation_without_sync_matches(pools, N):
     kw = dict(NANO, accum=3, optimizer="sgd_momentum", lr=0.05)
-    ours = pools(N).run(train, strategy="ddp", micro_batch=MB, return_params=True, **kw)
+    ours = pools(N).run(train, TrainConfig(strategy="ddp", micro_batch=MB, return_params=True, **kw))
     assert_parity(ours, reference(N, MB, **kw))
     # with AdamW the losses still agree to 1e-6; parameters only to a few lr, because Adam
     # divides by sqrt(v): on gradients that are nearly zero, summation-order noise flips an
     # update of size ~lr either way
     kw = dict(NANO, accum=3)
-    ours = pools(N).run(train, strategy="ddp", micro_batch=MB, return_params=True, **kw)
+    ours = pools(N).run(train, TrainConfig(strategy="ddp", micro_batch=MB, return_params=True, **kw))
     assert_parity(ours, reference(N, MB, **kw))
     # no_sync: one round of bucket all-reduces per optimizer step, not one per micro-batch
-    single_step = pools(N).run(train, strategy="ddp", micro_batch=MB, **NANO)
+    single_step = pools(N).run(train, TrainConfig(strategy="ddp", micro_batch=MB, **NANO))
     assert ours[0]["calls"] == single_step[0]["calls"]
 
 
 @pytest.mark.parametrize("N", [2, 3, 4])
 def test_ddp_sends_2_n_minus_1_over_n_psi_per_step(pools, N):
-    res = pools(N).run(train, strategy="ddp", micro_batch=1, steps=2, model="tiny",
-                       bucket_cap_mb=8, track_activations=False)
+    res = pools(N).run(train, TrainConfig(strategy="ddp", micro_batch=1, steps=2, model="tiny", bucket_cap_mb=8, track_activations=False))
     psi_bytes = 4 * 6_868_992
     for r in res:
         n_buckets = r["by_op"]["all_reduce"]["calls"] // 2
@@ -68,8 +67,8 @@ def test_ddp_sends_2_n_minus_1_over_n_psi_per_step(pools, N):
 
 def test_naive_ddp_sends_the_same_bytes_in_many_more_calls(pools):
     kw = dict(micro_batch=1, steps=1, model="nano", track_activations=False)
-    naive = pools(2).run(train, strategy="ddp_naive", **kw)[0]
-    ours = pools(2).run(train, strategy="ddp", **kw)[0]
+    naive = pools(2).run(train, TrainConfig(strategy="ddp_naive", **kw))[0]
+    ours = pools(2).run(train, TrainConfig(strategy="ddp", **kw))[0]
     assert naive["wire"] == ours["wire"]
     n_tensors = 2 + 3 * 12 + 2 + 1           # nano: embeddings, 12 tensors per block, ln_f, head
     assert naive["calls"] == [n_tensors] and ours["calls"][0] < 5
@@ -77,7 +76,7 @@ def test_naive_ddp_sends_the_same_bytes_in_many_more_calls(pools):
 
 @pytest.mark.parametrize("N", [1, 2, 4])
 def test_live_ledger_equals_the_analytic_one_on_every_rank(pools, N):
-    res = pools(N).run(train, strategy="ddp", micro_batch=2, steps=2, model="tiny")
+    res = pools(N).run(train, TrainConfig(strategy="ddp", micro_batch=2, steps=2, model="tiny"))
     for r in res:
         snap, est = r["ledger"]["peak_snapshot"], r["ledger"]["estimate"]
         assert snap.keys() == est.keys()
@@ -89,4 +88,4 @@ def test_live_ledger_equals_the_analytic_one_on_every_rank(pools, N):
 
 def test_unknown_strategy_is_named():
     with pytest.raises(ValueError, match="unknown strategy 'zero9'"):
-        train(strategy="zero9")
+        train(None, TrainConfig(strategy="zero9"))

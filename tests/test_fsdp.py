@@ -7,7 +7,7 @@ from minishard import fsdp
 from minishard.comm import Comm
 from minishard.ledger import gpt_activation_bytes
 from minishard.model import GPT, config
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 from parity import as_reference, assert_parity, reference
 import rank_tasks
@@ -21,11 +21,11 @@ STRATS = ("fsdp", "fsdp_flat")                 # per-parameter (FSDP2) and flat 
 def test_fsdp_matches_single_process_ddp_and_torch_fsdp2(pools, N):
     pool = pools(N)
     ref = reference(N, MB, **NANO)
-    ddp = pool.run(train, strategy="ddp", micro_batch=MB, return_params=True, **NANO)
-    torch_fsdp = pool.run(train, strategy="torch_fsdp", micro_batch=MB, return_params=True, **NANO)
+    ddp = pool.run(train, TrainConfig(strategy="ddp", micro_batch=MB, return_params=True, **NANO))
+    torch_fsdp = pool.run(train, TrainConfig(strategy="torch_fsdp", micro_batch=MB, return_params=True, **NANO))
     assert_parity(torch_fsdp, ref)
     for strategy in STRATS:
-        ours = pool.run(train, strategy=strategy, micro_batch=MB, return_params=True, **NANO)
+        ours = pool.run(train, TrainConfig(strategy=strategy, micro_batch=MB, return_params=True, **NANO))
         assert_parity(ours, ref)
         # on 2 ranks a sum has one order: ZeRO-3 gives DDP's bits exactly
         assert_parity(ours, as_reference(ddp, ref["init"]),
@@ -34,8 +34,8 @@ def test_fsdp_matches_single_process_ddp_and_torch_fsdp2(pools, N):
 
 @pytest.mark.parametrize("N", [2, 3])
 def test_both_layouts_train_bit_identically(pools, N):
-    a = pools(N).run(train, strategy="fsdp", micro_batch=MB, return_params=True, **NANO)
-    b = pools(N).run(train, strategy="fsdp_flat", micro_batch=MB, return_params=True, **NANO)
+    a = pools(N).run(train, TrainConfig(strategy="fsdp", micro_batch=MB, return_params=True, **NANO))
+    b = pools(N).run(train, TrainConfig(strategy="fsdp_flat", micro_batch=MB, return_params=True, **NANO))
     assert [r["losses"] for r in a] == [r["losses"] for r in b]
     assert all(torch.equal(a[0]["params"][k], b[0]["params"][k]) for k in a[0]["params"])
 
@@ -53,18 +53,16 @@ def test_fsdp_options_keep_sgd_parity_tight(pools, N, options):
     options = dict(options)
     no_sync = options.pop("no_sync", False)
     kw = dict(NANO, optimizer="sgd_momentum", lr=0.05, **options)
-    ours = pools(N).run(train, strategy="fsdp", micro_batch=MB, return_params=True,
-                        fsdp_accumulate_unsharded=no_sync, **kw)
+    ours = pools(N).run(train, TrainConfig(strategy="fsdp", micro_batch=MB, return_params=True, fsdp_accumulate_unsharded=no_sync, **kw))
     assert_parity(ours, reference(N, MB, **kw))
     if "freeze" not in options and "wrap" not in options:
-        flat = pools(N).run(train, strategy="fsdp_flat", micro_batch=MB, return_params=True,
-                            fsdp_accumulate_unsharded=no_sync, **kw)
+        flat = pools(N).run(train, TrainConfig(strategy="fsdp_flat", micro_batch=MB, return_params=True, fsdp_accumulate_unsharded=no_sync, **kw))
         assert_parity(flat, reference(N, MB, **kw))
 
 
 def test_flat_layout_refuses_frozen_and_trainable_in_one_unit(pools):
     with pytest.raises(Exception, match="cannot mix frozen and trainable"):
-        train(strategy="fsdp_flat", model="nano", steps=1, freeze=("blocks.0.ln1",))
+        train(None, TrainConfig(strategy="fsdp_flat", model="nano", steps=1, freeze=("blocks.0.ln1",)))
 
 
 def test_lifecycle_order_of_a_3_block_model(pools):
@@ -108,10 +106,10 @@ def test_zero3_sends_1_5x_ddp_bytes(pools, N):
     keeps the root gathered between forward and backward and saves one pass of its parameters."""
     kw = dict(model="nano", steps=1, micro_batch=1, track_activations=False)
     pool = pools(N)
-    ddp = pool.run(train, strategy="ddp", **kw)[0]["wire"][0]
+    ddp = pool.run(train, TrainConfig(strategy="ddp", **kw))[0]["wire"][0]
     for strategy in STRATS:
-        textbook = pool.run(train, strategy=strategy, reshard_root=True, **kw)
-        default = pool.run(train, strategy=strategy, **kw)[0]
+        textbook = pool.run(train, TrainConfig(strategy=strategy, reshard_root=True, **kw))
+        default = pool.run(train, TrainConfig(strategy=strategy, **kw))[0]
         per_unit = _shard_elements(N, strategy)
         per_rank = sum(per_unit)                                 # 1/N of every unit, padded
         assert textbook[0]["wire"][0] == 3 * (N - 1) * 4 * per_rank
@@ -134,7 +132,7 @@ def test_fsdp_peak_is_shards_plus_the_largest_unit_plus_activations(pools, N, st
     16 Psi/N of sharded state (fp32 AdamW: params, grads, m, v) + the root unit's full
     parameters (the largest unit: embeddings and head) + every activation."""
     cfg = config("tiny")
-    res = pools(N).run(train, strategy=strategy, model="tiny", steps=2, micro_batch=4)
+    res = pools(N).run(train, TrainConfig(strategy=strategy, model="tiny", steps=2, micro_batch=4))
     root_params = cfg.vocab_size * cfg.d_model * 2 + cfg.seq_len * cfg.d_model + 2 * cfg.d_model
     for r in res:
         led = r["ledger"]
@@ -148,7 +146,7 @@ def test_wrap_granularity_sweep(pools):
     """One unit for the whole model gathers everything at once; one unit per Linear explodes the
     number of collectives; one per block sits between."""
     kw = dict(model="nano", steps=2, micro_batch=2, track_activations=False)
-    res = {w: pools(2).run(train, strategy="fsdp", wrap=w, **kw)[0] for w in ("model", "block", "linear")}
+    res = {w: pools(2).run(train, TrainConfig(strategy="fsdp", wrap=w, **kw))[0] for w in ("model", "block", "linear")}
     unsharded = {w: r["ledger"]["peak_snapshot"].get("unsharded", 0) for w, r in res.items()}
     calls = {w: r["calls"][-1] for w, r in res.items()}
     assert unsharded["model"] == 4 * 217_664 > unsharded["block"] > unsharded["linear"]
@@ -186,8 +184,7 @@ def test_hybrid_sharding_on_2_nodes_of_2_ranks(pools, shard_size):
     """HSDP: shard inside a "node" of ``shard_size`` ranks, replicate across nodes. Same
     training; the sharding collectives stay inside a node, and only the gradient shards cross."""
     kw = dict(NANO, optimizer="sgd_momentum", lr=0.05)
-    res = pools(4).run(train, strategy="hsdp", shard_size=shard_size, micro_batch=MB,
-                       return_params=True, **kw)
+    res = pools(4).run(train, TrainConfig(strategy="hsdp", shard_size=shard_size, micro_batch=MB, return_params=True, **kw))
     assert_parity(res, reference(4, MB, **kw))
     by_op = res[0]["by_op"]
     if shard_size == 1:                     # pure replication: DDP by another name

@@ -3,7 +3,7 @@ the full logits."""
 import torch
 
 from minishard.model import GPT, batch, config
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 
 def test_same_seed_same_weights_and_batches_partition_the_global_batch():
@@ -21,7 +21,7 @@ def test_llama3_8b_on_meta():
 
 def test_chunked_cross_entropy_trains_the_same_and_drops_the_logits():
     kw = dict(strategy="single", model="tiny", steps=2, micro_batch=4, return_params=True)
-    full, chunked = train(**kw), train(loss_chunk_tokens=128, **kw)
+    full, chunked = train(None, TrainConfig(**kw)), train(None, TrainConfig(loss_chunk_tokens=128, **kw))
     assert full["losses"] == chunked["losses"]
     assert all(torch.allclose(full["params"][k], chunked["params"][k], atol=1e-5) for k in full["params"])
     cfg = config("tiny")

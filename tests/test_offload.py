@@ -8,7 +8,7 @@ import pytest
 from minishard.launch import RankError
 from minishard.model import GPT
 from minishard.offload import OffloadError, OffloadPolicy, Tier
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 from parity import assert_parity, reference
 
@@ -19,16 +19,14 @@ KW = dict(model="nano", steps=3, optimizer="sgd_momentum", lr=0.05)
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_offload_keeps_parity(pools, N, tier, tmp_path):
     for strategy in ("fsdp", "fsdp_flat"):
-        ours = pools(N).run(train, strategy=strategy, micro_batch=2, return_params=True,
-                            offload=tier, offload_dir=str(tmp_path), **KW)
+        ours = pools(N).run(train, TrainConfig(strategy=strategy, micro_batch=2, return_params=True, offload=tier, offload_dir=str(tmp_path), **KW))
         assert_parity(ours, reference(N, 2, **KW))
     assert list(tmp_path.iterdir()) == []            # each rank removed its files
 
 
 def test_offload_with_adamw_keeps_parity(pools, tmp_path):
     kw = dict(model="nano", steps=3)
-    ours = pools(2).run(train, strategy="fsdp", micro_batch=2, return_params=True,
-                        offload="disk", offload_dir=str(tmp_path), **kw)
+    ours = pools(2).run(train, TrainConfig(strategy="fsdp", micro_batch=2, return_params=True, offload="disk", offload_dir=str(tmp_path), **kw))
     assert_parity(ours, reference(2, 2, **kw))
 
 
@@ -42,8 +40,7 @@ def _shard_bytes(N: int) -> list[int]:
 
 @pytest.mark.parametrize("N", [2, 3])
 def test_transfer_bytes_equal_the_state_sizes(pools, N):
-    res = pools(N).run(train, strategy="fsdp_flat", micro_batch=1, offload="host",
-                       track_activations=False, **KW)
+    res = pools(N).run(train, TrainConfig(strategy="fsdp_flat", micro_batch=1, offload="host", track_activations=False, **KW))
     blocks, root = _shard_bytes(N)[:-1], _shard_bytes(N)[-1]
     for r in res:
         for step in r["transfer"]:
@@ -61,8 +58,8 @@ def test_offload_fits_a_budget_that_plain_fsdp_does_not(pools):
     budget = 80 * 2**20             # bytes of "device" memory per rank
     kw = dict(strategy="fsdp_flat", model="tiny", micro_batch=2, steps=2, device_budget=budget)
     with pytest.raises(RankError, match="over its budget"):
-        pools(2).run(train, **kw)
-    fits = pools(2).run(train, offload="host", **kw)
+        pools(2).run(train, TrainConfig(**kw))
+    fits = pools(2).run(train, TrainConfig(offload="host", **kw))
     assert all(r["ledger"]["peak"] <= budget for r in fits)
 
 

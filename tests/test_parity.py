@@ -18,7 +18,7 @@ settings, against one process training on the whole global batch (``parity.asser
 import pytest
 import torch
 
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 from parity import assert_parity, reference
 
@@ -44,7 +44,7 @@ def reductions_per_step(out: dict, strategy: str) -> int:
 def test_trains_like_one_process_with_several_buckets(pools, strategy, N):
     for setting, (opt_kw, tolerance) in SETTINGS.items():
         kw = dict(model="nano", steps=3, bucket_cap_mb=0.15, **opt_kw)
-        ours = pools(N).run(train, strategy=strategy, micro_batch=MB, return_params=True, **kw)
+        ours = pools(N).run(train, TrainConfig(strategy=strategy, micro_batch=MB, return_params=True, **kw))
         ref = reference(N, MB, **kw)
         assert reductions_per_step(ours[0], strategy) >= 3, (setting, ours[0]["by_op"])
         if "layout" in ours[0]:                                  # ZeRO: buckets of several sizes

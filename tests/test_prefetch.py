@@ -9,7 +9,7 @@ from minishard.launch import RankError
 from minishard.ledger import DeviceOutOfMemory, gpt_activation_bytes
 from minishard.model import GPT, config
 from minishard.lessons_prefetch import gathered_peaks
-from minishard.train import train
+from minishard.train import TrainConfig, train
 
 from parity import assert_parity, reference
 import rank_tasks
@@ -30,8 +30,7 @@ def test_gathered_parameters_peak_at_root_plus_k_plus_1_blocks(pools, strategy):
     assert ROOT_512 < BLOCK
     for k in range(4):
         pool = pools(2)
-        r = pool.run(train, strategy=strategy, micro_batch=1, steps=2, prefetch=k,
-                     track_activations=False, **SMALL_ROOT)[0]
+        r = pool.run(train, TrainConfig(strategy=strategy, micro_batch=1, steps=2, prefetch=k, track_activations=False, **SMALL_ROOT))[0]
         held = gathered_peaks(pool.last_events)
         # while block i computes, blocks i+1..i+k are already being gathered; the root stays
         if strategy == "fsdp_flat":      # gathered in place: in flight = already allocated
@@ -49,8 +48,7 @@ def test_peak_memory_grows_by_one_unit_per_depth(pools, N):
     computes and k blocks are already prefetched: 16 Psi/N + root + k blocks + activations."""
     for strategy in ("fsdp_flat", "fsdp"):
         for k in range(4):
-            r = pools(N).run(train, strategy=strategy, model="tiny", micro_batch=4, steps=2,
-                             prefetch=k)[0]
+            r = pools(N).run(train, TrainConfig(strategy=strategy, model="tiny", micro_batch=4, steps=2, prefetch=k))[0]
             state = sum(v for c, v in r["ledger"]["estimate"].items() if c != "activations")
             formula = state + ROOT + k * BLOCK + gpt_activation_bytes(CFG, 4)
             assert abs(r["ledger"]["peak"] - formula) <= 0.02 * formula, (strategy, k)
@@ -69,7 +67,7 @@ def test_prefetch_keeps_parity(pools, N):
     for k in (1, 2):
         kw = dict(model="nano", steps=3, optimizer="sgd_momentum", lr=0.05, prefetch=k)
         for strategy in ("fsdp", "fsdp_flat"):
-            ours = pools(N).run(train, strategy=strategy, micro_batch=2, return_params=True, **kw)
+            ours = pools(N).run(train, TrainConfig(strategy=strategy, micro_batch=2, return_params=True, **kw))
             kw_ref = {a: b for a, b in kw.items() if a != "prefetch"}
             assert_parity(ours, reference(N, 2, **kw_ref))
 
@@ -78,9 +76,9 @@ def test_aggressive_prefetch_runs_out_of_a_memory_budget_that_depth_1_fits(pools
     """Many FSDP OOMs are prefetch, not sharding: the same model and budget, deeper prefetch."""
     budget = 136_000_000          # bytes: between the peaks of depth 1 and depth 3 (2 ranks)
     kw = dict(strategy="fsdp_flat", model="tiny", micro_batch=4, steps=2, device_budget=budget)
-    assert pools(2).run(train, prefetch=1, **kw)[0]["ledger"]["peak"] <= budget
+    assert pools(2).run(train, TrainConfig(prefetch=1, **kw))[0]["ledger"]["peak"] <= budget
     with pytest.raises(RankError, match="over its budget"):
-        pools(2).run(train, prefetch=3, **kw)
+        pools(2).run(train, TrainConfig(prefetch=3, **kw))
 
 
 def test_bad_prefetch_depth_is_named():
@@ -92,4 +90,4 @@ def test_bad_prefetch_depth_is_named():
         with pytest.raises(ValueError, match="prefetch depth must be a non-negative integer"):
             fsdp.set_prefetch(net, forward=bad)
     with pytest.raises(DeviceOutOfMemory, match="over its budget"):
-        train(strategy="fsdp", model="nano", steps=1, micro_batch=1, device_budget=10_000)
+        train(None, TrainConfig(strategy="fsdp", model="nano", steps=1, micro_batch=1, device_budget=10_000))

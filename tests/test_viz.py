@@ -1,7 +1,7 @@
 """The player shows exactly what the trace says, at any event, and moves the way it claims.
 
 No ranks are launched: events are written by hand (a 2-rank step with one all-reduce in flight
-across several events) or recorded by an in-process ``train(strategy="single")``.
+across several events) or recorded by an in-process ``train(None, TrainConfig(strategy="single"))``.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from minishard import trace
 from minishard.launch import RankContext
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.viz import (Player, ledger_bars, ring_figure, ring_schedule, static_player_figure,
                            timeline_figure)
 from minishard.viz.figures import MB
@@ -70,8 +70,7 @@ def ddp_step() -> list[dict]:
 def single_run() -> list[dict]:
     """A real one-step run of the nano GPT, recorded in this process."""
     tracer = trace.Tracer()
-    train(RankContext(0, 1, torch.device("cpu"), tracer, "none"), strategy="single", steps=1,
-          model="nano", micro_batch=1)
+    train(RankContext(0, 1, torch.device("cpu"), tracer, "none"), TrainConfig(strategy="single", steps=1, model="nano", micro_batch=1))
     return trace.load(tracer.events)
 
 
@@ -391,11 +390,11 @@ def test_static_player_figure_has_frames_and_a_slider(single_run):
 def test_player_shows_fsdp_unit_states_next_to_the_bars():
     from minishard.launch import RankContext
     from minishard.trace import Tracer
-    from minishard.train import train
+    from minishard.train import TrainConfig, train
     from minishard.viz import Player
 
     ctx = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
-    train(ctx, strategy="fsdp", model="nano", steps=1, micro_batch=1, track_activations=False)
+    train(ctx, TrainConfig(strategy="fsdp", model="nano", steps=1, micro_batch=1, track_activations=False))
     p = Player(ctx.tracer.events)
     i = next(k for k, e in enumerate(p.replay.events)
              if e["kind"] == "unit" and e["name"] == "blocks.1" and e["state"] == "unsharded")
@@ -411,11 +410,10 @@ def test_player_shows_fsdp_unit_states_next_to_the_bars():
 def test_timeline_draws_waits_on_communication_and_offload_transfers():
     from minishard.launch import RankContext
     from minishard.trace import Tracer
-    from minishard.train import train
+    from minishard.train import TrainConfig, train
     from minishard.viz import timeline_figure
 
     ctx = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
-    train(ctx, strategy="fsdp", model="nano", steps=1, micro_batch=1, offload="host",
-          track_activations=False)
+    train(ctx, TrainConfig(strategy="fsdp", model="nano", steps=1, micro_batch=1, offload="host", track_activations=False))
     names = {tr.name for tr in timeline_figure(ctx.tracer.events).data}
     assert {"transfer h2d", "transfer d2h"} <= names

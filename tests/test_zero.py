@@ -8,7 +8,7 @@ import torch
 from minishard.comm import Comm
 from minishard.ledger import STATE_CATEGORIES
 from minishard.model import GPT
-from minishard.train import train
+from minishard.train import TrainConfig, train
 from minishard.zero import ZeroOptimizer
 
 from parity import as_reference, assert_parity, reference
@@ -23,10 +23,10 @@ PSI = 217_664
 def test_zero_stages_match_single_process_and_torch_zero(pools, N):
     pool = pools(N)
     ref = reference(N, MB, **NANO)
-    torch_zero = pool.run(train, strategy="torch_zero1", micro_batch=MB, return_params=True, **NANO)
+    torch_zero = pool.run(train, TrainConfig(strategy="torch_zero1", micro_batch=MB, return_params=True, **NANO))
     assert_parity(torch_zero, ref)
     for strategy in ("zero1", "zero1_allreduce", "zero2"):
-        ours = pool.run(train, strategy=strategy, micro_batch=MB, return_params=True, **NANO)
+        ours = pool.run(train, TrainConfig(strategy=strategy, micro_batch=MB, return_params=True, **NANO))
         assert_parity(ours, ref)
         # PyTorch's ZeroRedundancyOptimizer as the second oracle
         assert_parity(ours, as_reference(torch_zero, ref["init"]))
@@ -36,7 +36,7 @@ def test_zero_stages_match_single_process_and_torch_zero(pools, N):
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
 def test_zero_sgd_with_accumulation_and_clipping(pools, N, strategy):
     kw = dict(NANO, optimizer="sgd_momentum", lr=0.05, accum=2, clip=0.5)
-    ours = pools(N).run(train, strategy=strategy, micro_batch=MB, return_params=True, **kw)
+    ours = pools(N).run(train, TrainConfig(strategy=strategy, micro_batch=MB, return_params=True, **kw))
     assert_parity(ours, reference(N, MB, **kw))
 
 
@@ -44,7 +44,7 @@ def test_zero_sgd_with_accumulation_and_clipping(pools, N, strategy):
 def test_zero_adamw_with_accumulation_and_clipping(pools, N):
     kw = dict(NANO, accum=2, clip=0.5)
     for strategy in ("zero1", "zero2"):
-        ours = pools(N).run(train, strategy=strategy, micro_batch=MB, return_params=True, **kw)
+        ours = pools(N).run(train, TrainConfig(strategy=strategy, micro_batch=MB, return_params=True, **kw))
         assert_parity(ours, reference(N, MB, **kw))
 
 
@@ -52,9 +52,9 @@ def test_zero_adamw_with_accumulation_and_clipping(pools, N):
 def test_zero1_reduce_scatter_sends_ddp_volume_and_all_reduce_sends_1_5x(pools, N):
     kw = dict(model="nano", steps=1, micro_batch=1, track_activations=False)
     pool = pools(N)
-    ddp = pool.run(train, strategy="ddp", **kw)[0]
-    rs = pool.run(train, strategy="zero1", **kw)
-    ar = pool.run(train, strategy="zero1_allreduce", **kw)[0]
+    ddp = pool.run(train, TrainConfig(strategy="ddp", **kw))[0]
+    rs = pool.run(train, TrainConfig(strategy="zero1", **kw))
+    ar = pool.run(train, TrainConfig(strategy="zero1_allreduce", **kw))[0]
     padded = 4 * N * math.ceil(PSI / N)        # nano fits one bucket: padded to N chunks
     ring = (N - 1) * padded // N
     assert rs[0]["by_op"]["reduce_scatter"]["wire"] == ring
@@ -74,7 +74,7 @@ def test_zero_memory_per_rank_matches_the_formula(pools, N):
     kw = dict(model="nano", steps=2, micro_batch=1, precision="bf16_mixed",
               track_activations=False, bucket_cap_mb=0.1)
     for strategy, formula in (("zero1", 4 * PSI + 12 * PSI / N), ("zero2", 2 * PSI + 14 * PSI / N)):
-        for r in pools(N).run(train, strategy=strategy, **kw):
+        for r in pools(N).run(train, TrainConfig(strategy=strategy, **kw)):
             final, est = r["ledger"]["final"], r["ledger"]["estimate"]
             state = sum(final.get(c, 0) for c in STATE_CATEGORIES)
             assert abs(state - formula) <= 0.02 * formula, (strategy, N, state, formula)
@@ -103,8 +103,7 @@ def test_sharded_state_dict_roundtrip(pools, stage):
 
 
 def test_loading_a_shard_saved_at_another_world_size_points_to_resharding(pools):
-    state = pools(2).run(train, strategy="zero1", model="nano", steps=1, micro_batch=1,
-                         return_state=True)[0]["optimizer_state"]
+    state = pools(2).run(train, TrainConfig(strategy="zero1", model="nano", steps=1, micro_batch=1, return_state=True))[0]["optimizer_state"]
     opt = ZeroOptimizer(GPT("nano"), torch.optim.AdamW, stage=1, comm=Comm(), lr=1e-3)
     with pytest.raises(ValueError, match="rank 0 of 2.*resharding"):
         opt.load_state_dict(state)

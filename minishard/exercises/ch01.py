@@ -27,7 +27,7 @@ def _nonzero(d: dict) -> dict:
 @attempt
 def check_ddp_state_bytes(fn=None, ranks=None) -> None:
     from .. import GPT, estimate
-    from ..train import train
+    from ..train import TrainConfig, train
 
     fn = fn or ddp_state_bytes
     sizes = {"nano": GPT("nano", device="meta").num_params(), "1B": 10**9,
@@ -43,8 +43,7 @@ def check_ddp_state_bytes(fn=None, ranks=None) -> None:
         print(f"{precision}: agrees with estimate() for {', '.join(sizes)}; "
               f"llama3-8b: {sum(per_rank['llama3-8b'].values()) / 1e9:.1f} GB per DDP rank")
     with pools(ranks, 2) as get:
-        out = get(2).run(train, strategy="ddp", steps=2, model="nano", micro_batch=1,
-                         precision="bf16_mixed", track_activations=False)
+        out = get(2).run(train, TrainConfig(strategy="ddp", steps=2, model="nano", micro_batch=1, precision="bf16_mixed", track_activations=False))
     got = _nonzero(call(fn, out[0]["n_params"], "bf16_mixed"))
     for o in out:
         measured = {c: o["ledger"]["peak_snapshot"].get(c, 0) for c in STATE}

@@ -23,7 +23,7 @@ def ring_bytes(op: str, nbytes: int, world_size: int) -> int:
 @attempt
 def check_ring_bytes(fn=None, ranks=None) -> None:
     from .. import GPT, ring_wire_bytes
-    from ..train import train
+    from ..train import TrainConfig, train
 
     fn = fn or ring_bytes
     for op in OPS:
@@ -36,8 +36,7 @@ def check_ring_bytes(fn=None, ranks=None) -> None:
     psi = 4 * GPT("nano", device="meta").num_params()          # fp32 gradient bytes
     with pools(ranks, 2, 3) as get:
         for n in (2, 3):
-            out = get(n).run(train, strategy="ddp", steps=1, model="nano", micro_batch=1,
-                             track_activations=False)
+            out = get(n).run(train, TrainConfig(strategy="ddp", steps=1, model="nano", micro_batch=1, track_activations=False))
             predicted = call(fn, "all_reduce", psi, n)
             for o in out:
                 os_count = o["wchar"][0]

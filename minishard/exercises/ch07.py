@@ -26,7 +26,7 @@ def prefetch_targets(blocks: list[str], unit: str, depth: int, forward: bool) ->
 def check_prefetch_targets(fn=None, ranks=None) -> None:
     from ..lessons_prefetch import who_is_gathered
     from ..model import config
-    from ..train import train
+    from ..train import TrainConfig, train
 
     fn = fn or prefetch_targets
     blocks = [f"blocks.{i}" for i in range(config("nano").n_layer)]
@@ -34,7 +34,7 @@ def check_prefetch_targets(fn=None, ranks=None) -> None:
     with pools(ranks, 2) as get:
         for k in (0, 1, 2, 3):
             # (activations tracked: the trace then shows when each unit's compute begins)
-            get(2).run(train, strategy="fsdp_flat", model="nano", micro_batch=1, steps=2, prefetch=k)
+            get(2).run(train, TrainConfig(strategy="fsdp_flat", model="nano", micro_batch=1, steps=2, prefetch=k))
             rows = who_is_gathered(get(2).last_events, rank=0, step=1)
             for r in rows:
                 mine = list(call(fn, blocks, r["unit"], k, r["pass"] == "forward"))

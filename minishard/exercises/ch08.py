@@ -35,7 +35,7 @@ def shard_bytes(world_size: int) -> tuple[int, int, int]:
 
 @attempt
 def check_offload_bytes(fn=None, ranks=None) -> None:
-    from ..train import train
+    from ..train import TrainConfig, train
 
     fn = fn or offload_bytes
     call(fn, *shard_bytes(2))                            # not written yet? say so before any rank
@@ -43,8 +43,7 @@ def check_offload_bytes(fn=None, ranks=None) -> None:
         for n in (2, 3):
             block, root, L = shard_bytes(n)
             h2d, d2h = call(fn, block, root, L)
-            out = get(n).run(train, strategy="fsdp_flat", model="nano", micro_batch=1, steps=2,
-                             offload="host", track_activations=False)
+            out = get(n).run(train, TrainConfig(strategy="fsdp_flat", model="nano", micro_batch=1, steps=2, offload="host", track_activations=False))
             for o in out:
                 seen = [(s["h2d_bytes"], s["d2h_bytes"]) for s in o["transfer"]]
                 print(f"N={n} rank {o['rank']}: measured per step (in, out) {seen}; you: {(h2d, d2h)}")

@@ -21,7 +21,8 @@ from __future__ import annotations
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from ..ledger import OPTIMIZERS, PRECISIONS, STRATEGY_STAGE, Estimate, estimate, gpt_activation_bytes
+from ..ledger import OPTIMIZERS, PRECISIONS, Estimate, estimate, gpt_activation_bytes
+from ..strategies import STAGES
 from ..costmodel import param_counts
 from ..model import CONFIGS, config
 from .figures import category_order, color, fmt_bytes
@@ -71,7 +72,7 @@ class LedgerCalculator:
                                            description="params (B)", style=style, layout=lay),
             "world_size": W.IntSlider(value=world_size, min=1, max=1024, description="world size",
                                       style=style, layout=lay),
-            "strategy": W.ToggleButtons(options=list(STRATEGY_STAGE)[:4], value=strategy,
+            "strategy": W.ToggleButtons(options=list(STAGES), value=strategy,
                                         description="strategy", style={**style, "button_width": "60px"}),
             "precision": W.Dropdown(options=list(PRECISIONS), value=precision,
                                     description="precision", style=style, layout=lay),

@@ -1,0 +1,299 @@
+"""The strategies: one registry, one name each, and what wrapping a model with each one builds.
+
+Every other module asks this registry instead of comparing strategy names: the training loop
+(``build``), the analytic ledger (which ZeRO stage), the planner, the checkpoint (what a save
+under a strategy would hold) and the command line (which names exist). A :class:`Strategy` is
+a small record; :func:`build` turns a freshly made model into a :class:`Built` — the model to
+call, the optimizer to step, the communicators to count, the FSDP units, the offload tier.
+
+    ddp   zero1   zero2   fsdp (ZeRO-3, per-parameter, as FSDP2)   fsdp_flat (FSDP1)   hsdp
+    single (one process: the reference)   ddp_naive   zero1_allreduce
+    torch_ddp   torch_zero1   torch_fsdp (PyTorch's own: oracles and benchmark baselines)
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:                      # (the builders import lazily: the ledger imports this module)
+    from .comm import Comm
+    from .config import TrainConfig
+    from .ledger import LiveLedger
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str                          # the one spelling code uses
+    course_name: str                   # what the course calls it
+    stage: int                         # the ZeRO stage the analytic ledger applies (0: replicas)
+    builder: Callable[..., "Built"] = field(repr=False, compare=False)
+    aliases: tuple[str, ...] = ()      # other accepted spellings
+    instrumented: bool = True          # minishard's code: every allocation and byte is recorded
+    single_process: bool = False       # only on one rank
+    offloads: bool = False             # can keep its sharded state in host memory or on disk
+    mixed_precision: str = "bf16_mixed"   # the ledger's precision when a run asks for bf16_mixed
+
+    def ledger_precision(self, precision: str) -> str:
+        return self.mixed_precision if precision == "bf16_mixed" else precision
+
+
+@dataclass
+class Built:
+    """A model wrapped by a strategy, ready to train (see :func:`minishard.train.train_step`)."""
+    strategy: Strategy
+    model: nn.Module                   # call it: model(x, y) -> loss
+    optimizer: Any                     # step it: .step(), .zero_grad(); may shard its state
+    comms: tuple = ()                  # every process group's Comm (hybrid: shard and replicate)
+    units: list = field(default_factory=list)   # FSDP units (empty for other strategies)
+    tier: Any = None                   # offload tier holding the sharded state, if any
+    no_sync: Callable[[], Any] | None = None    # context: accumulate without communicating
+    sync_gradients: Callable[[], None] | None = None   # explicit sync after backward (naive DDP)
+    gather: Callable[[], dict] | None = None    # the full parameters, by name
+    clip: Callable[[float], torch.Tensor] | None = None   # clip by the global gradient norm
+    track_state: Callable[[Any], None] | None = None     # enter new optimizer state in a ledger
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        params = self.gather() if self.gather is not None else dict(self.model.named_parameters())
+        return {n: p.detach().cpu().float().clone() for n, p in params.items()}
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their norm *over every rank* is at most ``max_norm``."""
+        if self.clip is not None:
+            return self.clip(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+
+def get(name: str) -> Strategy:
+    """The strategy called ``name`` (or one of its aliases)."""
+    s = STRATEGIES.get(name) or _ALIASES.get(name)
+    if s is None:
+        raise ValueError(f"unknown strategy {name!r}; expected one of {names()}")
+    return s
+
+
+def names(with_aliases: bool = True) -> list[str]:
+    out = list(STRATEGIES)
+    return out + [a for a in _ALIASES if a not in out] if with_aliases else out
+
+
+def build(net: nn.Module, config: "TrainConfig", comm: "Comm", ledger: "LiveLedger | None" = None) -> Built:
+    """Wrap a freshly built ``net`` (the same weights on every rank) with ``config.strategy``."""
+    strategy = get(config.strategy)
+    if strategy.single_process and comm.world_size > 1:
+        raise ValueError(f"strategy {strategy.name!r} trains one process; use world size 1")
+    if config.offload is not None and not strategy.offloads:
+        raise ValueError(f"offload={config.offload!r} needs an FSDP strategy; {strategy.name!r} "
+                         f"keeps its state on the device")
+    return strategy.builder(strategy, net, config, comm, ledger)
+
+
+def optimizer_spec(name: str, lr: float) -> tuple[type, dict]:
+    if name == "adamw":
+        return torch.optim.AdamW, dict(lr=lr, weight_decay=0.01)
+    if name == "sgd":
+        return torch.optim.SGD, dict(lr=lr)
+    if name == "sgd_momentum":
+        return torch.optim.SGD, dict(lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}; expected adamw, sgd or sgd_momentum")
+
+
+class MasterWeights:
+    """Mixed precision without sharding: bf16 working weights, an fp32 master copy that the
+    optimizer updates, rounded back to bf16 after every step (what ZeRO then shards)."""
+
+    def __init__(self, net: nn.Module, optimizer_class, ledger=None, **kwargs):
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.master = [nn.Parameter(p.detach().float()) for p in self.params]
+        self.optimizer = optimizer_class(self.master, **kwargs)
+        if ledger is not None:
+            for i, m in enumerate(self.master):
+                ledger.track("master", m, f"master:{i}")
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = p.grad.float()
+        self.optimizer.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = False):
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+
+def wrap_targets(net: nn.Module, wrap: str) -> list[tuple[str, nn.Module]]:
+    """The modules that become FSDP units below the root: each block, each Linear, or none."""
+    if wrap == "block":
+        return [(f"blocks.{i}", b) for i, b in enumerate(net.blocks)]
+    if wrap == "linear":
+        return [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]
+    if wrap == "model":
+        return []
+    raise ValueError(f"unknown wrap policy {wrap!r}; expected block, model or linear")
+
+
+# ---------------------------------------------------------------------------- the builders
+
+def _replicated(strategy, net, config, comm, ledger, *, wrapper=None) -> Built:
+    """single, ddp_naive, ddp: every rank holds everything; ``wrapper`` averages the gradients
+    (none for the single process). Mixed precision keeps an fp32 master next to bf16 weights."""
+    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
+    if config.precision == "bf16_mixed":
+        net.to(torch.bfloat16)
+    model = wrapper(net, comm, ledger, config) if wrapper is not None else net
+    if model is net and ledger is not None:
+        for name, p in net.named_parameters():
+            ledger.track("params", p, f"param:{name}")
+    if not getattr(model, "owns_gradients", False):   # (DDP's gradients live in its buckets)
+        for name, p in net.named_parameters():        # grads allocated up front, so that the
+            p.grad = torch.zeros_like(p)              # ledger sees them
+            if ledger is not None:
+                ledger.track("grads", p.grad, f"grad:{name}")
+    from .ledger import track_optimizer_state
+    if config.precision == "bf16_mixed":
+        opt = MasterWeights(net, opt_class, ledger, **opt_kwargs)
+        track = lambda led: track_optimizer_state(led, opt.optimizer, prefix="master_")   # noqa: E731
+    else:
+        opt = opt_class(net.parameters(), **opt_kwargs)
+        track = lambda led: track_optimizer_state(led, opt, net)                          # noqa: E731
+    return Built(strategy, model, opt, (comm,), no_sync=getattr(model, "no_sync", None),
+                 sync_gradients=getattr(model, "sync_gradients", None),
+                 gather=lambda: dict(net.named_parameters()),
+                 clip=lambda c: torch.nn.utils.clip_grad_norm_(net.parameters(), c), track_state=track)
+
+
+def _ddp(net, comm, ledger, config):
+    from .ddp import DDP
+    return DDP(net, comm, ledger, bucket_cap_mb=config.bucket_cap_mb)
+
+
+def _naive_ddp(net, comm, ledger, config):
+    from .ddp import NaiveDDP
+    return NaiveDDP(net, comm, ledger)
+
+
+def _zero(strategy, net, config, comm, ledger, *, reduce="reduce_scatter") -> Built:
+    """ZeRO-1 and ZeRO-2: replicas of the weights, the optimizer state (and gradients) sharded."""
+    from .zero import ZeroOptimizer
+    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
+    mixed = config.precision == "bf16_mixed"
+    if mixed:
+        net.to(torch.bfloat16)
+    opt = ZeroOptimizer(net, opt_class, stage=strategy.stage, comm=comm, ledger=ledger, reduce=reduce,
+                        master_dtype=torch.float32 if mixed else None,
+                        bucket_cap_mb=config.bucket_cap_mb, **opt_kwargs)
+    return Built(strategy, net, opt, (comm,), no_sync=opt.no_sync, clip=opt.clip_grad_norm_)
+
+
+def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=False) -> Built:
+    """ZeRO-3 / FSDP: every block a unit, the root takes the rest; hybrid shards inside groups
+    of ``shard_size`` ranks and replicates across them."""
+    from . import fsdp
+    from .offload import OffloadPolicy, Tier, prepare_optimizer_state
+    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
+    mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed" else None
+    comms, replicate = (comm,), None
+    if hybrid:
+        if comm.world_size % config.shard_size:
+            raise ValueError(f"hsdp: world size {comm.world_size} is not a multiple of shard_size "
+                             f"{config.shard_size}")
+        comm, replicate = comm.split(config.shard_size)
+        comms = (comm, replicate)
+    tier = None
+    if config.offload is not None:
+        state_bytes = 16 * sum(p.numel() for p in net.parameters()) // comm.world_size
+        tier = Tier(OffloadPolicy(config.offload, config.offload_dir), comm.rank, needed_bytes=state_bytes)
+    kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier, replicate=replicate, layout=layout)
+    for name, m in wrap_targets(net, config.wrap):
+        fsdp.fully_shard(m, reshard_after_forward=config.reshard_after_forward, name=name, **kw)
+    fsdp.fully_shard(net, name="root", reshard_after_forward=True if config.reshard_root else None, **kw)
+    fsdp.set_prefetch(net, config.prefetch, config.prefetch)
+    opt = opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
+    if tier is not None:
+        prepare_optimizer_state(opt, tier)      # the moments live in the tier too
+        opt.tier = tier
+    from .ledger import track_optimizer_state
+    no_sync = (lambda: fsdp.no_sync(net)) if config.fsdp_accumulate_unsharded else None
+    device = tier.name if tier is not None else None
+    return Built(strategy, net, opt, comms, units=fsdp.units(net), tier=tier, no_sync=no_sync,
+                 gather=lambda: fsdp.full_parameters(net),
+                 clip=lambda c: fsdp.clip_grad_norm_(net, c),
+                 track_state=lambda led: track_optimizer_state(led, opt, net, device=device))
+
+
+def _torch_fsdp(strategy, net, config, comm, ledger) -> Built:
+    """PyTorch's FSDP2 ``fully_shard``, one unit per block and the root (the oracle)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
+    mp = (MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed"
+          else MixedPrecisionPolicy())
+    for _, m in wrap_targets(net, config.wrap):
+        fully_shard(m, reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
+    fully_shard(net, mp_policy=mp)
+    opt = opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
+    return Built(strategy, net, opt, (comm,), no_sync=lambda: _torch_fsdp_no_sync(net),
+                 gather=lambda: {n: p.full_tensor() for n, p in net.named_parameters()})
+
+
+def _torch_ddp(strategy, net, config, comm, ledger, *, zero=False) -> Built:
+    """PyTorch's DistributedDataParallel, with ZeroRedundancyOptimizer when ``zero``."""
+    from torch.nn.parallel import DistributedDataParallel
+    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
+    if config.precision == "bf16_mixed":
+        net.to(torch.bfloat16)
+    model = DistributedDataParallel(net, bucket_cap_mb=config.bucket_cap_mb)
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=opt_class, **opt_kwargs)
+    else:
+        opt = opt_class(net.parameters(), **opt_kwargs)
+    return Built(strategy, model, opt, (comm,), no_sync=model.no_sync,
+                 gather=lambda: dict(net.named_parameters()),
+                 clip=lambda c: torch.nn.utils.clip_grad_norm_(net.parameters(), c))
+
+
+@contextlib.contextmanager
+def _torch_fsdp_no_sync(net):
+    net.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        net.set_requires_gradient_sync(True)
+
+
+_ALL = [
+    Strategy("single", "one process (the reference)", 0, _replicated, single_process=True),
+    Strategy("ddp_naive", "naive DDP (one all-reduce per tensor)", 0,
+             partial(_replicated, wrapper=_naive_ddp)),
+    Strategy("ddp", "DDP", 0, partial(_replicated, wrapper=_ddp)),
+    Strategy("zero1", "ZeRO-1", 1, _zero, aliases=("zero-1",)),
+    Strategy("zero1_allreduce", "ZeRO-1 (all-reduce, as first told)", 1,
+             partial(_zero, reduce="all_reduce"), aliases=("zero1-allreduce",)),
+    Strategy("zero2", "ZeRO-2", 2, _zero, aliases=("zero-2",)),
+    Strategy("fsdp", "ZeRO-3 / FSDP (per-parameter, as FSDP2)", 3, _fsdp, aliases=("zero3", "zero-3"),
+             offloads=True, mixed_precision="bf16_fsdp"),
+    Strategy("fsdp_flat", "FSDP with flat parameters (as FSDP1)", 3, partial(_fsdp, layout="flat"),
+             aliases=("fsdp-flat",), offloads=True, mixed_precision="bf16_fsdp"),
+    Strategy("hsdp", "hybrid sharding (HSDP)", 3, partial(_fsdp, hybrid=True), offloads=True,
+             mixed_precision="bf16_fsdp"),
+    Strategy("torch_ddp", "PyTorch DistributedDataParallel", 0, _torch_ddp, aliases=("torch-ddp",),
+             instrumented=False),
+    Strategy("torch_zero1", "PyTorch DDP + ZeroRedundancyOptimizer", 1, partial(_torch_ddp, zero=True),
+             aliases=("torch-zero1",), instrumented=False),
+    Strategy("torch_fsdp", "PyTorch FSDP2 fully_shard", 3, _torch_fsdp, aliases=("torch-fsdp",),
+             instrumented=False, mixed_precision="bf16_fsdp"),
+]
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
+_ALIASES: dict[str, Strategy] = {a: s for s in _ALL for a in s.aliases}
+# one per ZeRO stage, in the course's order: the planner compares these four; the ledger's
+# calculator names them by stage (zero3 is fsdp's alias)
+PLANNED = ("ddp", "zero1", "zero2", "fsdp")
+STAGES = ("ddp", "zero1", "zero2", "zero3")
