@@ -13,7 +13,7 @@ per rank, as in docs/reference-figures.md.
 
 Two more columns need a reference without communication, measured in the same rounds:
 * **comm share**: 1 - t_compute / t_step, where t_compute is the same training step run on every
-  rank at once with no communication (``costmodel.measure_compute``) — the part of the step that
+  rank at once with no communication (``course.ch10.measure_compute``) — the part of the step that
   compute on these shared cores does not explain: communication, waiting, and the strategy's
   own bookkeeping.
 * **scaling efficiency** (weak scaling, the micro-batch per rank fixed): t_1 / t_step, where t_1
@@ -29,7 +29,7 @@ import statistics
 import os
 import time
 
-from minishard.costmodel import measure_compute
+from minishard.course.ch10 import measure_compute
 from minishard.launch import Ranks
 from minishard.train import TrainConfig, train
 

@@ -3,7 +3,7 @@
     python benchmarks/bench_planner.py
 
 1. Calibrate the "device": the tiny GPT's training step on every rank at once with no
-   communication (``costmodel.measure_compute``) gives the FLOP/s one rank achieves while N
+   communication (``course.ch10.measure_compute``) gives the FLOP/s one rank achieves while N
    ranks share this machine's cores — the CPU's counterpart of a GPU's datasheet FLOP/s.
 2. Calibrate the network: timed all-reduces of several sizes on 2 ranks give loopback's alpha
    (latency per ring step) and bandwidth, by a least-squares line.
@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from minishard.costmodel import (Cluster, Device, Link, measure_all_reduce, measure_compute,
-                                  plan, train_flops_per_token)
+from minishard.costmodel import Cluster, Device, Link, plan, train_flops_per_token
+from minishard.course.ch10 import measure_all_reduce, measure_compute
 from minishard.launch import Ranks
 from minishard.model import config
 from minishard.train import TrainConfig, train

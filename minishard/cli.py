@@ -12,7 +12,6 @@ trace the notebooks' player replays — plus ``DIR/trace.json`` for Perfetto.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -107,7 +106,6 @@ def _report(results: list[dict], args) -> None:
 def ledger_cmd(args) -> int:
     from .ledger import estimate
     from .model import GPT, config
-    import torch
     net = GPT(config(args.model), device="meta")
     est = estimate(net, world_size=args.world_size, strategy=args.strategy,
                    precision=args.precision, optimizer=args.optimizer)

@@ -19,7 +19,6 @@ Every device and link figure below is a published peak (sources in ``docs/costmo
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field, replace
 
 from .ledger import estimate, gpt_activation_bytes
@@ -269,37 +268,6 @@ def choose(model: str | GPTConfig, cluster: Cluster, **kw) -> list[Plan]:
 
 
 # --------------------------------------------------------------------------- this machine
-
-def measure_compute(rank, **train_kw) -> list[float]:
-    """A rank task: step times of single-process training on every rank at once, with no
-    communication — what one "device" computes when all the ranks share this machine's cores
-    (see benchmarks/bench_planner.py)."""
-    from .train import TrainConfig, train
-    return train(None, TrainConfig(strategy="single", track_activations=False, **train_kw))["step_times"]
-
-
-def measure_all_reduce(rank, sizes: list[int], repeats: int = 5) -> list[float]:
-    """A rank task: median seconds of an fp32 all-reduce of each size (elements), to calibrate
-    the loopback link (see benchmarks/bench_planner.py)."""
-    import statistics
-    import time
-
-    import torch
-
-    from .comm import Comm
-    comm = Comm()
-    out = []
-    for n in sizes:
-        x = torch.ones(n)
-        times = []
-        for _ in range(repeats):
-            comm.barrier()
-            t0 = time.perf_counter()
-            comm.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times))
-    return out
-
 
 # --------------------------------------------------------------------------- DeepSpeed's estimator
 

@@ -515,32 +515,3 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         if was_sharded:
             u.reshard()
     return out
-
-
-def manual_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """One training step of a GPT whose units were made with ``fully_shard(..., manual=True)``,
-    every lifecycle step written out — what the hooks do for you. Returns the loss.
-
-    The root (embeddings, final norm, head) is gathered for the whole step; each block is
-    gathered for its forward and freed after it, gathered again for backward.
-    """
-    root, blocks = model._fsdp_unit, [b._fsdp_unit for b in model.blocks]
-    root.unshard()
-    root.wait_for_unshard()
-    x = model.tok_emb(idx)
-    if model.pos_emb is not None:
-        x = x + model.pos_emb.weight[:idx.shape[1]]
-    for b in blocks:
-        b.unshard()
-        b.wait_for_unshard()
-        x = b.module(x)              # autograd keeps this block's full weights for backward...
-        b.reshard()                  # ...but their storage is freed now: 1/N stays
-    loss = nn.functional.cross_entropy(model.head(model.ln_f(x)).flatten(0, 1), targets.flatten())
-    for b in blocks:                 # backward needs every block's weights again
-        b.unshard()
-        b.wait_for_unshard()
-    loss.backward()
-    for u in [*reversed(blocks), root]:
-        u.reduce_scatter_grads()     # sum the full gradients, keep this rank's slice
-        u.reshard()
-    return loss.detach()

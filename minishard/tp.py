@@ -25,7 +25,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .comm import Comm
-from .launch import RankContext
 from .ledger import LiveLedger
 
 
@@ -84,55 +83,3 @@ class TensorParallelMLP(nn.Module):
         h = F.gelu(F.linear(x, self.fc_w, self.fc_b))       # (B, T, F/N): this rank's columns
         y = F.linear(h, self.proj_w)                        # (B, T, C): a partial sum
         return _ReduceFromParallel.apply(y, self.comm) + self.proj_b
-
-
-def compare_with_fsdp(rank: RankContext, micro_batch: int = 2, model: str = "tiny") -> dict:
-    """One MLP forward+backward, tensor-parallel and FSDP-sharded, on real ranks: what each
-    rank stores at its peak, what crosses the wire, and whether the results are the single-
-    process ones. (A rank task; core question 3 of the course.)"""
-    from . import fsdp
-    from .model import GPT, config
-
-    cfg = config(model)
-    full = GPT(cfg, seed=0).blocks[0].mlp                   # the same weights on every rank
-    x = torch.randn(micro_batch, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(1))
-    ref_x = x.clone().requires_grad_(True)
-    ref = full(ref_x)
-    ref.sum().backward()
-    out = {}
-
-    tracer = rank.tracer
-    ledger = LiveLedger(tracer)
-    comm = Comm(tracer, ledger=ledger)
-    tp = TensorParallelMLP(full, comm, ledger)
-    tx = x.clone().requires_grad_(True)
-    y = tp(tx)
-    y.sum().backward()
-    # this rank's slices of the unsharded MLP's weight gradients (proj.bias: whole on every rank)
-    N, F_ = comm.world_size, full.fc.out_features
-    part = slice(rank.rank * F_ // N, (rank.rank + 1) * F_ // N)
-    want = {"fc_w": full.fc.weight.grad[part], "fc_b": full.fc.bias.grad[part],
-            "proj_w": full.proj.weight.grad[:, part], "proj_b": full.proj.bias.grad}
-    out["tp"] = {"output_matches": torch.allclose(y, ref, atol=1e-5),
-                 "grad_x_matches": torch.allclose(tx.grad, ref_x.grad, atol=1e-5),
-                 "grad_w_gap": {n: (getattr(tp, n).grad - g).abs().max().item() for n, g in want.items()},
-                 "grad_w_scale": {n: g.abs().max().item() for n, g in want.items()},
-                 "peak_weight_bytes": ledger.category_peaks.get(("params", "device"), 0),
-                 "wire": comm.totals["wire"], "calls": comm.totals["calls"]}
-
-    ledger2 = LiveLedger(tracer)
-    comm2 = Comm(tracer, ledger=ledger2)
-    sharded = GPT(cfg, seed=0).blocks[0].mlp
-    fsdp.fully_shard(sharded, comm=comm2, ledger=ledger2, reshard_after_forward=True, name="mlp")
-    comm2.reset_counters()
-    fx = x.clone().requires_grad_(True)
-    y2 = sharded(fx)
-    y2.sum().backward()
-    peaks = {c: b for (c, d), b in ledger2.category_peaks.items()}
-    out["fsdp"] = {"output_matches": torch.allclose(y2, ref, atol=1e-5),
-                   "peak_weight_bytes": peaks.get("params", 0) + peaks.get("unsharded", 0),
-                   "gathered_full_weights": peaks.get("unsharded", 0),
-                   "wire": comm2.totals["wire"], "calls": comm2.totals["calls"]}
-    out["full_weight_bytes"] = sum(p.numel() * 4 for p in full.parameters())
-    out["activation_bytes"] = x.numel() * 4
-    return out

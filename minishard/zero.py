@@ -81,7 +81,7 @@ class ZeroOptimizer(BucketedReduction):
                 f"an optimizer with per-tensor state (norms, factored moments) cannot be run on flat slices")
         self.module, self.comm, self.ledger = module, comm, ledger
         self.stage, self.reduce = stage, reduce
-        N, r = comm.world_size, comm.rank
+        N = comm.world_size
         replicate_from_rank0(module, comm, ledger)
 
         # ---- the flat layout: buckets of whole parameters, each padded to N equal chunks

@@ -41,7 +41,7 @@ import plotly.io as pio
 from IPython.display import display
 
 from minishard import RankError, Ranks
-from minishard.examples import fail_on_rank, hello
+from minishard.course.ch00 import fail_on_rank, hello
 from minishard.train import TrainConfig, train
 from minishard.viz import Player, static_player_figure, timeline_figure
 
@@ -68,7 +68,7 @@ print("rank pids:", [r["pid"] for r in first])
 assert [r["pid"] for r in first] == [r["pid"] for r in second] == R.pids   # the same processes
 
 # %% [markdown]
-# `hello` (in [`minishard/examples.py`](../minishard/examples.py)) has every rank contribute
+# `hello` (in [`minishard/course/ch00.py`](../minishard/course/ch00.py)) has every rank contribute
 # `rank + 1` to one all-reduce of a 1 MiB buffer. Both ranks get 1 + 2 = 3, and each sent
 # 2(N−1)/N · S = S bytes (the ring all-reduce of chapter 02).
 
@@ -246,7 +246,7 @@ R.close()
 # <details><summary>Answer</summary>
 #
 # The rank processes are separate Python interpreters. They receive the task *by name*
-# (`minishard.examples:hello`) and import it; a function defined in the notebook lives only in the
+# (`minishard.course.ch00:hello`) and import it; a function defined in the notebook lives only in the
 # kernel's `__main__` and cannot be imported by another process.
 # </details>
 #
@@ -267,7 +267,7 @@ R.close()
 # real ranks and compares, rank by rank.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch00.py`](../minishard/exercises/ch00.py)), then run the check. A
+# [`minishard/course/exercises/ch00.py`](../minishard/course/exercises/ch00.py)), then run the check. A
 # reference solution is in [`solutions/ch00.py`](../solutions/ch00.py): try first.
 
 # %%
@@ -278,6 +278,6 @@ def predict_hello(world_size: int, payload_mb: float) -> tuple[float, int]:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch00
+from minishard.course.exercises import ch00
 
 ch00.check_predict_hello(predict_hello)

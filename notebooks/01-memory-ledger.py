@@ -362,7 +362,7 @@ assert need == e8b.total and need > 80 * GB
 # 405 B parameters, then with the ledger *measured* on 2 real ranks.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch01.py`](../minishard/exercises/ch01.py)), then run the check. A
+# [`minishard/course/exercises/ch01.py`](../minishard/course/exercises/ch01.py)), then run the check. A
 # reference solution is in [`solutions/ch01.py`](../solutions/ch01.py): try first.
 
 # %%
@@ -373,6 +373,6 @@ def ddp_state_bytes(n_params: int, precision: str) -> dict[str, int]:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch01
+from minishard.course.exercises import ch01
 
 ch01.check_ddp_state_bytes(ddp_state_bytes)

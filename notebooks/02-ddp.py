@@ -343,7 +343,7 @@ R4.close()
 # system's count of the bytes each DDP rank process wrote in one step, on 2 and on 3 ranks.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch02.py`](../minishard/exercises/ch02.py)), then run the check. A
+# [`minishard/course/exercises/ch02.py`](../minishard/course/exercises/ch02.py)), then run the check. A
 # reference solution is in [`solutions/ch02.py`](../solutions/ch02.py): try first.
 
 # %%
@@ -354,6 +354,6 @@ def ring_bytes(op: str, nbytes: int, world_size: int) -> int:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch02
+from minishard.course.exercises import ch02
 
 ch02.check_ring_bytes(ring_bytes)

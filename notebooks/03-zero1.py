@@ -426,7 +426,7 @@ R4.close()
 # function is sent to the ranks as source: keep it self-contained (`torch` is there).
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch03.py`](../minishard/exercises/ch03.py)), then run the check. A
+# [`minishard/course/exercises/ch03.py`](../minishard/course/exercises/ch03.py)), then run the check. A
 # reference solution is in [`solutions/ch03.py`](../solutions/ch03.py): try first.
 
 # %%
@@ -440,6 +440,6 @@ def zero1_step(comm, flat_param, flat_grad, shard, optimizer):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch03
+from minishard.course.exercises import ch03
 
 ch03.check_zero1_step(zero1_step)

@@ -436,7 +436,7 @@ R4.close()
 # keep it self-contained.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch04.py`](../minishard/exercises/ch04.py)), then run the check. A
+# [`minishard/course/exercises/ch04.py`](../minishard/course/exercises/ch04.py)), then run the check. A
 # reference solution is in [`solutions/ch04.py`](../solutions/ch04.py): try first.
 
 # %%
@@ -448,6 +448,6 @@ def make_bucket_hook(comm, params, offsets, chunk, out):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch04
+from minishard.course.exercises import ch04
 
 ch04.check_make_bucket_hook(make_bucket_hook)

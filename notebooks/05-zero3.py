@@ -44,7 +44,7 @@ import torch
 from IPython.display import display
 
 from minishard import GPT, Ranks, config, estimate
-from minishard.lessons_fsdp import race, unit_states_at, unsharded_series, with_unit_states
+from minishard.course.ch05 import race, unit_states_at, unsharded_series, with_unit_states
 from minishard.train import TrainConfig, train
 from minishard.viz import Player, timeline_figure
 
@@ -297,7 +297,7 @@ assert 1.8 < theirs[0]["wchar"][0] / (4 * PSI) < 1.9
 # ## 4. Why not always stage 3?
 # Memory divided by N for 1.5× the traffic sounds like a bargain. Time it. Timing on a shared
 # 2-core machine needs care: other jobs come and go within seconds, so
-# [`race`](../minishard/lessons_fsdp.py) builds a DDP model *and* a ZeRO-3 model on the same two
+# [`race`](../minishard/course/ch05.py) builds a DDP model *and* a ZeRO-3 model on the same two
 # ranks and alternates them step by step (ddp, fsdp, fsdp, ddp, ...), each step starting from a
 # barrier; the slower rank's time counts. Next to the wall-clock time it records the CPU seconds
 # each rank process burned per step, which other jobs hardly disturb. The tiny model first, then
@@ -474,7 +474,7 @@ R2.close()
 # source: keep it self-contained.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch05.py`](../minishard/exercises/ch05.py)), then run the check. A
+# [`minishard/course/exercises/ch05.py`](../minishard/course/exercises/ch05.py)), then run the check. A
 # reference solution is in [`solutions/ch05.py`](../solutions/ch05.py): try first.
 
 # %%
@@ -485,6 +485,6 @@ def unshard_param(comm, shard, shape):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch05
+from minishard.course.exercises import ch05
 
 ch05.check_unshard_param(unshard_param)

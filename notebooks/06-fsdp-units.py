@@ -47,8 +47,9 @@ import torch
 from IPython.display import display
 
 from minishard import GPT, Ranks
-from minishard.lessons_fsdp import (layout_views, lifecycle_by_hand, lifecycle_order, mixed_dtypes,
-                                    padding_table, race, unit_state_figure, with_unit_states)
+from minishard.course.ch05 import race, with_unit_states
+from minishard.course.ch06 import (layout_views, lifecycle_by_hand, lifecycle_order, mixed_dtypes,
+                                   padding_table, unit_state_figure)
 from minishard.parity import bitwise_equal, drift, params_of
 from minishard.train import TrainConfig, train, wrap_targets
 from minishard.viz import Player
@@ -64,7 +65,7 @@ R2 = Ranks(2)
 # %% [markdown]
 # ## 1. The lifecycle by hand
 # `fully_shard(..., manual=True)` makes the units but registers no hooks, so nothing happens
-# unless we call it. [`lifecycle_by_hand`](../minishard/lessons_fsdp.py) runs one AdamW step on
+# unless we call it. [`lifecycle_by_hand`](../minishard/course/ch06.py) runs one AdamW step on
 # two ranks calling every lifecycle method itself, in the order the hooks would, and takes a
 # snapshot of rank 0 after each call. Columns: the state of each unit (**S**harded,
 # **~** gathering, **U**nsharded, **R**educe-scattering); the shape of `blocks[0].attn.qkv.weight`
@@ -186,7 +187,7 @@ assert 4 * PSI // 2 + un["model"] > 4 * PSI                        # more than D
 
 # %% [markdown]
 # And how long a step takes with each: the three wrappings side by side on the same ranks,
-# alternating step by step ([`race`](../minishard/lessons_fsdp.py), as in chapter 05), wall-clock
+# alternating step by step ([`race`](../minishard/course/ch05.py), as in chapter 05), wall-clock
 # time and the CPU seconds each rank burned:
 
 # %%
@@ -484,12 +485,12 @@ R2.close()
 # The units below are made with `fully_shard(..., manual=True)`: nothing is gathered or freed
 # unless you say so. Write one training step calling `unshard()`, `reshard()` and
 # `reduce_scatter_grads()` yourself. The check runs it on 1 and 2 real ranks next to
-# `fsdp.manual_step`, compares the loss and every gradient shard, counts the collectives, and
+# `minishard.course.ch06.manual_step`, compares the loss and every gradient shard, counts the collectives, and
 # checks that every block is already freed when forward reaches the final norm. The function is
 # sent to the ranks as source: keep it self-contained.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch06.py`](../minishard/exercises/ch06.py)), then run the check. A
+# [`minishard/course/exercises/ch06.py`](../minishard/course/exercises/ch06.py)), then run the check. A
 # reference solution is in [`solutions/ch06.py`](../solutions/ch06.py): try first.
 
 # %%
@@ -501,6 +502,6 @@ def manual_step(model, idx, targets):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch06
+from minishard.course.exercises import ch06
 
 ch06.check_manual_step(manual_step)

@@ -48,7 +48,7 @@ from IPython.display import display
 from minishard import GPT, Ranks, config
 from minishard.launch import RankError
 from minishard.ledger import gpt_activation_bytes
-from minishard.lessons_prefetch import (gather_waits, gathered_peaks, prefetch_race,
+from minishard.course.ch07 import (gather_waits, gathered_peaks, prefetch_race,
                                         prefetch_timeline, who_is_gathered)
 from minishard.train import TrainConfig, train
 from minishard.viz import Player
@@ -227,7 +227,7 @@ assert len(ag) == 1 + 2 * len(TINY.blocks)               # the root once, every 
 # %% [markdown]
 # ## 4. Exposed communication and step time against depth
 # Timing on this machine is noisy: two CPU cores shared with other work. To compare depths
-# fairly, [`prefetch_race`](../minishard/lessons_prefetch.py) builds one model per depth (0, 1
+# fairly, [`prefetch_race`](../minishard/course/ch07.py) builds one model per depth (0, 1
 # and 3 here) on the same two ranks and trains them side by side, alternating the order every
 # step, each step starting from a barrier. For each depth: the median over steps of the slower
 # rank's step time, of the seconds compute waited on communication, and of the CPU seconds the
@@ -348,7 +348,7 @@ R2.close()
 # compares your schedule with the all-gathers the trace shows in flight.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch07.py`](../minishard/exercises/ch07.py)), then run the check. A
+# [`minishard/course/exercises/ch07.py`](../minishard/course/exercises/ch07.py)), then run the check. A
 # reference solution is in [`solutions/ch07.py`](../solutions/ch07.py): try first.
 
 # %%
@@ -359,6 +359,6 @@ def prefetch_targets(blocks, unit, depth, forward):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch07
+from minishard.course.exercises import ch07
 
 ch07.check_prefetch_targets(prefetch_targets)

@@ -51,7 +51,7 @@ from pathlib import Path
 from minishard import GPT, Ranks
 from minishard.costmodel import DEVICES, LINKS, Cluster, plan
 from minishard.launch import RankError
-from minishard.lessons_prefetch import disk_tier_files, transfer_table
+from minishard.course.ch08 import disk_tier_files, transfer_table
 from minishard.train import TrainConfig, train
 
 TINY = GPT("tiny", device="meta")
@@ -145,7 +145,7 @@ assert plain[0]["ledger"]["peak"] - host[0]["ledger"]["peak"] == 16 * PSI // N  
 
 # %% [markdown]
 # The disk tier is what it claims: one memory-mapped file per shard tensor — every unit's
-# parameter shard, its gradient shard and its two moments ([`disk_tier_files`](../minishard/lessons_prefetch.py)
+# parameter shard, its gradient shard and its two moments ([`disk_tier_files`](../minishard/course/ch08.py)
 # trains one step and lists the rank's folder):
 
 # %%
@@ -355,7 +355,7 @@ R2.close()
 # memory on 2 and 3 real ranks and compares with the transfers the ranks measured.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch08.py`](../minishard/exercises/ch08.py)), then run the check. A
+# [`minishard/course/exercises/ch08.py`](../minishard/course/exercises/ch08.py)), then run the check. A
 # reference solution is in [`solutions/ch08.py`](../solutions/ch08.py): try first.
 
 # %%
@@ -365,6 +365,6 @@ def offload_bytes(block_shard, root_shard, n_blocks):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch08
+from minishard.course.exercises import ch08
 
 ch08.check_offload_bytes(offload_bytes)

@@ -53,6 +53,7 @@ import torch
 
 from minishard import GPT, Ranks, checkpoint
 from minishard.comm import Comm
+from minishard.course.ch09 import resume_and_compare
 from minishard.model import config
 from minishard.parity import bitwise_equal, drift, params_of
 from minishard.train import TrainConfig, train
@@ -109,16 +110,16 @@ assert [p["start"] for p in t["pieces"]] == [192 * 256 * r for r in range(4)]
 # ## 2. Resume on 2 and on 3 ranks — bit-exact
 # New ranks build the model with *other* initial weights (seed 1) under a strategy of their own,
 # load the checkpoint, and compare what they then hold with the checkpoint's values, bit for bit
-# (`checkpoint.resume_and_compare`). Three does not divide 4, so on 3 ranks every saved piece is
+# (`course.ch09.resume_and_compare`). Three does not divide 4, so on 3 ranks every saved piece is
 # cut somewhere new. Under ZeRO-1 the parameters are replicas and only the moments are sharded, so
 # each rank loads all of the parameters and a third of the moments.
 
 # %%
 R2, R3 = Ranks(2), Ranks(3)
-checks = {(2, "fsdp"): R2.run(checkpoint.resume_and_compare, str(ck), "fsdp"),
-          (3, "fsdp"): R3.run(checkpoint.resume_and_compare, str(ck), "fsdp"),
-          (3, "zero1"): R3.run(checkpoint.resume_and_compare, str(ck), "zero1"),
-          (2, "fsdp_flat"): R2.run(checkpoint.resume_and_compare, str(ck), "fsdp_flat")}
+checks = {(2, "fsdp"): R2.run(resume_and_compare, str(ck), "fsdp"),
+          (3, "fsdp"): R3.run(resume_and_compare, str(ck), "fsdp"),
+          (3, "zero1"): R3.run(resume_and_compare, str(ck), "zero1"),
+          (2, "fsdp_flat"): R2.run(resume_and_compare, str(ck), "fsdp_flat")}
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -394,7 +395,7 @@ shutil.rmtree(WORK)
 # and uneven splits, 64 → 32 included.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch09.py`](../minishard/exercises/ch09.py)), then run the check. A
+# [`minishard/course/exercises/ch09.py`](../minishard/course/exercises/ch09.py)), then run the check. A
 # reference solution is in [`solutions/ch09.py`](../solutions/ch09.py): try first.
 
 # %%
@@ -405,6 +406,6 @@ def read_plan(numel, saved_world_size, world_size):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch09
+from minishard.course.exercises import ch09
 
 ch09.check_read_plan(read_plan)

@@ -46,9 +46,9 @@ import torch
 from minishard import GPT, Ranks
 from minishard.costmodel import DEVICES, LINKS, Cluster, plan
 from minishard.ledger import gpt_activation_bytes
-from minishard.lessons_oom import percentile, phase_seconds, profile, straggler, under_budget
+from minishard.course.ch10 import percentile, phase_seconds, profile, straggler, under_budget
 from minishard.model import config
-from minishard.tp import compare_with_fsdp
+from minishard.course.ch10 import compare_with_fsdp
 from minishard.train import TrainConfig, train
 from minishard.viz import PlannerWidget
 
@@ -213,7 +213,7 @@ for stage in (2, 3):
 # Two real ranks, the tiny model with FSDP (per-parameter, as FSDP2), AdamW, four sequences of
 # 128 tokens per rank, two steps (the second has Adam's moments), and a **device budget of
 # 126 MiB per rank**: the ledger raises `DeviceOutOfMemory` when an allocation would cross it,
-# as CUDA would. [`under_budget`](../minishard/lessons_oom.py) turns the exception into data, so
+# as CUDA would. [`under_budget`](../minishard/course/ch10.py) turns the exception into data, so
 # the pool survives. We start from a job that makes all four mistakes and walk the checklist in
 # its order, one fix at a time.
 
@@ -295,7 +295,7 @@ assert w["3. recompute"]["peak"] + one_block < BUDGET
 # Megatron's names; in `nn.Linear`, which stores Aᵀ, rows of `fc.weight` and columns of
 # `proj.weight`), so no rank ever holds the full matrix and activations, not weights, cross the
 # wire.
-# [`compare_with_fsdp`](../minishard/tp.py) runs one MLP forward and backward both ways on two
+# [`compare_with_fsdp`](../minishard/course/ch10.py) runs one MLP forward and backward both ways on two
 # ranks:
 
 # %%
@@ -357,7 +357,7 @@ assert scaling[4]["scaling_efficiency"] < 0.9            # 4 ranks on 2 cores ca
 # ### 4.2 The mean hides the tail
 # Synchronous training waits for the slowest rank at every collective. One rank of two is made
 # slow on every tenth step — it sleeps 0.25 s, standing in for a slow node, a garbage-collection
-# pause or a noisy neighbour ([`straggler`](../minishard/lessons_oom.py), the nano model, DDP).
+# pause or a noisy neighbour ([`straggler`](../minishard/course/ch10.py), the nano model, DDP).
 # The *healthy* rank's 30 step times, summarised three ways, and split by whether rank 1 stalled:
 
 # %%
@@ -508,7 +508,7 @@ assert 4.0 < names["fsdp"][1] <= 6.0                                        # up
 #
 # ## 5. The profiling checklist, from real traces
 # Before tuning anything, measure these five — here read off the scaling runs of §4.1 by
-# [`profile`](../minishard/lessons_oom.py): step time (median, and p99, of the slowest rank),
+# [`profile`](../minishard/course/ch10.py): step time (median, and p99, of the slowest rank),
 # utilisation (the share of the step a rank computes rather than waits for the network:
 # 1 − exposed communication / step), communication share (the time some collective is in
 # flight, from the trace's collective events; it can overlap compute), peak memory (the ledger),
@@ -611,7 +611,7 @@ R2.close()
 # function is sent to the ranks as source: keep it self-contained.
 #
 # Write it in the cell below (or edit the stub in
-# [`minishard/exercises/ch10.py`](../minishard/exercises/ch10.py)), then run the check. A
+# [`minishard/course/exercises/ch10.py`](../minishard/course/exercises/ch10.py)), then run the check. A
 # reference solution is in [`solutions/ch10.py`](../solutions/ch10.py): try first.
 
 # %%
@@ -622,6 +622,6 @@ def tp_mlp_forward(comm, x, fc_w, fc_b, proj_w, proj_b):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.exercises import ch10
+from minishard.course.exercises import ch10
 
 ch10.check_tp_mlp_forward(tp_mlp_forward)

@@ -1,4 +1,4 @@
-"""Reference solution, chapter 00 (``minishard.exercises.ch00``)."""
+"""Reference solution, chapter 00 (``minishard.course.exercises.ch00``)."""
 
 
 def predict_hello(world_size: int, payload_mb: float) -> tuple[float, int]:

@@ -1,4 +1,4 @@
-"""Reference solution, chapter 01 (``minishard.exercises.ch01``)."""
+"""Reference solution, chapter 01 (``minishard.course.exercises.ch01``)."""
 
 
 def ddp_state_bytes(n_params: int, precision: str) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Reference solution, chapter 02 (``minishard.exercises.ch02``)."""
+"""Reference solution, chapter 02 (``minishard.course.exercises.ch02``)."""
 
 
 def ring_bytes(op: str, nbytes: int, world_size: int) -> int:

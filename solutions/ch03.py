@@ -1,4 +1,4 @@
-"""Reference solution, chapter 03 (``minishard.exercises.ch03``)."""
+"""Reference solution, chapter 03 (``minishard.course.exercises.ch03``)."""
 import torch
 
 

@@ -1,4 +1,4 @@
-"""Reference solution, chapter 04 (``minishard.exercises.ch04``)."""
+"""Reference solution, chapter 04 (``minishard.course.exercises.ch04``)."""
 import torch
 
 

@@ -1,4 +1,4 @@
-"""Reference solution, chapter 05 (``minishard.exercises.ch05``)."""
+"""Reference solution, chapter 05 (``minishard.course.exercises.ch05``)."""
 import torch
 
 

@@ -1,4 +1,4 @@
-"""Reference solution, chapter 06 (``minishard.exercises.ch06``)."""
+"""Reference solution, chapter 06 (``minishard.course.exercises.ch06``)."""
 import torch
 
 

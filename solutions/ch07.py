@@ -1,4 +1,4 @@
-"""Reference solution, chapter 07 (``minishard.exercises.ch07``)."""
+"""Reference solution, chapter 07 (``minishard.course.exercises.ch07``)."""
 
 
 def prefetch_targets(blocks, unit, depth, forward):

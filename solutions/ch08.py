@@ -1,4 +1,4 @@
-"""Reference solution, chapter 08 (``minishard.exercises.ch08``)."""
+"""Reference solution, chapter 08 (``minishard.course.exercises.ch08``)."""
 
 
 def offload_bytes(block_shard, root_shard, n_blocks):

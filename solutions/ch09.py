@@ -1,4 +1,4 @@
-"""Reference solution, chapter 09 (``minishard.exercises.ch09``)."""
+"""Reference solution, chapter 09 (``minishard.course.exercises.ch09``)."""
 import math
 
 

@@ -1,4 +1,4 @@
-"""Reference solution, chapter 10 (``minishard.exercises.ch10``)."""
+"""Reference solution, chapter 10 (``minishard.course.exercises.ch10``)."""
 import torch.nn.functional as F
 
 

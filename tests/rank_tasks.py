@@ -129,9 +129,10 @@ def fsdp_lifecycle(rank, layout: str = "per_param"):
 
 
 def fsdp_manual_vs_hooks(rank, steps: int = 2):
-    """The same training, once driven by hooks and once by hand (fsdp.manual_step)."""
+    """The same training, once driven by hooks and once by hand (course.ch06.manual_step)."""
     from minishard import fsdp
     from minishard.comm import Comm
+    from minishard.course.ch06 import manual_step
     from minishard.model import GPT, batch, config
 
     cfg = config("nano")
@@ -147,7 +148,7 @@ def fsdp_manual_vs_hooks(rank, steps: int = 2):
         for s in range(steps):
             x, y = batch(cfg, s, 2, rank.rank, rank.world_size)
             if manual:
-                loss = fsdp.manual_step(net, x, y)
+                loss = manual_step(net, x, y)
             else:
                 loss = net(x, y)
                 loss.backward()

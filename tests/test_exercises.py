@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import minishard.exercises as exercises
-from minishard.exercises import ExerciseFailed
+import minishard.course.exercises as exercises
+from minishard.course.exercises import ExerciseFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))            # solutions/ is a folder at the repository root, not installed
@@ -36,7 +36,7 @@ def ranks(pools):
 def test_every_chapter_has_an_exercise_and_a_solution():
     assert CHAPTERS == [f"ch{i:02d}" for i in range(len(CHAPTERS))] and len(CHAPTERS) >= 5
     for ch in CHAPTERS:
-        module = importlib.import_module(f"minishard.exercises.{ch}")
+        module = importlib.import_module(f"minishard.course.exercises.{ch}")
         solution = importlib.import_module(f"solutions.{ch}")
         assert checks(module), f"{ch} has no check_* function"
         for check, name in checks(module):
@@ -46,7 +46,7 @@ def test_every_chapter_has_an_exercise_and_a_solution():
 
 @pytest.mark.parametrize("ch", CHAPTERS)
 def test_check_passes_with_the_reference_solution(ch, ranks, capsys):
-    module = importlib.import_module(f"minishard.exercises.{ch}")
+    module = importlib.import_module(f"minishard.course.exercises.{ch}")
     solution = importlib.import_module(f"solutions.{ch}")
     for check, name in checks(module):
         assert check(getattr(solution, name), ranks=ranks) is True, capsys.readouterr().out
@@ -55,7 +55,7 @@ def test_check_passes_with_the_reference_solution(ch, ranks, capsys):
 
 @pytest.mark.parametrize("ch", CHAPTERS)
 def test_the_stub_is_not_done_yet(ch, ranks, capsys):
-    module = importlib.import_module(f"minishard.exercises.{ch}")
+    module = importlib.import_module(f"minishard.course.exercises.{ch}")
     for check, name in checks(module):
         with pytest.raises(NotImplementedError):
             _call_stub(getattr(module, name))
@@ -72,7 +72,7 @@ def _call_stub(stub):
 
 # ---------------------------------------------------------------- typical mistakes are caught
 def test_ring_bytes_that_forget_the_second_half_of_the_all_reduce_fail(ranks):
-    from minishard.exercises import ch02
+    from minishard.course.exercises import ch02
 
     def ring_bytes(op, nbytes, world_size):
         return (world_size - 1) * nbytes // world_size
@@ -81,7 +81,7 @@ def test_ring_bytes_that_forget_the_second_half_of_the_all_reduce_fail(ranks):
 
 
 def test_zero1_with_an_all_reduce_is_right_but_sends_too_much(ranks):
-    from minishard.exercises import ch03
+    from minishard.course.exercises import ch03
 
     def zero1_step(comm, flat_param, flat_grad, shard, optimizer):
         N, r = comm.world_size, comm.rank
@@ -95,7 +95,7 @@ def test_zero1_with_an_all_reduce_is_right_but_sends_too_much(ranks):
 
 
 def test_zero2_hook_that_keeps_the_gradient_fails(ranks):
-    from minishard.exercises import ch04
+    from minishard.course.exercises import ch04
     from solutions.ch04 import make_bucket_hook as right
 
     def make_bucket_hook(comm, params, offsets, chunk, out):
@@ -119,7 +119,7 @@ def test_zero2_hook_that_keeps_the_gradient_fails(ranks):
 
 
 def test_a_lifecycle_that_keeps_blocks_gathered_through_forward_fails(ranks):
-    from minishard.exercises import ch06
+    from minishard.course.exercises import ch06
 
     def manual_step(model, idx, targets):
         import torch
@@ -141,7 +141,7 @@ def test_a_lifecycle_that_keeps_blocks_gathered_through_forward_fails(ranks):
 
 
 def test_a_read_plan_that_ignores_the_uneven_last_chunk_fails():
-    from minishard.exercises import ch09
+    from minishard.course.exercises import ch09
 
     def read_plan(numel, saved_world_size, world_size):
         old, new = numel // saved_world_size, numel // world_size      # floor: drops the tail
@@ -154,7 +154,7 @@ def test_a_read_plan_that_ignores_the_uneven_last_chunk_fails():
 
 
 def test_tensor_parallel_that_gathers_the_weight_fails(ranks):
-    from minishard.exercises import ch10
+    from minishard.course.exercises import ch10
 
     def tp_mlp_forward(comm, x, fc_w, fc_b, proj_w, proj_b):
         import torch
@@ -173,7 +173,7 @@ def test_tensor_parallel_that_gathers_the_weight_fails(ranks):
 
 
 def test_a_hello_prediction_that_forgets_the_all_gather_half_fails(ranks):
-    from minishard.exercises import ch00
+    from minishard.course.exercises import ch00
 
     def predict_hello(world_size, payload_mb):
         nbytes = int(payload_mb * 2**20)
@@ -183,7 +183,7 @@ def test_a_hello_prediction_that_forgets_the_all_gather_half_fails(ranks):
 
 
 def test_a_ledger_without_the_master_copy_fails():
-    from minishard.exercises import ch01
+    from minishard.course.exercises import ch01
 
     def ddp_state_bytes(n_params, precision):
         b = 2 if precision == "bf16_mixed" else 4          # forgets the fp32 master under bf16
@@ -194,7 +194,7 @@ def test_a_ledger_without_the_master_copy_fails():
 
 
 def test_zero1_that_forgets_to_average_the_gradient_fails(ranks):
-    from minishard.exercises import ch03
+    from minishard.course.exercises import ch03
 
     def zero1_step(comm, flat_param, flat_grad, shard, optimizer):
         N, r = comm.world_size, comm.rank
@@ -210,7 +210,7 @@ def test_zero1_that_forgets_to_average_the_gradient_fails(ranks):
 
 
 def test_an_unshard_that_keeps_the_padding_gets_a_hint_and_the_pool_survives(ranks):
-    from minishard.exercises import ch05
+    from minishard.course.exercises import ch05
 
     def unshard_param(comm, shard, shape):
         N = comm.world_size
@@ -223,7 +223,7 @@ def test_an_unshard_that_keeps_the_padding_gets_a_hint_and_the_pool_survives(ran
 
 
 def test_a_prefetch_schedule_in_the_wrong_order_fails(ranks):
-    from minishard.exercises import ch07
+    from minishard.course.exercises import ch07
 
     def prefetch_targets(blocks, unit, depth, forward):
         order = list(blocks) if forward else list(reversed(blocks))
@@ -234,7 +234,7 @@ def test_a_prefetch_schedule_in_the_wrong_order_fails(ranks):
 
 
 def test_offload_bytes_that_gather_the_root_twice_fail(ranks):
-    from minishard.exercises import ch08
+    from minishard.course.exercises import ch08
 
     def offload_bytes(block_shard, root_shard, n_blocks):
         return 2 * (n_blocks * block_shard + root_shard), n_blocks * block_shard + root_shard

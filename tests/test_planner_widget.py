@@ -155,11 +155,11 @@ def test_unknown_strategy_is_named():
 
 
 # ---------------------------------------------------------------------------- the chapter's readings
-# (minishard/lessons_oom.py: pure functions of an OOM message and of trace events)
+# (minishard/course/ch10.py: pure functions of an OOM message and of trace events)
 
 def test_an_oom_report_reads_back_as_data():
     from minishard.ledger import DeviceOutOfMemory, LiveLedger
-    from minishard.lessons_oom import oom_report
+    from minishard.course.ch10 import oom_report
     led = LiveLedger(budget=10 * 2**20)
     led.alloc("params", 6 * 2**20, "p")
     led.alloc("activations", 3 * 2**20, "act1")
@@ -174,7 +174,7 @@ def test_an_oom_report_reads_back_as_data():
 
 
 def test_percentile_interpolates_like_numpy():
-    from minishard.lessons_oom import percentile
+    from minishard.course.ch10 import percentile
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
     assert [percentile(xs, q) for q in (0, 50, 99, 100)] == [1.0, 3.0, pytest.approx(4.96), 5.0]
 
@@ -195,7 +195,7 @@ def _events():
 
 
 def test_phase_and_communication_seconds_from_a_trace():
-    from minishard.lessons_oom import comm_seconds, phase_seconds
+    from minishard.course.ch10 import comm_seconds, phase_seconds
     events = _events()
     assert phase_seconds(events, 0, "forward") == [1.0]          # a unit's phases are not the forward
     assert phase_seconds(events, 0, "backward") == [2.0]
@@ -204,7 +204,7 @@ def test_phase_and_communication_seconds_from_a_trace():
 
 
 def test_profile_reads_the_checklist_off_results_and_events():
-    from minishard.lessons_oom import profile
+    from minishard.course.ch10 import profile
     events = _events()
     results = [{"step_times": [4.0], "exposed_comm": [1.0], "ledger": {"peak": 100}},
                {"step_times": [5.0], "exposed_comm": [0.0], "ledger": {"peak": 120}}]

@@ -8,7 +8,7 @@ from minishard.comm import Comm
 from minishard.launch import RankError
 from minishard.ledger import DeviceOutOfMemory, gpt_activation_bytes
 from minishard.model import GPT, config
-from minishard.lessons_prefetch import gathered_peaks
+from minishard.course.ch07 import gathered_peaks
 from minishard.train import TrainConfig, train
 
 from parity import assert_parity, reference

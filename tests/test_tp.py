@@ -2,7 +2,7 @@
 the multiply itself, so no rank ever holds the full matrix — activations cross the wire instead."""
 import pytest
 
-from minishard.tp import compare_with_fsdp
+from minishard.course.ch10 import compare_with_fsdp
 
 
 @pytest.mark.parametrize("N", [2, 4])

@@ -13,7 +13,7 @@ Every module ``chNN.py`` holds
 Reference solutions live outside the package, in ``solutions/chNN.py``; ``tests/test_exercises.py``
 runs every check with them. In a notebook::
 
-    from minishard.exercises import ch02
+    from minishard.course.exercises import ch02
     def ring_bytes(op, nbytes, world_size):   # your version (or edit the stub in ch02.py)
         ...
     ch02.check_ring_bytes(ring_bytes)
@@ -150,7 +150,7 @@ class pools:
         if n in self.given and self.given[n].alive:
             return self.given[n]
         if n not in self.started:
-            from ..launch import Ranks
+            from ...launch import Ranks
             self.started[n] = Ranks(n, timeout=300)
         return self.started[n]
 
@@ -165,14 +165,14 @@ def in_process():
     on one rank are copies)."""
     import torch
 
-    from ..launch import RankContext
-    from ..trace import Tracer
+    from ...launch import RankContext
+    from ...trace import Tracer
     return RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
 
 
 def unwrap_rank_error(e: Exception) -> Exception:
     """A learner's NotImplementedError on a rank arrives as a RankError: turn it back."""
-    from ..launch import RankError
+    from ...launch import RankError
     if isinstance(e, RankError) and "NotImplementedError" in e.error:
         return NotDone(e.error.split("(", 1)[-1].rstrip(")").strip("'\""))
     return e

@@ -1,4 +1,4 @@
-"""Rank tasks and small views for the course's chapters 05 (ZeRO-3) and 06 (FSDP units).
+"""Chapter 06 (FSDP units): rank tasks and small views.
 
 The tasks run on real ranks (``Ranks(N).run(task, ...)``) and return plain data a notebook can
 print and assert on; the views read traces only. Nothing here is a strategy: every byte is
@@ -11,12 +11,11 @@ allocated, gathered and reduced by :mod:`minishard.fsdp` and :mod:`minishard.fsd
 * :func:`layout_views` and :func:`mixed_dtypes` show what the per-parameter (FSDP2) and flat
   (FSDP1) layouts look like to ``model.parameters()``, to a checkpoint and to mixed dtypes;
   :func:`padding_table` computes each layout's padding for any world size without ranks.
-* :func:`race` times strategies (or FSDP wrappings) on the same ranks, alternating step by
-  step, wall-clock and CPU seconds — fair timing on a machine other jobs share.
-* :func:`lifecycle_order`, :func:`unsharded_series`, :func:`unit_state_figure` and
-  :func:`with_unit_states` turn a trace's ``unit`` events into the chapters' tables and pictures
-  (plotly and ipywidgets are imported lazily, so the rank processes that import this module for
-  its tasks do not pay for them).
+* :func:`lifecycle_order` and :func:`unit_state_figure` turn a trace's ``unit`` events into the
+  chapter's table and picture (plotly is imported lazily, so the rank processes that import
+  this module for its tasks do not pay for it).
+* :func:`manual_step` is one training step with every lifecycle call written out (the
+  exercise's reference and a test of the hooks).
 """
 from __future__ import annotations
 
@@ -24,13 +23,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import fsdp
-from .comm import Comm
-from .ledger import LiveLedger, track_optimizer_state
-from .model import GPT, batch, config
-from .trace import LedgerTimeline
+from .. import fsdp
+from ..comm import Comm
+from ..ledger import LiveLedger, track_optimizer_state
+from ..model import GPT, batch, config
+from .ch05 import STATE_COLORS
+
 
 # --------------------------------------------------------------------------- 06: by hand
+
 
 def _shard_model(net: GPT, comm: Comm, ledger: LiveLedger | None, manual: bool,
                  layout: str = "per_param") -> GPT:
@@ -150,42 +151,8 @@ def lifecycle_by_hand(rank, model: str = "nano", micro_batch: int = 2, seed: int
             and all(torch.equal(by_hand[k], by_hooks[k]) for k in by_hooks)}
 
 
-# --------------------------------------------------------------------------- 05: a fair race
-
-def race(rank, variants: dict[str, dict] | None = None, model: str = "tiny", steps: int = 6,
-         micro_batch: int = 4, warmup: int = 1) -> dict[str, list[float]]:
-    """Train one model per variant side by side on the same ranks, *alternating step by step*
-    (A, B, B, A, A, B, ...), so that load from other processes on a shared machine falls on all
-    alike. ``variants`` maps a label to :class:`minishard.TrainConfig` fields (default: ``ddp``
-    and ``fsdp``). Every step starts from a barrier. Returns this rank's wall-clock step times per
-    label, and (key ``"cpu:<label>"``) the CPU seconds the rank process burned in each step, all
-    threads included — a figure other processes' load hardly changes. The ``warmup`` first steps
-    of each are dropped."""
-    import time
-
-    from .train import TrainConfig, build, train_step
-    variants = variants or {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}}
-    cfg = config(model)
-    runs = {}
-    for label, opts in variants.items():
-        comm = Comm()
-        runs[label] = (comm, build(GPT(cfg).to(rank.device), TrainConfig(model=model, **opts), comm))
-    labels = list(variants)
-    times = {k: [] for s in labels for k in (s, f"cpu:{s}")}
-    for step in range(warmup + steps):
-        x, y = batch(cfg, step, micro_batch, rank.rank, rank.world_size)
-        for s in (labels if step % 2 == 0 else labels[::-1]):
-            comm, built = runs[s]
-            comm.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            train_step(built, [(x, y)])
-            if step >= warmup:
-                times[s].append(time.perf_counter() - t0)
-                times[f"cpu:{s}"].append(time.process_time() - c0)
-    return times
-
-
 # --------------------------------------------------------------------------- 06: two layouts
+
 
 def _padding_on(layout, rank: int) -> int:
     """Elements of padding this rank stores for one unit."""
@@ -224,7 +191,7 @@ def padding_table(model: str, world_size: int) -> dict[str, list[int]]:
     """Padding elements each rank stores (summed over the units: every block and the root),
     per layout, for ``world_size`` ranks — computed by building the layouts on the meta
     device, no ranks needed."""
-    from .fsdp_param import FlatLayout, PerParamLayout, collect_slots
+    from ..fsdp_param import FlatLayout, PerParamLayout, collect_slots
     out = {}
     for kind in ("per_param", "flat"):
         net = GPT(model, device="meta")
@@ -272,17 +239,6 @@ def mixed_dtypes(rank, model: str = "nano") -> dict:
 
 # --------------------------------------------------------------------------- views of a trace
 
-def unsharded_series(events: list[dict], rank: int = 0, step: int | None = None) -> list[tuple]:
-    """``(t, unsharded bytes, "unit → state")`` at every unit state change of ``rank`` (in
-    ``step``, or all), read from the ledger fold of the trace."""
-    tl = LedgerTimeline.build(events)
-    if "unsharded" not in tl.categories:
-        return []
-    r, c = tl.ranks.index(rank), tl.categories.index("unsharded")
-    return [(e["t"], int(tl.bytes[i, r, c]), f"{e['name']} → {e['state']}")
-            for i, e in enumerate(events)
-            if e["kind"] == "unit" and e["rank"] == rank and (step is None or e.get("step") == step)]
-
 
 def lifecycle_order(events: list[dict], rank: int = 0, step: int | None = None) -> list[str]:
     """The unit state changes and collectives of ``rank`` (in ``step``), in the order they
@@ -301,21 +257,6 @@ def lifecycle_order(events: list[dict], rank: int = 0, step: int | None = None) 
                 and e["edge"] == "begin" and not e.get("unit"):
             out.append(e["name"].upper())
     return out
-
-
-def unit_states_at(events: list[dict], i: int) -> dict[int, dict[str, str]]:
-    """``{rank: {unit: state}}`` after event ``i``: every unit starts sharded."""
-    states: dict[int, dict[str, str]] = {}
-    for e in events:
-        if e["kind"] == "unit":
-            states.setdefault(e["rank"], {}).setdefault(e["name"], "sharded")
-    for e in events[:i + 1]:
-        if e["kind"] == "unit":
-            states[e["rank"]][e["name"]] = e["state"]
-    return states
-
-
-STATE_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2"}
 
 
 def unit_state_figure(events: list[dict], rank: int = 0, step: int | None = None, title: str = ""):
@@ -355,34 +296,33 @@ def unit_state_figure(events: list[dict], rank: int = 0, step: int | None = None
     return fig
 
 
-def with_unit_states(player):
-    """The player, plus a table of every unit's state on every rank that follows its slider.
+# --------------------------------------------------------------------------- by hand, for the exercise
 
-    (The :class:`~minishard.viz.Player` names a unit's state change in its title only; this
-    panel shows all units at once. It listens to the player's slider.)"""
-    import html
 
-    import ipywidgets as W
+def manual_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One training step of a GPT whose units were made with ``fully_shard(..., manual=True)``,
+    every lifecycle step written out — what the hooks do for you. Returns the loss.
 
-    panel = W.HTML()
-
-    def render(_=None):
-        i = player.index
-        rp = player.replay
-        if i < 0:
-            return
-        states = unit_states_at(rp.events, i)
-        names = list(dict.fromkeys(n for r in sorted(states) for n in states[r]))
-        head = "".join(f"<th style='padding:2px 8px'>{html.escape(n)}</th>" for n in names)
-        body = ""
-        for r in sorted(states):
-            cells = "".join(
-                f"<td style='padding:2px 8px;background:{STATE_COLORS.get(states[r].get(n, 'sharded'), '#f4f4f4')}'>"
-                f"{states[r].get(n, 'sharded')}</td>" for n in names)
-            body += f"<tr><th style='padding:2px 8px'>rank {r}</th>{cells}</tr>"
-        panel.value = f"<table><tr><th>unit states</th>{head}</tr>{body}</table>"
-
-    player._slider.observe(render, names="value")
-    render()
-    panel.render = render
-    return W.VBox([player.widget, panel]), panel
+    The root (embeddings, final norm, head) is gathered for the whole step; each block is
+    gathered for its forward and freed after it, gathered again for backward.
+    """
+    root, blocks = model._fsdp_unit, [b._fsdp_unit for b in model.blocks]
+    root.unshard()
+    root.wait_for_unshard()
+    x = model.tok_emb(idx)
+    if model.pos_emb is not None:
+        x = x + model.pos_emb.weight[:idx.shape[1]]
+    for b in blocks:
+        b.unshard()
+        b.wait_for_unshard()
+        x = b.module(x)              # autograd keeps this block's full weights for backward...
+        b.reshard()                  # ...but their storage is freed now: 1/N stays
+    loss = nn.functional.cross_entropy(model.head(model.ln_f(x)).flatten(0, 1), targets.flatten())
+    for b in blocks:                 # backward needs every block's weights again
+        b.unshard()
+        b.wait_for_unshard()
+    loss.backward()
+    for u in [*reversed(blocks), root]:
+        u.reduce_scatter_grads()     # sum the full gradients, keep this rank's slice
+        u.reshard()
+    return loss.detach()

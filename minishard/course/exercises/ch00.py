@@ -1,6 +1,6 @@
 """Chapter 00 exercise: predict what every rank of ``hello`` reports, then run it.
 
-``minishard.examples.hello`` has every rank fill a buffer of ``payload_mb`` MiB (fp32) with the
+``minishard.course.ch00.hello`` has every rank fill a buffer of ``payload_mb`` MiB (fp32) with the
 value ``rank + 1`` and all-reduce it. Write down, before running anything, what each rank will
 see and how many bytes each will send — the ring all-reduce sends 2(N−1)/N of the buffer.
 The check runs ``hello`` on 2 and on 3 real ranks and compares.
@@ -20,7 +20,7 @@ def predict_hello(world_size: int, payload_mb: float) -> tuple[float, int]:
 def check_predict_hello(fn=None, ranks=None, payload_mb: float = 1.0) -> None:
     """Run ``hello`` on 2 and 3 ranks (``ranks``: a warm pool, or a dict of them, to reuse) and
     compare each rank's report with ``fn(world_size, payload_mb)``."""
-    from ..examples import hello
+    from ..ch00 import hello
 
     fn = fn or predict_hello
     for n in (1, 2, 3):                                  # cheap first: no ranks needed for N=1

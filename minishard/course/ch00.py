@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from .comm import Comm
-from .launch import RankContext
+from ..comm import Comm
+from ..launch import RankContext
 
 
 def hello(rank: RankContext, payload_mb: float = 1.0) -> dict:

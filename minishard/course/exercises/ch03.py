@@ -53,8 +53,8 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 def _task(ctx, spec: dict) -> dict:
     """On each rank: the learner's step and minishard's ZeroOptimizer, side by side."""
-    from ..comm import Comm
-    from ..zero import ZeroOptimizer
+    from ...comm import Comm
+    from ...zero import ZeroOptimizer
 
     N, r = ctx.world_size, ctx.rank
     model = _model()
@@ -112,12 +112,14 @@ def check_zero1_step(fn=None, ranks=None) -> None:
                    f"N={n}: rank {o['rank']}'s parameters differ from rank 0's — did every "
                    f"rank all-gather the updated chunks into flat_param?")
             ratio = o["step_ratio"]
+            if abs(ratio - 1) > 1e-3:
+                hint = (f"; your first update was {ratio:.2g}x its size: average the gradient — "
+                        f"the reduce-scatter sums it over the {n} ranks, divide by N")
+            else:
+                hint = (". Average the gradient (the reduce-scatter sums it), update only your "
+                        "shard, and gather every rank's updated chunk.")
             expect(gap <= 1e-5, f"N={n} rank {o['rank']}: your parameters are {gap:.2e} away "
-                   f"from ZeroOptimizer's" + (f"; your first update was {ratio:.2g}x its size: "
-                   f"average the gradient — the reduce-scatter sums it over the {n} ranks, "
-                   f"divide by N" if abs(ratio - 1) > 1e-3 else ". Average the gradient (the "
-                   f"reduce-scatter sums it), update only your shard, and gather every rank's "
-                   f"updated chunk."))
+                   f"from ZeroOptimizer's{hint}")
             psi = 4 * n * math.ceil(o["numel"] / n)          # fp32 bytes, padded
             ddp_volume = 2 * (n - 1) * psi // n
             expect(o["wire"] <= ddp_volume * STEPS + 8 * n * STEPS,

@@ -23,13 +23,14 @@ import itertools
 
 import time
 
-from .comm import Comm
-from .model import GPT, batch, config
+from ..comm import Comm
+from ..model import GPT, batch, config
 
 PASSES = ("forward", "backward")
 
 
 # --------------------------------------------------------------------------- 07: a fair race
+
 
 def prefetch_race(rank, depths=(0, 1, 2, 3), model: str = "tiny", steps: int = 5,
                   micro_batch: int = 4, strategy: str = "fsdp_flat", warmup: int = 1) -> dict:
@@ -41,7 +42,7 @@ def prefetch_race(rank, depths=(0, 1, 2, 3), model: str = "tiny", steps: int = 5
     rank: wall-clock seconds per step, seconds compute waited on communication per step (the
     sum over units of :attr:`FSDPUnit.exposed_s`), CPU seconds the rank process burned. The
     ``warmup`` first steps are dropped."""
-    from .train import TrainConfig, build, train_step
+    from ..train import TrainConfig, build, train_step
     cfg = config(model)
     runs = {}
     for k in depths:
@@ -66,6 +67,7 @@ def prefetch_race(rank, depths=(0, 1, 2, 3), model: str = "tiny", steps: int = 5
 
 
 # --------------------------------------------------------------------------- 07: views of a trace
+
 
 def _rank_events(events: list[dict], rank: int, step: int | None = None) -> list[dict]:
     """One rank's events in the order they were recorded (``seq``), optionally one step."""
@@ -254,36 +256,3 @@ def prefetch_timeline(runs: dict[str, list[dict]], rank: int = 0, step: int = 1,
 
 
 # --------------------------------------------------------------------------- 08: transfers
-
-def transfer_table(events: list[dict], rank: int = 0, step: int | None = None) -> dict:
-    """``transfer`` events of ``rank`` (in ``step``) summed: ``{(direction, unit): [count,
-    bytes, seconds]}``."""
-    out: dict[tuple, list] = {}
-    for e in _rank_events(events, rank, step):
-        if e["kind"] == "transfer":
-            row = out.setdefault((e["direction"], e["tag"]), [0, 0, 0.0])
-            row[0] += 1
-            row[1] += e["bytes"]
-            row[2] += e["seconds"]
-    return out
-
-
-def disk_tier_files(rank, directory: str, model: str = "tiny", micro_batch: int = 2) -> dict:
-    """Build FSDP (flat layout) with the sharded state in memory-mapped files under
-    ``directory``, train one step, and list what the tier holds on disk before cleaning up:
-    ``{"files": n, "bytes": total, "sizes": sorted sizes}`` for this rank."""
-    import os
-
-    from .train import TrainConfig, build
-    cfg = config(model)
-    comm = Comm()
-    built = build(GPT(cfg).to(rank.device), TrainConfig("fsdp_flat", model=model, offload="disk",
-                                                        offload_dir=directory), comm)
-    x, y = batch(cfg, 0, micro_batch, rank.rank, rank.world_size)
-    built.model(x, y).backward()
-    built.optimizer.step()
-    tier_dir = built.tier.directory
-    sizes = sorted(os.path.getsize(tier_dir / f) for f in os.listdir(tier_dir))
-    built.tier.cleanup()
-    return {"files": len(sizes), "bytes": sum(sizes), "sizes": sizes,
-            "left_behind": os.path.exists(tier_dir)}

@@ -6,7 +6,7 @@ reduction) calling the lifecycle methods yourself:
 ``unit.unshard()`` (all-gather the full parameters), ``unit.reshard()`` (free them, keep the
 shard), ``unit.reduce_scatter_grads()`` (sum the full gradients over ranks, keep your slice).
 
-The check runs your step on 1 and 2 real ranks next to minishard's ``fsdp.manual_step`` on an
+The check runs your step on 1 and 2 real ranks next to minishard's ``course.ch06.manual_step`` on an
 identical model and batch, compares the loss and every gradient shard, counts the collectives,
 and looks at the units when forward reaches the final norm: every block must already be freed.
 """
@@ -32,8 +32,8 @@ def manual_step(model, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 def _net(comm):
-    from .. import fsdp
-    from ..model import GPT
+    from ... import fsdp
+    from ...model import GPT
 
     net = GPT("nano", seed=0)
     for i, b in enumerate(net.blocks):
@@ -43,15 +43,16 @@ def _net(comm):
 
 
 def _task(ctx, spec: dict) -> dict:
-    from .. import fsdp
-    from ..comm import Comm
-    from ..model import batch, config
+    from ... import fsdp
+    from ...comm import Comm
+    from ...model import batch, config
+    from ..ch06 import manual_step as reference_manual_step
 
     x, y = batch(config("nano"), 0, 2, ctx.rank, ctx.world_size)
     ref_comm, comm = Comm(None), Comm(None)
     ref = _net(ref_comm)
     ref_comm.reset_counters()
-    ref_loss = fsdp.manual_step(ref, x, y)
+    ref_loss = reference_manual_step(ref, x, y)
 
     net = _net(comm)
     comm.reset_counters()

@@ -19,8 +19,14 @@ import statistics
 import time
 from typing import Any
 
-from .launch import RankContext
-from .ledger import DeviceOutOfMemory
+import torch
+
+from ..comm import Comm
+from ..launch import RankContext
+from ..ledger import LiveLedger
+from ..tp import TensorParallelMLP
+from ..ledger import DeviceOutOfMemory
+
 
 # ---------------------------------------------------------------------------- the OOM checklist
 
@@ -35,7 +41,7 @@ def under_budget(rank: RankContext, budget: int, *, peak_too: bool = True, **tra
     Every rank runs the same shapes, so every rank reaches the allocation that crosses the
     budget at the same point of the program and raises there: no rank is left waiting in a
     collective, and the warm pool stays usable (a real CUDA OOM usually ends the job)."""
-    from .train import TrainConfig, train
+    from ..train import TrainConfig, train
     try:
         out = train(rank, TrainConfig(device_budget=budget, **train_kw))
         report: dict[str, Any] = {"fits": True}
@@ -77,9 +83,9 @@ def straggler(rank: RankContext, slow_rank: int = 1, every: int = 5, delay: floa
     """Train ``steps`` steps; rank ``slow_rank`` sleeps ``delay`` seconds before the forward of
     every ``every``-th step (a stand-in for a slow node, a GC pause, a noisy neighbour).
     Returns this rank's wall-clock step times, measured from a common barrier."""
-    from .comm import Comm
-    from .model import GPT, batch, config
-    from .train import TrainConfig, build, train_step
+    from ..comm import Comm
+    from ..model import GPT, batch, config
+    from ..train import TrainConfig, build, train_step
 
     cfg = config(model)
     comm = Comm()
@@ -176,4 +182,93 @@ def profile(results: list[dict], events: list[dict], tokens_per_rank: int,
            "peak_bytes": max(r["ledger"]["peak"] for r in results)}
     if single_tokens_per_s:
         out["scaling_efficiency"] = out["tokens_per_s"] / (N * single_tokens_per_s)
+    return out
+
+
+# --------------------------------------------------------------------------- §3: FSDP vs tensor parallelism
+
+
+def compare_with_fsdp(rank: RankContext, micro_batch: int = 2, model: str = "tiny") -> dict:
+    """One MLP forward+backward, tensor-parallel and FSDP-sharded, on real ranks: what each
+    rank stores at its peak, what crosses the wire, and whether the results are the single-
+    process ones. (A rank task; core question 3 of the course.)"""
+    from .. import fsdp
+    from ..model import GPT, config
+
+    cfg = config(model)
+    full = GPT(cfg, seed=0).blocks[0].mlp                   # the same weights on every rank
+    x = torch.randn(micro_batch, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(1))
+    ref_x = x.clone().requires_grad_(True)
+    ref = full(ref_x)
+    ref.sum().backward()
+    out = {}
+
+    tracer = rank.tracer
+    ledger = LiveLedger(tracer)
+    comm = Comm(tracer, ledger=ledger)
+    tp = TensorParallelMLP(full, comm, ledger)
+    tx = x.clone().requires_grad_(True)
+    y = tp(tx)
+    y.sum().backward()
+    # this rank's slices of the unsharded MLP's weight gradients (proj.bias: whole on every rank)
+    N, F_ = comm.world_size, full.fc.out_features
+    part = slice(rank.rank * F_ // N, (rank.rank + 1) * F_ // N)
+    want = {"fc_w": full.fc.weight.grad[part], "fc_b": full.fc.bias.grad[part],
+            "proj_w": full.proj.weight.grad[:, part], "proj_b": full.proj.bias.grad}
+    out["tp"] = {"output_matches": torch.allclose(y, ref, atol=1e-5),
+                 "grad_x_matches": torch.allclose(tx.grad, ref_x.grad, atol=1e-5),
+                 "grad_w_gap": {n: (getattr(tp, n).grad - g).abs().max().item() for n, g in want.items()},
+                 "grad_w_scale": {n: g.abs().max().item() for n, g in want.items()},
+                 "peak_weight_bytes": ledger.category_peaks.get(("params", "device"), 0),
+                 "wire": comm.totals["wire"], "calls": comm.totals["calls"]}
+
+    ledger2 = LiveLedger(tracer)
+    comm2 = Comm(tracer, ledger=ledger2)
+    sharded = GPT(cfg, seed=0).blocks[0].mlp
+    fsdp.fully_shard(sharded, comm=comm2, ledger=ledger2, reshard_after_forward=True, name="mlp")
+    comm2.reset_counters()
+    fx = x.clone().requires_grad_(True)
+    y2 = sharded(fx)
+    y2.sum().backward()
+    peaks = {c: b for (c, d), b in ledger2.category_peaks.items()}
+    out["fsdp"] = {"output_matches": torch.allclose(y2, ref, atol=1e-5),
+                   "peak_weight_bytes": peaks.get("params", 0) + peaks.get("unsharded", 0),
+                   "gathered_full_weights": peaks.get("unsharded", 0),
+                   "wire": comm2.totals["wire"], "calls": comm2.totals["calls"]}
+    out["full_weight_bytes"] = sum(p.numel() * 4 for p in full.parameters())
+    out["activation_bytes"] = x.numel() * 4
+    return out
+
+
+# --------------------------------------------------------------------------- the planner's calibration on this machine
+
+
+def measure_compute(rank, **train_kw) -> list[float]:
+    """A rank task: step times of single-process training on every rank at once, with no
+    communication — what one "device" computes when all the ranks share this machine's cores
+    (see benchmarks/bench_planner.py)."""
+    from ..train import TrainConfig, train
+    return train(None, TrainConfig(strategy="single", track_activations=False, **train_kw))["step_times"]
+
+
+def measure_all_reduce(rank, sizes: list[int], repeats: int = 5) -> list[float]:
+    """A rank task: median seconds of an fp32 all-reduce of each size (elements), to calibrate
+    the loopback link (see benchmarks/bench_planner.py)."""
+    import statistics
+    import time
+
+    import torch
+
+    from ..comm import Comm
+    comm = Comm()
+    out = []
+    for n in sizes:
+        x = torch.ones(n)
+        times = []
+        for _ in range(repeats):
+            comm.barrier()
+            t0 = time.perf_counter()
+            comm.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
     return out

@@ -1,0 +1,110 @@
+"""Chapter 05 (ZeRO-3): a fair race between strategies, and views of a trace's unit states.
+
+* :func:`race` times strategies (or FSDP wrappings) on the same ranks, alternating step by
+  step, wall-clock and CPU seconds — fair timing on a machine other jobs share.
+* :func:`unsharded_series`, :func:`unit_states_at` and :func:`with_unit_states` turn a trace's
+  ``unit`` events into the chapter's tables and the player's unit-state panel (ipywidgets is
+  imported lazily, so the rank processes that import this module for :func:`race` do not pay
+  for it).
+"""
+from __future__ import annotations
+
+from ..comm import Comm
+from ..model import GPT, batch, config
+from ..trace import LedgerTimeline
+
+
+def race(rank, variants: dict[str, dict] | None = None, model: str = "tiny", steps: int = 6,
+         micro_batch: int = 4, warmup: int = 1) -> dict[str, list[float]]:
+    """Train one model per variant side by side on the same ranks, *alternating step by step*
+    (A, B, B, A, A, B, ...), so that load from other processes on a shared machine falls on all
+    alike. ``variants`` maps a label to :class:`minishard.TrainConfig` fields (default: ``ddp``
+    and ``fsdp``). Every step starts from a barrier. Returns this rank's wall-clock step times per
+    label, and (key ``"cpu:<label>"``) the CPU seconds the rank process burned in each step, all
+    threads included — a figure other processes' load hardly changes. The ``warmup`` first steps
+    of each are dropped."""
+    import time
+
+    from ..train import TrainConfig, build, train_step
+    variants = variants or {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}}
+    cfg = config(model)
+    runs = {}
+    for label, opts in variants.items():
+        comm = Comm()
+        runs[label] = (comm, build(GPT(cfg).to(rank.device), TrainConfig(model=model, **opts), comm))
+    labels = list(variants)
+    times = {k: [] for s in labels for k in (s, f"cpu:{s}")}
+    for step in range(warmup + steps):
+        x, y = batch(cfg, step, micro_batch, rank.rank, rank.world_size)
+        for s in (labels if step % 2 == 0 else labels[::-1]):
+            comm, built = runs[s]
+            comm.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            train_step(built, [(x, y)])
+            if step >= warmup:
+                times[s].append(time.perf_counter() - t0)
+                times[f"cpu:{s}"].append(time.process_time() - c0)
+    return times
+
+
+# --------------------------------------------------------------------------- views of a trace
+
+
+def unsharded_series(events: list[dict], rank: int = 0, step: int | None = None) -> list[tuple]:
+    """``(t, unsharded bytes, "unit → state")`` at every unit state change of ``rank`` (in
+    ``step``, or all), read from the ledger fold of the trace."""
+    tl = LedgerTimeline.build(events)
+    if "unsharded" not in tl.categories:
+        return []
+    r, c = tl.ranks.index(rank), tl.categories.index("unsharded")
+    return [(e["t"], int(tl.bytes[i, r, c]), f"{e['name']} → {e['state']}")
+            for i, e in enumerate(events)
+            if e["kind"] == "unit" and e["rank"] == rank and (step is None or e.get("step") == step)]
+
+
+def unit_states_at(events: list[dict], i: int) -> dict[int, dict[str, str]]:
+    """``{rank: {unit: state}}`` after event ``i``: every unit starts sharded."""
+    states: dict[int, dict[str, str]] = {}
+    for e in events:
+        if e["kind"] == "unit":
+            states.setdefault(e["rank"], {}).setdefault(e["name"], "sharded")
+    for e in events[:i + 1]:
+        if e["kind"] == "unit":
+            states[e["rank"]][e["name"]] = e["state"]
+    return states
+
+
+STATE_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2"}
+
+
+def with_unit_states(player):
+    """The player, plus a table of every unit's state on every rank that follows its slider.
+
+    (The :class:`~minishard.viz.Player` names a unit's state change in its title only; this
+    panel shows all units at once. It listens to the player's slider.)"""
+    import html
+
+    import ipywidgets as W
+
+    panel = W.HTML()
+
+    def render(_=None):
+        i = player.index
+        rp = player.replay
+        if i < 0:
+            return
+        states = unit_states_at(rp.events, i)
+        names = list(dict.fromkeys(n for r in sorted(states) for n in states[r]))
+        head = "".join(f"<th style='padding:2px 8px'>{html.escape(n)}</th>" for n in names)
+        body = ""
+        for r in sorted(states):
+            cells = "".join(
+                f"<td style='padding:2px 8px;background:{STATE_COLORS.get(states[r].get(n, 'sharded'), '#f4f4f4')}'>"
+                f"{states[r].get(n, 'sharded')}</td>" for n in names)
+            body += f"<tr><th style='padding:2px 8px'>rank {r}</th>{cells}</tr>"
+        panel.value = f"<table><tr><th>unit states</th>{head}</tr>{body}</table>"
+
+    player._slider.observe(render, names="value")
+    render()
+    panel.render = render
+    return W.VBox([player.widget, panel]), panel

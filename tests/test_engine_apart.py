@@ -1,0 +1,97 @@
+"""The engine stands apart from the course: it imports no course or widget code, and installs and
+trains on a cluster node without JupyterLab, plotly or ipywidgets.
+
+* Statically: no module of the engine (``minishard/*.py``) imports ``minishard.course``,
+  ``minishard.viz`` or a notebook library — not even lazily, inside a function.
+* For real: a fresh virtual environment gets torch and ``pip install`` of this repository with
+  the engine's dependencies only (nothing else is installed), and there, under ``torchrun``, two
+  ranks train DDP, ZeRO-2 and FSDP and save a checkpoint that three ranks then load under ZeRO-1.
+"""
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = sorted((ROOT / "minishard").glob("*.py"))
+COURSE_ONLY = ("minishard.course", "minishard.viz", "plotly", "ipywidgets", "anywidget", "IPython",
+               "jupyterlab", "jupyter_server", "nbformat", "nbclient")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it, as absolute names."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = "minishard" if node.level else ""
+            mod = ".".join(x for x in (base, node.module or "") if x)
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def test_the_engine_imports_no_course_or_widget_code():
+    for path in ENGINE:
+        bad = sorted(m for m in imported_modules(path) if m.startswith(COURSE_ONLY))
+        assert not bad, f"minishard/{path.name} imports {bad}: the engine must not (course code " \
+                        f"lives in minishard/course, widgets in minishard/viz)"
+
+
+def test_the_engines_dependencies_are_torch_numpy_and_safetensors():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}
+    assert names == {"torch", "numpy", "safetensors"}
+    assert {"jupyterlab", "plotly", "ipywidgets"} <= {
+        d.split(">")[0].strip() for d in project["optional-dependencies"]["course"]}
+
+
+TASK = textwrap.dedent('''
+    import os, sys, torch.distributed as dist
+    from minishard.launch import context_from_env
+    from minishard.train import TrainConfig, train
+    ctx = context_from_env()
+    out_dir, phase = sys.argv[1], sys.argv[2]
+    kw = dict(model="nano", micro_batch=1, track_activations=False)
+    if phase == "train":
+        for s in ("ddp", "zero2", "fsdp"):
+            r = train(ctx, TrainConfig(s, steps=2, **kw))
+            print(f"rank {ctx.rank} {s} wire {r['wire'][-1]} loss {r['losses'][-1]:.4f}", flush=True)
+        train(ctx, TrainConfig("fsdp", steps=2, save_to=os.path.join(out_dir, "ck"), **kw))
+    else:
+        r = train(ctx, TrainConfig("zero1", steps=1, resume_from=os.path.join(out_dir, "ck"), **kw))
+        print(f"rank {ctx.rank} resumed at step {r['checkpoint']['load']['step']}", flush=True)
+    dist.destroy_process_group()
+''')
+
+
+def test_a_fresh_environment_with_only_the_engine_trains_and_reshards(tmp_path):
+    venv = tmp_path / "venv"
+    py = venv / "bin" / "python"
+    run = lambda *cmd, **kw: subprocess.run(cmd, check=True, capture_output=True, text=True,  # noqa: E731
+                                            timeout=600, **kw)
+    run(sys.executable, "-m", "venv", str(venv))
+    torch_version = torch.__version__.split("+")[0]
+    run(str(py), "-m", "pip", "install", "-q", f"torch=={torch_version}")   # the build this machine has
+    run(str(py), "-m", "pip", "install", "-q", str(ROOT))                    # + the engine's dependencies
+    installed = {line.split("==")[0].split(" @ ")[0].lower() for line in
+                 run(str(py), "-m", "pip", "freeze").stdout.splitlines()}
+    assert "minishard" in installed and {"numpy", "safetensors"} <= installed
+    assert not installed & {"jupyterlab", "plotly", "ipywidgets", "anywidget", "ipython", "nbformat"}
+    (tmp_path / "task.py").write_text(TASK)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    for n, phase in ((2, "train"), (3, "resume")):
+        out = run(str(py), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                  str(tmp_path / "task.py"), str(tmp_path), phase, cwd=tmp_path, env=env).stdout
+        lines = [x for x in out.splitlines() if x.startswith("rank ")]
+        if phase == "train":
+            assert len(lines) == 2 * 3 and all(" wire " in x for x in lines), out
+        else:
+            assert sorted(lines) == [f"rank {r} resumed at step 2" for r in range(3)], out
