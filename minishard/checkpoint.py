@@ -58,6 +58,7 @@ import torch
 import torch.nn as nn
 
 from .comm import Comm
+from .optim_state import ensure_optimizer_state
 
 FORMAT, VERSION = "minishard-checkpoint", 1
 METADATA = "metadata.json"
@@ -142,30 +143,6 @@ def _states(optimizer, p: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
     return {k: st[k].detach().reshape(-1) for k in STATE_KINDS if k in st}
 
 
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer state the first step would create (zero moments, step 0), so that a
-    checkpoint has something to load into, and a save before the first step is complete. Zeros
-    change nothing: Adam starts from zero moments, and SGD's first update of a zero momentum
-    buffer (dampening 0) equals its clone of the gradient. (As ``offload.prepare_optimizer_state``,
-    in the optimizer's tier if it has one.)"""
-    tier = getattr(optimizer, "tier", None)
-    zeros = tier.zeros_like if tier is not None else torch.zeros_like
-    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if optimizer.state.get(p):
-                continue
-            if adam:
-                st = {"step": torch.tensor(0.0), "exp_avg": zeros(p), "exp_avg_sq": zeros(p)}
-                if group.get("amsgrad"):
-                    st["max_exp_avg_sq"] = zeros(p)
-            elif isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0):
-                st = {"momentum_buffer": zeros(p)}
-            else:
-                continue
-            optimizer.state[p] = st
-
-
 def describe(model: nn.Module, optimizer, comm: Comm) -> ShardedState:
     """What this rank holds of the training state, as regions of global tensors (see the module
     docstring). ``optimizer`` may be None (weights only). Creates missing optimizer state."""
@@ -180,7 +157,8 @@ def describe(model: nn.Module, optimizer, comm: Comm) -> ShardedState:
         raise CheckpointError("PyTorch's ZeroRedundancyOptimizer keeps its own layout: use "
                               "minishard's zero1 strategy, or torch.distributed.checkpoint")
     if inner is not None:
-        ensure_optimizer_state(inner)
+        tier = getattr(optimizer, "tier", None)
+        ensure_optimizer_state(inner, tier.zeros_like if tier is not None else torch.zeros_like)
     net = getattr(model, "module", model)            # DDP wrappers hold the replica in .module
     if isinstance(optimizer, ZeroOptimizer):
         strategy = f"zero{optimizer.stage}"

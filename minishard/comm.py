@@ -191,6 +191,25 @@ class Comm:
         return self._run(ev, lambda: dist.broadcast(tensor, group=self.group, group_src=src,
                                                     async_op=True), async_op)
 
+    @torch.no_grad()
+    def replicate_from_rank0(self, tensors, ledger=None) -> None:
+        """Make every rank's ``tensors`` equal rank 0's — how DDP and FSDP start from one model:
+        packed into one flat buffer, so that it is one broadcast rather than one per tensor
+        (entered in ``ledger`` as a communication buffer while it lives)."""
+        tensors = list(tensors)
+        if self.world_size == 1 or not tensors:
+            return
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        if ledger is not None:
+            ledger.alloc("comm_buffers", flat.numel() * flat.element_size(), "replicate")
+        self.broadcast(flat, 0, tag="replicate")
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        if ledger is not None:
+            ledger.free("replicate")
+
     def gather_object(self, obj, dst: int = 0) -> list | None:
         """Small Python objects (tables, summaries) to rank ``dst``; not traced as training traffic."""
         if self.world_size == 1:

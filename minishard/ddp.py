@@ -27,32 +27,13 @@ from .comm import Comm, Work
 from .ledger import LiveLedger
 
 
-def replicate_from_rank0(module: nn.Module, comm: Comm, ledger: LiveLedger | None = None) -> None:
-    """Make every replica start identical: rank 0's parameters are broadcast to all, packed into
-    one flat buffer so that it is one collective rather than one per tensor."""
-    if comm.world_size == 1:
-        return
-    params = [p for p in module.parameters()]
-    with torch.no_grad():
-        flat = torch.cat([p.reshape(-1) for p in params])
-        if ledger is not None:
-            ledger.alloc("comm_buffers", flat.numel() * flat.element_size(), "replicate")
-        comm.broadcast(flat, 0, tag="replicate")
-        offset = 0
-        for p in params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        if ledger is not None:
-            ledger.free("replicate")
-
-
 class NaiveDDP(nn.Module):
     """All-reduce each gradient after backward; the training loop calls ``sync_gradients()``."""
 
     def __init__(self, module: nn.Module, comm: Comm, ledger: LiveLedger | None = None):
         super().__init__()
         self.module, self.comm = module, comm
-        replicate_from_rank0(module, comm, ledger)
+        comm.replicate_from_rank0(module.parameters(), ledger)
         if ledger is not None:
             for name, p in module.named_parameters():
                 ledger.track("params", p, f"param:{name}")
@@ -145,7 +126,7 @@ class DDP(BucketedReduction, nn.Module):
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0):
         super().__init__()
         self.module, self.comm, self.ledger = module, comm, ledger
-        replicate_from_rank0(module, comm, ledger)
+        comm.replicate_from_rank0(module.parameters(), ledger)
         self.buckets = self._build_buckets(bucket_cap_mb, first_bucket_mb)
         if ledger is not None:
             for name, p in module.named_parameters():

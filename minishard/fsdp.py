@@ -387,7 +387,7 @@ def fully_shard(module: nn.Module, *, comm: Comm, ledger: LiveLedger | None = No
     True/False force it (True on the root gives textbook ZeRO-3: every parameter gathered twice).
     ``manual=True`` registers no hooks: call ``unshard``/``reshard``/``reduce_scatter_grads``
     yourself (see :func:`manual_step`). ``offload``: an ``offload.Tier`` that keeps the shards,
-    their gradients (and, with ``offload.prepare_optimizer_state``, the optimizer state).
+    their gradients (and, with ``optim_state.ensure_optimizer_state``, the optimizer state).
     ``replicate``: hybrid sharding (HSDP) — ``comm`` is the shard group (a node), ``replicate``
     joins the ranks holding the same shard on other nodes (see ``Comm.split``)."""
     name = name or type(module).__name__
@@ -412,7 +412,7 @@ def fully_shard(module: nn.Module, *, comm: Comm, ledger: LiveLedger | None = No
         raise ValueError(f"{name}: parameters on mixed devices {sorted(map(str, devices))}")
     original_ids = {id(s.module._parameters[s.name]) for s in slots}
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    _broadcast_from_rank0(slots, comm)
+    comm.replicate_from_rank0(s.module._parameters[s.name] for s in slots)   # rank 0's model
     if layout == "per_param":
         lay = PerParamLayout(slots, comm.rank, comm.world_size, mp_policy.param_dtype)
     else:
@@ -424,20 +424,6 @@ def fully_shard(module: nn.Module, *, comm: Comm, ledger: LiveLedger | None = No
     if not manual:
         _register_hooks(unit)
     return module
-
-
-def _broadcast_from_rank0(slots, comm: Comm) -> None:
-    """Start from rank 0's values, as DDP does, so every rank shards the same model."""
-    if comm.world_size == 1:
-        return
-    with torch.no_grad():
-        tensors = [s.module._parameters[s.name] for s in slots]
-        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-        comm.broadcast(flat, 0, tag="replicate")
-        off = 0
-        for s, t in zip(slots, tensors):
-            t.copy_(flat[off:off + s.numel].view(s.shape))
-            off += s.numel
 
 
 def _depth(value, what: str) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,32 +114,6 @@ def _prepare_directory(directory: Path, rank: int, needed_bytes: int) -> Path:
         raise OffloadError(f"offload directory {directory} has {free / 2**20:.1f} MiB free; the "
                            f"offloaded state needs {needed_bytes / 2**20:.1f} MiB")
     return Path(tempfile.mkdtemp(prefix=f"rank{rank}-", dir=directory))
-
-
-def timed_copy(dst_device: torch.device | str, src: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Copy a tensor to another place, and how long it took (synchronised on CUDA)."""
-    t0 = time.perf_counter()
-    out = src.to(dst_device, copy=True)
-    if out.is_cuda or src.is_cuda:
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
-
-
-def prepare_optimizer_state(optimizer: torch.optim.Optimizer, tier: Tier) -> None:
-    """Create the moments of AdamW/Adam (and SGD's momentum) in the tier before the first step,
-    so that they live there and not wherever torch would allocate them. Zeros give the same
-    first step: Adam starts from zero moments, and SGD's first buffer update of a zero buffer
-    equals its clone of the gradient."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if optimizer.state.get(p):
-                continue
-            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                optimizer.state[p] = {"step": torch.tensor(0.0),
-                                      "exp_avg": tier.zeros_like(p),
-                                      "exp_avg_sq": tier.zeros_like(p)}
-            elif isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0):
-                optimizer.state[p] = {"momentum_buffer": tier.zeros_like(p)}
 
 
 @dataclass

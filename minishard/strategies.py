@@ -197,7 +197,8 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     """ZeRO-3 / FSDP: every block a unit, the root takes the rest; hybrid shards inside groups
     of ``shard_size`` ranks and replicates across them."""
     from . import fsdp
-    from .offload import OffloadPolicy, Tier, prepare_optimizer_state
+    from .offload import OffloadPolicy, Tier
+    from .optim_state import ensure_optimizer_state
     opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
     mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed" else None
     comms, replicate = (comm,), None
@@ -218,7 +219,7 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     fsdp.set_prefetch(net, config.prefetch, config.prefetch)
     opt = opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
     if tier is not None:
-        prepare_optimizer_state(opt, tier)      # the moments live in the tier too
+        ensure_optimizer_state(opt, tier.zeros_like)      # the moments live in the tier too
         opt.tier = tier
     from .ledger import track_optimizer_state
     no_sync = (lambda: fsdp.no_sync(net)) if config.fsdp_accumulate_unsharded else None

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from .comm import Comm, Work
-from .ddp import BucketedReduction, plan_buckets, replicate_from_rank0
+from .ddp import BucketedReduction, plan_buckets
 from .ledger import LiveLedger, track_optimizer_state
 
 # Optimizers whose update is element-wise, so running them on flat slices is exact. Their state
@@ -82,7 +82,7 @@ class ZeroOptimizer(BucketedReduction):
         self.module, self.comm, self.ledger = module, comm, ledger
         self.stage, self.reduce = stage, reduce
         N = comm.world_size
-        replicate_from_rank0(module, comm, ledger)
+        comm.replicate_from_rank0(module.parameters(), ledger)
 
         # ---- the flat layout: buckets of whole parameters, each padded to N equal chunks
         groups = plan_buckets(module, bucket_cap_mb, first_bucket_mb)
