@@ -1,15 +1,26 @@
 """minishard: see how training state is sharded across ranks, one event at a time.
 
-The public API, re-exported; see ``docs/architecture.md`` for how the pieces fit.
+The public API, re-exported; see ``docs/architecture.md`` for how the pieces fit. The names
+follow PyTorch's where PyTorch has one (``fully_shard``, ``MixedPrecisionPolicy``, ``DDP``)::
+
+    from minishard import DDP, ZeroOptimizer, fully_shard, checkpoint, train, TrainConfig
 """
+from . import checkpoint, strategies
 from .comm import Comm, ring_wire_bytes
+from .config import TrainConfig
 from .ddp import DDP, NaiveDDP
+from .fsdp import MixedPrecisionPolicy, fully_shard
 from .launch import RankContext, RankError, Ranks, run
 from .ledger import LiveLedger, conventions, count_params, estimate, gpt_activation_bytes
 from .model import CONFIGS, GPT, GPTConfig, batch, config
+from .parity import drift
 from .trace import Tracer, TraceFormatError
+from .train import train, train_step
+from .zero import ZeroOptimizer
 
 __version__ = "0.1.0"
-__all__ = ["Comm", "ring_wire_bytes", "DDP", "NaiveDDP", "RankContext", "RankError", "Ranks", "run",
+__all__ = ["checkpoint", "strategies", "Comm", "ring_wire_bytes", "TrainConfig", "DDP", "NaiveDDP",
+           "MixedPrecisionPolicy", "fully_shard", "RankContext", "RankError", "Ranks", "run",
            "LiveLedger", "conventions", "count_params", "estimate", "gpt_activation_bytes",
-           "CONFIGS", "GPT", "GPTConfig", "batch", "config", "Tracer", "TraceFormatError"]
+           "CONFIGS", "GPT", "GPTConfig", "batch", "config", "drift", "Tracer", "TraceFormatError",
+           "train", "train_step", "ZeroOptimizer"]

@@ -59,7 +59,11 @@ class TrainConfig:
     def __post_init__(self):
         from . import strategies                # (the registry: names and aliases)
         from .model import CONFIGS
-        object.__setattr__(self, "strategy", strategies.get(self.strategy).name)
+        strategy = strategies.get(self.strategy)
+        object.__setattr__(self, "strategy", strategy.name)
+        if self.offload is not None and not strategy.offloads:
+            raise ValueError(f"offload={self.offload!r} needs an FSDP strategy (fsdp, fsdp_flat, hsdp); "
+                             f"{strategy.name!r} keeps its state on the device")
         object.__setattr__(self, "freeze", tuple(self.freeze))
         for name in ("steps", "micro_batch", "accum", "shard_size"):
             value = getattr(self, name)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
+from . import strategies
 from .ledger import estimate, gpt_activation_bytes
 from .model import GPT, GPTConfig, config
 
@@ -101,6 +102,13 @@ def train_flops_per_token(cfg: GPTConfig, seq_len: int, recompute: bool) -> floa
     return per_pass * (4 if recompute else 3)
 
 
+# A plan above this share of the device gets a warning: the planner does not model the CUDA
+# context, NCCL's buffers, the allocator's fragmentation or the temporaries of each kernel
+# (docs/costmodel.md, "What the planner leaves out").
+HEADROOM = 0.9
+UNMODELLED = "the CUDA context, NCCL's buffers, allocator fragmentation and kernel temporaries"
+
+
 @dataclass
 class Plan:
     """What the planner says about one configuration (bytes per rank, seconds per step)."""
@@ -124,8 +132,23 @@ class Plan:
         return self.total_memory <= self.device_memory
 
     @property
+    def device_share(self) -> float:
+        """The share of the device's memory the plan uses."""
+        return self.total_memory / self.device_memory
+
+    @property
+    def tight(self) -> bool:
+        """Above :data:`HEADROOM` of the device: what the plan leaves out can tip it over."""
+        return self.total_memory > HEADROOM * self.device_memory
+
+    @property
     def step_s(self) -> float:
         return self.compute_s + self.exposed_comm_s
+
+    @property
+    def exposed_share(self) -> float:
+        """The share of the step spent waiting on the network (or PCIe)."""
+        return self.exposed_comm_s / self.step_s
 
     @property
     def tokens_per_s_per_rank(self) -> float:
@@ -138,20 +161,46 @@ class Plan:
             return f"does not fit: {use:.1f} GiB per GPU > {cap:.0f} GiB"
         return (f"fits: {use:.1f} of {cap:.0f} GiB per GPU; {self.step_s:.2f} s/step, "
                 f"{self.tokens_per_s_per_rank:,.0f} tokens/s/GPU, "
-                f"{self.exposed_comm_s / self.step_s:.0%} of the step waiting on the network")
+                f"{self.exposed_share:.0%} of the step waiting on the network")
+
+
+def warnings(p: Plan) -> list[str]:
+    """What a plan that fits cannot promise: above :data:`HEADROOM` of the device, it leaves
+    too little room for what the planner does not model."""
+    if not p.fits or not p.tight:
+        return []
+    return [f"{p.device_share:.0%} of the device, and the plan leaves out {UNMODELLED}: "
+            f"they can tip it over."]
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """What the formulas need of a model sharded ``shard_n`` ways: parameters in all, in one
+    block and in the root (embeddings, final norm, head); bytes of a working weight (``x``) and
+    of a reduced gradient (``g``)."""
+    n_params: int
+    block: int
+    root: int
+    n_layer: int
+    shard_n: int
+    x: int
+    g: int
 
 
 def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
          micro_batch: int = 1, seq_len: int | None = None, precision: str | None = None,
          optimizer: str = "adamw", prefetch: int = 1, recompute: bool = False,
          offload: bool = False, hybrid: bool = False, mfu: float = 0.4,
-         bucket_mb: float = 25.0, flash_attention: bool = True, overlap: bool = True) -> Plan:
+         bucket_mb: float = 25.0, flash_attention: bool = True, overlap: bool = True,
+         wrap: str = "block") -> Plan:
     """Per-GPU memory by ledger category and step time for one configuration.
 
     ``strategy``: ddp, zero1, zero2, zero3/fsdp. ``hybrid``: shard inside a node, replicate
     across nodes (HSDP). ``offload``: the sharded state lives in host memory (its bytes leave
     the device; PCIe traffic is added to the exposed time). ``overlap=False``: communication
-    cannot hide behind compute (e.g. CPU ranks with every core busy computing).
+    cannot hide behind compute (e.g. CPU ranks with every core busy computing). ``wrap``: FSDP's
+    units, one per transformer block plus the root (``"block"``) or one for the whole model
+    (``"model"``, see :func:`_one_unit`).
 
     ``precision=None`` is each strategy's usual mixed precision (docs/costmodel.md): for ZeRO-3 /
     FSDP, FSDP2's and torchtitan's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
@@ -160,114 +209,199 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
     reduced in bf16, as DeepSpeed does by default)."""
     cfg = config(model) if isinstance(model, str) else model
     T = seq_len or cfg.seq_len
-    N = cluster.world_size
     if not isinstance(micro_batch, int) or micro_batch < 1 or T < 1:
         raise ValueError(f"micro_batch and seq_len must be positive (got {micro_batch}, {T})")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu is a fraction of peak FLOP/s in (0, 1], got {mfu}")
-    if strategy == "fsdp":
-        strategy = "zero3"
+    if wrap not in ("block", "model"):
+        raise ValueError(f"wrap is 'block' or 'model', got {wrap!r}")
+    stage = strategies.get(strategy).stage            # (fsdp and zero3 are one: stage 3)
+    strategy = strategies.STAGES[stage]
     if precision is None:
-        precision = "bf16_fsdp" if strategy == "zero3" else "bf16_mixed"
-    shard_n = cluster.gpus_per_node if hybrid else N
+        precision = "bf16_fsdp" if stage == 3 else "bf16_mixed"
+    sizes = _sizes(cfg, precision, cluster.gpus_per_node if hybrid else cluster.world_size)
+    acts = activation_bytes(cfg, micro_batch, T, sizes.x, flash_attention, recompute)
+    memory, notes = memory_per_gpu(sizes, stage, precision, optimizer, acts, prefetch=prefetch,
+                                   offload=offload, bucket_mb=bucket_mb)
+    compute, backward = compute_seconds(cfg, T, micro_batch, recompute, cluster.device, mfu)
+    link = ring_link(cluster, hybrid)
+    comm, exposed = collective_seconds(sizes, stage, link, prefetch, compute, backward)
+    if stage == 3:
+        notes.append(f"{cfg.n_layer + 1} units, {3 * (cfg.n_layer + 1)} collectives per step")
+    if not overlap:
+        exposed = comm
+    if hybrid and cluster.nodes > 1:
+        cross = cross_node_seconds(sizes, cluster, sizes.g)
+        comm += cross
+        exposed += cross
+        notes.append("hybrid: shard within a node, replicate across nodes")
+    traffic = offload_s = 0.0
+    if offload:
+        traffic, offload_s = offload_transfers(sizes)
+        exposed += offload_s
+        notes.append(f"offload: {traffic / 1e9:.1f} GB over PCIe per step")
+    p = Plan(strategy, cluster.world_size, memory, cluster.device.memory, compute, comm, exposed,
+             micro_batch * T, notes, traffic)
+    if stage == 3 and wrap == "model":
+        p = _one_unit(p, sizes, cluster, link, hybrid=hybrid, activations=acts, offload_s=offload_s)
+    return p
+
+
+def logits_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
+    """The ``[batch, seq, vocab]`` log-probabilities the loss keeps for backward (bf16 by
+    default): one tensor a chunked loss can shrink to one chunk."""
+    return micro_batch * seq_len * cfg.vocab_size * dtype_bytes
+
+
+def _sizes(cfg: GPTConfig, precision: str, shard_n: int) -> _Sizes:
     n_params, block, _ = param_counts(cfg)
     if shard_n > n_params:
         raise ValueError(f"{shard_n} ranks cannot each hold a shard of {n_params} parameters")
     x = 2 if precision.startswith("bf16") else 4
-    est = estimate(n_params=n_params, world_size=shard_n, strategy=strategy, precision=precision,
-                   optimizer=optimizer)
-    memory = dict(est.per_rank)
+    g = 4 if precision in ("bf16_fsdp", "bf16_mixed_fp32_grads") else x
+    return _Sizes(n_params, block, n_params - cfg.n_layer * block, cfg.n_layer, shard_n, x, g)
+
+
+def activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes: int,
+                     flash_attention: bool, recompute: bool) -> int:
+    """Every layer's saved tensors (:func:`~minishard.ledger.gpt_activation_bytes`), or with
+    recomputation only each block's input plus one block's worth recomputed at a time."""
+    args = (micro_batch, seq_len, dtype_bytes, flash_attention)
+    acts = gpt_activation_bytes(cfg, *args)
+    if recompute:
+        one_layer = gpt_activation_bytes(replace(cfg, n_layer=1), *args) - \
+            gpt_activation_bytes(replace(cfg, n_layer=0), *args)
+        acts = acts - cfg.n_layer * one_layer + cfg.n_layer * micro_batch * seq_len * cfg.d_model \
+            * dtype_bytes + one_layer
+    return acts
+
+
+def memory_per_gpu(s: _Sizes, stage: int, precision: str, optimizer: str, acts: int, *,
+                   prefetch: int, offload: bool, bucket_mb: float) -> tuple[dict[str, float], list[str]]:
+    """Bytes on one GPU by ledger category at the step's peak, and notes on how it was read:
+    the training state (:func:`~minishard.ledger.estimate`, less what is offloaded), what the
+    strategy gathers or buffers, the activations."""
+    memory = dict(estimate(n_params=s.n_params, world_size=s.shard_n, strategy=strategies.STAGES[stage],
+                           precision=precision, optimizer=optimizer).per_rank)
     notes = []
     if offload:
-        for cat in [c for c in memory if c != "params" or strategy == "zero3"]:
+        for cat in [c for c in memory if c != "params" or stage == 3]:
             memory.pop(cat)
         notes.append("sharded state offloaded to host memory")
-
-    # activations: every layer's saved tensors, or with recomputation only each block's input
-    # plus one block's worth recomputed at a time
-    acts = gpt_activation_bytes(cfg, micro_batch, T, x, flash_attention)
-    if recompute:
-        one_layer = gpt_activation_bytes(replace(cfg, n_layer=1), micro_batch, T, x, flash_attention) - \
-            gpt_activation_bytes(replace(cfg, n_layer=0), micro_batch, T, x, flash_attention)
-        acts = acts - cfg.n_layer * one_layer + cfg.n_layer * micro_batch * T * cfg.d_model * x \
-            + one_layer
-    root = n_params - cfg.n_layer * block
-    grad_bytes = 4 if precision in ("bf16_fsdp", "bf16_mixed_fp32_grads") else x
-    if strategy == "zero3":
+    if stage == 3:
         # the peak is one of two moments (the live runs show both):
         # end of forward / start of backward: every activation, the root gathered, and
         #   `prefetch` blocks already gathered for backward;
         # inside a block's backward: the root and 1 + prefetch blocks gathered, the block's
         #   full gradients and their reduce-scatter buffer, all but one block's activations.
-        end_of_forward = acts + x * (root + prefetch * block)
-        in_backward = acts * (1 - 1 / cfg.n_layer) + x * (root + (1 + prefetch) * block) \
-            + 2 * grad_bytes * block
+        end_of_forward = acts + s.x * (s.root + prefetch * s.block)
+        in_backward = acts * (1 - 1 / s.n_layer) + s.x * (s.root + (1 + prefetch) * s.block) \
+            + 2 * s.g * s.block
         if end_of_forward >= in_backward:
-            memory["unsharded"] = x * (root + prefetch * block)
+            memory["unsharded"] = s.x * (s.root + prefetch * s.block)
         else:
-            memory["unsharded"] = x * (root + (1 + prefetch) * block)
-            memory["comm_buffers"] = 2 * grad_bytes * block
-            acts = int(acts * (1 - 1 / cfg.n_layer))
+            memory["unsharded"] = s.x * (s.root + (1 + prefetch) * s.block)
+            memory["comm_buffers"] = 2 * s.g * s.block
+            acts = int(acts * (1 - 1 / s.n_layer))
             notes.append("peak inside backward")
-    elif strategy == "zero2":        # buckets of gradients waiting for their reduce-scatter
-        memory["comm_buffers"] = min(2 * bucket_mb * 2**20, grad_bytes * n_params)
+    elif stage == 2:                 # buckets of gradients waiting for their reduce-scatter
+        memory["comm_buffers"] = min(2 * bucket_mb * 2**20, s.g * s.n_params)
     memory["activations"] = acts
-
-    # time: compute, then the collectives and how much of them compute hides
-    tokens = micro_batch * T
-    compute = train_flops_per_token(cfg, T, recompute) * tokens / (cluster.device.flops * mfu)
-    backward = compute * (2 / 3 if not recompute else 2 / 4)
-    link = cluster.intra if (cluster.nodes == 1 or hybrid) else _slowest(cluster)
-    S = n_params * x
-    if strategy == "ddp":
-        comm = ring_time("all_reduce", S, shard_n, link)
-        exposed = max(0.0, comm - backward)
-    elif strategy in ("zero1", "zero2"):
-        comm = ring_time("reduce_scatter", S, shard_n, link) + ring_time("all_gather", S, shard_n, link)
-        exposed = max(0.0, comm - backward) if strategy == "zero2" else \
-            ring_time("all_gather", S, shard_n, link) + max(0.0, comm / 2 - backward)
-    else:
-        units = cfg.n_layer + 1
-        gather = 2 * sum(ring_time("all_gather", x * s, shard_n, link)
-                         for s in [root] + [block] * cfg.n_layer)
-        scatter = sum(ring_time("reduce_scatter", grad_bytes * s, shard_n, link)
-                      for s in [root] + [block] * cfg.n_layer)
-        comm = gather + scatter
-        # with prefetch, unit i+1 travels while unit i computes; without, every gather waits
-        exposed = max(0.0, comm - compute) if prefetch else gather + max(0.0, scatter - backward)
-        notes.append(f"{units} units, {3 * units} collectives per step")
-    if not overlap:
-        exposed = comm
-    if hybrid and cluster.nodes > 1:         # gradient shards all-reduced across the nodes
-        cross = ring_time("all_reduce", grad_bytes * n_params / shard_n, cluster.nodes, cluster.inter)
-        comm += cross
-        exposed += cross
-        notes.append("hybrid: shard within a node, replicate across nodes")
-    if offload:
-        # what the engine moves (tests/test_offload.py): every unshard fetches the fp32 shard —
-        # each block twice (forward, backward), the root once — and every reduced slice goes back
-        pcie = LINKS["pcie5-x16"].bandwidth
-        fetched = 4 * (2 * cfg.n_layer * block + root) / shard_n
-        returned = 4 * n_params / shard_n
-        traffic = fetched + returned
-        exposed += traffic / pcie + 3 * 4 * 4 * n_params / shard_n / 100e9   # CPU Adam: ~100 GB/s
-        notes.append(f"offload: {traffic / 1e9:.1f} GB over PCIe per step")
-    return Plan(strategy, N, memory, cluster.device.memory, compute, comm, exposed, tokens, notes,
-                traffic if offload else 0.0)
+    return memory, notes
 
 
-def _slowest(cluster: Cluster) -> Link:
+def compute_seconds(cfg: GPTConfig, seq_len: int, micro_batch: int, recompute: bool,
+                    device: Device, mfu: float) -> tuple[float, float]:
+    """(seconds of compute per step, of which backward) at ``mfu`` of the device's peak."""
+    tokens = micro_batch * seq_len
+    compute = train_flops_per_token(cfg, seq_len, recompute) * tokens / (device.flops * mfu)
+    return compute, compute * (2 / 3 if not recompute else 2 / 4)
+
+
+def ring_link(cluster: Cluster, hybrid: bool) -> Link:
+    """The link the sharding collectives run on: a ring is as fast as its slowest link, so
+    across nodes the slower of the two, unless hybrid sharding keeps them inside a node."""
+    if cluster.nodes == 1 or hybrid:
+        return cluster.intra
     a, b = cluster.intra, cluster.inter
     return a if a.bandwidth < b.bandwidth else b
 
 
+def collective_seconds(s: _Sizes, stage: int, link: Link, prefetch: int, compute: float,
+                       backward: float) -> tuple[float, float]:
+    """(seconds of the strategy's collectives per step, the part compute does not hide)."""
+    S = s.n_params * s.x
+    if stage == 0:
+        comm = ring_time("all_reduce", S, s.shard_n, link)
+        return comm, max(0.0, comm - backward)
+    if stage in (1, 2):
+        gather = ring_time("all_gather", S, s.shard_n, link)
+        comm = ring_time("reduce_scatter", S, s.shard_n, link) + gather
+        # ZeRO-1 gathers the updated parameters after the step: nothing left to hide it behind
+        exposed = max(0.0, comm - backward) if stage == 2 else \
+            gather + max(0.0, comm / 2 - backward)
+        return comm, exposed
+    units = [s.root] + [s.block] * s.n_layer
+    gather = 2 * sum(ring_time("all_gather", s.x * u, s.shard_n, link) for u in units)
+    scatter = sum(ring_time("reduce_scatter", s.g * u, s.shard_n, link) for u in units)
+    comm = gather + scatter
+    # with prefetch, unit i+1 travels while unit i computes; without, every gather waits
+    return comm, max(0.0, comm - compute) if prefetch else gather + max(0.0, scatter - backward)
+
+
+def cross_node_seconds(s: _Sizes, cluster: Cluster, grad_bytes: int) -> float:
+    """Hybrid sharding: the gradient shards all-reduced across the nodes."""
+    return ring_time("all_reduce", grad_bytes * s.n_params / s.shard_n, cluster.nodes, cluster.inter)
+
+
+def offload_transfers(s: _Sizes) -> tuple[float, float]:
+    """(bytes crossing PCIe per step, the seconds they and the CPU optimizer add). What the
+    engine moves (tests/test_offload.py): every unshard fetches the fp32 shard — each block
+    twice (forward, backward), the root once — and every reduced slice goes back."""
+    pcie = LINKS["pcie5-x16"].bandwidth
+    fetched = 4 * (2 * s.n_layer * s.block + s.root) / s.shard_n
+    returned = 4 * s.n_params / s.shard_n
+    traffic = fetched + returned
+    return traffic, traffic / pcie + 3 * 4 * 4 * s.n_params / s.shard_n / 100e9   # CPU Adam: ~100 GB/s
+
+
+def _one_unit(per_block: Plan, s: _Sizes, cluster: Cluster, link: Link, *, hybrid: bool,
+              activations: float, offload_s: float) -> Plan:
+    """FSDP with one unit for the whole model (``wrap="model"``), from the per-block plan.
+
+    The one unit is the root: gathered whole before the first layer computes, kept gathered
+    until backward is done (FSDP never reshards the root after forward), its full gradients
+    reduce-scattered after the last one is computed. So a GPU holds the whole model's working
+    weights at the peak, and nothing overlaps: compute waits for the whole gather, and the
+    reduce-scatter waits for the whole backward. ``activations``: the full forward's (the
+    per-block plan may hold fewer at its in-backward peak); ``offload_s``: the PCIe time of
+    offload (it does not depend on the wrapping). The gradients are counted in the working
+    dtype (``x``), as this estimate always has."""
+    n, x = s.n_params, s.x
+    g = x
+    memory = {k: v for k, v in per_block.memory.items()
+              if k not in ("unsharded", "comm_buffers", "activations")}
+    memory["unsharded"] = x * n
+    # the two candidate peaks: end of forward (every activation) or end of backward (the full
+    # gradients waiting for their reduce-scatter)
+    if activations >= g * n:
+        memory["activations"] = activations
+    else:
+        memory["comm_buffers"] = g * n
+    comm = ring_time("all_gather", x * n, s.shard_n, link) + ring_time("reduce_scatter", g * n, s.shard_n, link)
+    exposed = comm + offload_s
+    if hybrid and cluster.nodes > 1:                   # as per block: gradient shards across nodes
+        cross = cross_node_seconds(s, cluster, g)
+        comm, exposed = comm + cross, exposed + cross
+    notes = [n_ for n_ in per_block.notes if "units" not in n_] + ["1 unit (the whole model), 2 collectives per step"]
+    return replace(per_block, memory=memory, comm_s=comm, exposed_comm_s=exposed, notes=notes)
+
+
 def choose(model: str | GPTConfig, cluster: Cluster, **kw) -> list[Plan]:
     """Every strategy for one model and cluster, fitting ones first, fastest first."""
-    plans = [plan(model, cluster, s, **kw) for s in ("ddp", "zero1", "zero2", "zero3")]
+    plans = [plan(model, cluster, s, **kw) for s in strategies.STAGES]
     return sorted(plans, key=lambda p: (not p.fits, p.step_s))
 
-
-# --------------------------------------------------------------------------- this machine
 
 # --------------------------------------------------------------------------- DeepSpeed's estimator
 

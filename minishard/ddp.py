@@ -8,7 +8,8 @@ Two versions, both trained by the parity tests:
 * :class:`DDP` — what PyTorch's DDP does: gradients live in a few large flat *buckets*; as
   backward produces the last gradient of a bucket, that bucket's all-reduce starts
   asynchronously and overlaps with the rest of backward. Fewer, larger messages (less latency)
-  and communication hidden behind compute.
+  and communication hidden behind compute. The bucket mechanics are shared with ZeRO
+  (``minishard.buckets``); what is DDP's own is the collective: an all-reduce of the whole bucket.
 
 Both average: each rank divides its bucket by N before the sum, so the result is the gradient
 of the mean loss over the *global* batch — what one process training on all N micro-batches
@@ -18,22 +19,23 @@ redundancy ZeRO removes.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from .comm import Comm, Work
+from . import buckets as _buckets
+from .buckets import Bucket, BucketedReduction, offsets_of
+from .comm import Comm
 from .ledger import LiveLedger
 
 
 class NaiveDDP(nn.Module):
     """All-reduce each gradient after backward; the training loop calls ``sync_gradients()``."""
 
-    def __init__(self, module: nn.Module, comm: Comm, ledger: LiveLedger | None = None):
+    def __init__(self, module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedger | None = None):
         super().__init__()
-        self.module, self.comm = module, comm
-        comm.replicate_from_rank0(module.parameters(), ledger)
+        self.module, self.comm = module, comm if comm is not None else Comm()
+        self.comm.replicate_from_rank0(module.parameters(), ledger)
         if ledger is not None:
             for name, p in module.named_parameters():
                 ledger.track("params", p, f"param:{name}")
@@ -51,111 +53,57 @@ class NaiveDDP(nn.Module):
 
 def plan_buckets(module: nn.Module, cap_mb: float, first_mb: float = 1.0
                  ) -> list[list[tuple[str, nn.Parameter]]]:
-    """Group trainable parameters into buckets, last layers first (the order backward produces
-    their gradients). The first bucket is small (at most ``first_mb``) so communication starts
-    early; a bucket closes once it reaches its size limit (PyTorch's rule, so layouts compare)."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError(f"{type(module).__name__} has no trainable parameters")
-    if cap_mb <= 0 or first_mb <= 0:
-        raise ValueError(f"bucket sizes must be positive (got cap {cap_mb} MiB, first {first_mb} MiB)")
-    devices = {p.device for _, p in named}
-    if len(devices) > 1:
-        raise ValueError(f"parameters on mixed devices {sorted(map(str, devices))}; move the "
-                         f"model to one device before wrapping it")
-    groups, current, size = [], [], 0
-    limit = min(first_mb, cap_mb) * 2**20
-    for name, p in reversed(named):
-        current.append((name, p))
-        size += p.numel() * p.element_size()
-        if size >= limit:
-            groups.append(current)
-            current, size, limit = [], 0, cap_mb * 2**20
-    if current:
-        groups.append(current)
-    return groups
+    """DDP's buckets for ``module``, as ``(name, parameter)`` lists: last layers first, the
+    first bucket at most ``first_mb`` MiB, the others ``cap_mb`` (see
+    :func:`minishard.buckets.plan_buckets`)."""
+    names = {p: n for n, p in module.named_parameters()}
+    return [[(names[p], p) for p in params]
+            for _, params in _buckets.plan_buckets([list(module.parameters())], cap_mb, first_mb)]
 
 
-class BucketedReduction:
-    """What DDP and ZeRO share: as backward marks gradients ready, launch each bucket's reduction
-    as soon as it is full — strictly in bucket order, so every rank issues the same collectives
-    in the same order — and queue one end-of-backward callback that finishes the rest.
-    Subclasses provide ``buckets``, ``_reduce_bucket(b)`` and ``_finish_gradient_sync()``."""
-
-    _next_launch = 0
-    _callback_queued = False
-
-    def _mark_ready(self, bucket, index: int) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_gradient_sync)
-        bucket.ready.add(index)
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if len(b.ready) < len(b.params):
-                return
-            self._reduce_bucket(b)
-            self._next_launch += 1
-
-
-@dataclass
-class Bucket:
-    """A flat gradient buffer: its parameters' ``.grad`` are views into it."""
-    index: int
-    buffer: torch.Tensor
-    params: list[nn.Parameter]
-    names: list[str]
-    offsets: list[int]
-    ready: set = field(default_factory=set)
-    work: Work | None = None
-
-
-class DDP(BucketedReduction, nn.Module):
+class DDP(nn.Module):
     """Bucketed, overlapped gradient all-reduce (see the module docstring).
 
-    Buckets are filled in reverse parameter order (roughly the order backward produces
-    gradients); the first bucket is small (``first_bucket_mb``) so communication starts early,
-    the others hold up to ``bucket_cap_mb`` — PyTorch's defaults are 1 and 25 MiB. Buckets are
-    launched strictly in index order so that every rank issues the same collectives in the same
-    order. ``no_sync()`` skips the all-reduce for gradient accumulation.
+    ``DDP(model)`` averages over the default process group (``comm``: another :class:`Comm`;
+    ``ledger``: where its buffers are entered). Buckets are filled in reverse parameter order
+    (roughly the order backward produces gradients); the first bucket is small
+    (``first_bucket_mb``) so communication starts early, the others hold up to ``bucket_cap_mb``
+    — PyTorch's defaults are 1 and 25 MiB. ``per_parameter=True``: one bucket per parameter, each
+    gradient all-reduced asynchronously as soon as it (and every gradient before it in bucket
+    order) is ready. Buckets are launched strictly in order so that every rank issues the same
+    collectives in the same order. ``no_sync()`` skips the all-reduce for gradient accumulation;
+    ``finish_gradient_synchronization()`` waits for every outstanding all-reduce (backward does
+    it by itself; after backwards inside ``no_sync`` it synchronises what they accumulated).
     """
 
     owns_gradients = True          # every .grad is a view into one of its buckets
 
-    def __init__(self, module: nn.Module, comm: Comm, ledger: LiveLedger | None = None, *,
-                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0):
+    def __init__(self, module: nn.Module, *, comm: Comm | None = None,
+                 ledger: LiveLedger | None = None, bucket_cap_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0, per_parameter: bool = False):
         super().__init__()
-        self.module, self.comm, self.ledger = module, comm, ledger
-        comm.replicate_from_rank0(module.parameters(), ledger)
-        self.buckets = self._build_buckets(bucket_cap_mb, first_bucket_mb)
+        self.module, self.ledger = module, ledger
+        self.comm = comm if comm is not None else Comm()
+        self.comm.replicate_from_rank0(module.parameters(), ledger)
+        plan = _buckets.plan_buckets([list(module.parameters())], bucket_cap_mb, first_bucket_mb,
+                                     per_parameter=per_parameter)
+        self.buckets = [self._allocate_bucket(i, params) for i, (_, params) in enumerate(plan)]
         if ledger is not None:
             for name, p in module.named_parameters():
                 ledger.track("params", p, f"param:{name}")
             for b in self.buckets:
                 ledger.track("grads", b.buffer, f"grad_bucket:{b.index}")
-        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._sync = True
-        # the one place hooks are registered: each is a single call to a named method
-        for p in self._where:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.reduction = BucketedReduction(self.buckets, reduce=self._all_reduce, ledger=ledger)
 
-    # ---- construction
-    def _build_buckets(self, cap_mb: float, first_mb: float) -> list[Bucket]:
-        groups = plan_buckets(self.module, cap_mb, first_mb)
-        buckets = []
-        for i, group in enumerate(groups):
-            dtype = group[0][1].dtype
-            if any(p.dtype != dtype for _, p in group):
-                raise ValueError("DDP buckets need one dtype per bucket; got mixed parameter dtypes")
-            numel = sum(p.numel() for _, p in group)
-            buf = torch.zeros(numel, dtype=dtype, device=group[0][1].device)
-            offsets, off = [], 0
-            for _, p in group:
-                offsets.append(off)
-                p.grad = buf[off:off + p.numel()].view_as(p)       # grads live in the bucket
-                off += p.numel()
-            buckets.append(Bucket(i, buf, [p for _, p in group], [n for n, _ in group], offsets))
-        return buckets
+    @staticmethod
+    def _allocate_bucket(index: int, params: list[nn.Parameter]) -> Bucket:
+        dtype = params[0].dtype
+        if any(p.dtype != dtype for p in params):
+            raise ValueError("DDP buckets need one dtype per bucket; got mixed parameter dtypes")
+        numel = sum(p.numel() for p in params)
+        buffer = torch.zeros(numel, dtype=dtype, device=params[0].device)
+        return Bucket(index=index, params=params, offsets=offsets_of(params), size=numel,
+                      buffer=buffer)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -163,40 +111,16 @@ class DDP(BucketedReduction, nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no communication) for the backwards inside."""
-        prev, self._sync = self._sync, False
+        prev, self.reduction.sync = self.reduction.sync, False
         try:
             yield
         finally:
-            self._sync = prev
+            self.reduction.sync = prev
 
-    # ---- during backward
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        bucket, i = self._where[p]
-        view = bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + p.numel()].view_as(p)
-        if p.grad.data_ptr() != view.data_ptr():
-            # zero_grad(set_to_none=True) dropped our view and autograd made a fresh .grad;
-            # move it into the bucket (one copy) and point .grad back at the bucket
-            view.copy_(p.grad)
-            p.grad = view
-        if self._sync:
-            self._mark_ready(bucket, i)
+    def finish_gradient_synchronization(self) -> None:
+        """Wait until every gradient is averaged over the ranks (see the class docstring)."""
+        self.reduction.finish_gradient_synchronization()
 
-    def _reduce_bucket(self, b: Bucket) -> None:
+    def _all_reduce(self, b: Bucket) -> None:
         b.buffer.div_(self.comm.world_size)           # sum of grads / N = grad of the mean loss
         b.work = self.comm.all_reduce(b.buffer, async_op=True, tag=f"bucket{b.index}")
-
-    def _finish_gradient_sync(self) -> None:
-        """Runs once at the end of backward: launch buckets whose params got no gradient (unused
-        in this forward), then wait for every all-reduce."""
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            for i, p in enumerate(b.params):
-                if i not in b.ready and p.grad is None:        # unused: contributes zero
-                    b.buffer[b.offsets[i]:b.offsets[i] + p.numel()].zero_()
-            self._reduce_bucket(b)
-            self._next_launch += 1
-        for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-            b.work, b.ready = None, set()
-        self._next_launch, self._callback_queued = 0, False

@@ -3,14 +3,18 @@
 Starting a rank costs seconds (each process imports torch, then the ranks rendezvous), so
 :class:`Ranks` starts N processes once and then runs many *tasks* on them::
 
+    from minishard.train import TrainConfig, train
+
     with Ranks(4) as ranks:
-        out = ranks.run(minishard.demo.train, strategy="ddp", steps=3)   # one result per rank
-        out = ranks.run(minishard.demo.train, strategy="ddp", steps=5)   # same warm processes
+        out = ranks.run(train, TrainConfig(strategy="ddp", steps=3))   # one result per rank
+        out = ranks.run(train, TrainConfig(strategy="ddp", steps=5))   # same warm processes
 
 A task is any importable function ``fn(rank: RankContext, *args, **kwargs)``; it runs on every
 rank at once and returns a picklable result. ``RankContext`` carries the rank, the world size,
 the device and a :class:`~minishard.trace.Tracer` whose events come back with the results, or
-live through ``on_event`` while the task runs.
+live through ``on_event`` while the task runs. Under ``torchrun`` (``torchrun --nproc-per-node 4
+-m minishard demo``), :func:`context_from_env` builds the same context, so the same task runs
+on a cluster.
 
 How the plumbing works, and why:
 

@@ -21,7 +21,7 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -267,7 +267,25 @@ def storage_nbytes(t: torch.Tensor) -> int:
 
 class DeviceOutOfMemory(MemoryError):
     """An allocation would take the device past the ledger's budget (a stand-in for CUDA's
-    OOM on machines whose "device" is the CPU)."""
+    OOM on machines whose "device" is the CPU).
+
+    What a real out-of-memory report tells you, as fields: the allocation that failed
+    (``category``, ``tag``, ``nbytes``), the ``budget``, what the device ``held`` by category
+    (bytes) and the total it ``would_be`` at. The message says the same in MiB."""
+
+    def __init__(self, category: str, tag: str, nbytes: int, budget: int, held: dict[str, int],
+                 would_be: int):
+        self.category, self.tag, self.nbytes = category, tag, nbytes
+        self.budget, self.held, self.would_be = budget, dict(held), would_be
+        held_mib = ", ".join(f"{c} {b / 2**20:.1f}" for c, b in sorted(self.held.items()))
+        super().__init__(
+            f"allocating {nbytes / 2**20:.1f} MiB of {category} ({tag}) would take the device to "
+            f"{would_be / 2**20:.1f} MiB, over its budget of {budget / 2**20:.1f} MiB; "
+            f"held now (MiB): {held_mib}")
+
+    def __reduce__(self):              # pickles with its fields (a rank may send it whole)
+        return type(self), (self.category, self.tag, self.nbytes, self.budget, self.held,
+                            self.would_be)
 
 
 class LiveLedger:
@@ -307,11 +325,8 @@ class LiveLedger:
         device = device or self.device
         nbytes = int(nbytes)
         if self.budget is not None and device == self.device and self.total + nbytes > self.budget:
-            held = ", ".join(f"{c} {b / 2**20:.1f}" for c, b in sorted(self.current().items()))
-            raise DeviceOutOfMemory(
-                f"allocating {nbytes / 2**20:.1f} MiB of {category} ({tag}) would take the device to "
-                f"{(self.total + nbytes) / 2**20:.1f} MiB, over its budget of "
-                f"{self.budget / 2**20:.1f} MiB; held now (MiB): {held}")
+            raise DeviceOutOfMemory(category, tag, nbytes, self.budget, self.current(),
+                                    self.total + nbytes)
         self._live[tag] = (category, nbytes, device)
         key = (category, device)
         self._by_cat[key] = self._by_cat.get(key, 0) + nbytes
@@ -362,11 +377,6 @@ class LiveLedger:
             if b:
                 out.setdefault(d, {})[c] = b
         return out
-
-    def reset_peak(self) -> None:
-        self.peak = self.total
-        self.peak_snapshot = self.current()
-        self._phase_peaks = {}
 
     @property
     def phase_peaks(self) -> dict[str, int]:
@@ -470,7 +480,3 @@ def check_cuda(ledger: LiveLedger, tolerance: float = 0.02) -> tuple[int, int]:
     if abs(allocated - ledger.total) > tolerance * max(allocated, 1):
         raise AssertionError(f"ledger says {ledger.total} bytes, CUDA allocator {allocated}")
     return ledger.total, allocated
-
-
-def sum_categories(snap: dict[str, int], cats: Iterable[str]) -> int:
-    return sum(snap.get(c, 0) for c in cats)

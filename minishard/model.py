@@ -1,7 +1,7 @@
 """A tiny GPT, small enough to train on a laptop's CPU ranks, shaped like the real thing.
 
-Token embedding + learned positions -> L pre-norm blocks (attention, MLP) -> final norm -> an
-untied head. The same class builds real sizes (``CONFIGS["llama3-8b"]``) on the meta device,
+Token embedding + learned positions -> L pre-norm blocks (attention, MLP) -> final norm -> a
+head (untied by default). The same class builds real sizes (``CONFIGS["llama3-8b"]``) on the meta device,
 so the ledger can count an 8B model without allocating it.
 
 Determinism is part of the contract: ``GPT(cfg, seed)`` gives identical weights in every
@@ -32,6 +32,8 @@ class GPTConfig:
     norm: str = "layernorm"          # "layernorm" or "rmsnorm"
     bias: bool = True
     learned_pos: bool = True         # Llama uses rotary positions; we keep a table or nothing
+    qkv_bias: bool | None = None     # the q, k, v projection's bias (Qwen2: yes); None = bias
+    tie_embeddings: bool = False     # the head shares the token embedding's weight (GPT-2)
 
     def __post_init__(self):
         if self.ffn_hidden is None:
@@ -92,7 +94,8 @@ class Attention(nn.Module):
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head or cfg.n_head
         self.head_dim = cfg.d_model // cfg.n_head
         kv = self.n_kv_head * self.head_dim
-        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv,
+                             bias=cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x):
@@ -153,6 +156,8 @@ class GPT(nn.Module):
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
             self.ln_f = _norm(cfg)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:                      # one tensor, counted (and sharded) once
+            self.head.weight = self.tok_emb.weight
         self.reset_parameters(seed)
 
     def num_params(self, trainable_only: bool = False) -> int:

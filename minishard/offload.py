@@ -6,7 +6,10 @@ parameters, their gradients and the optimizer state — to a slower, larger tier
 * ``host``: CPU memory (pinned when CUDA is present, so copies can run asynchronously);
 * ``disk``: memory-mapped files, standing in for NVMe (DeepSpeed's ZeRO-Infinity idea).
 
-The optimizer step then runs where the state lives. What must still cross over each step:
+They move together: the optimizer step runs where the state lives (``fsdp.ShardedOptimizer``
+creates the moments in the tier), so parameters, gradients and moments must all be there — with
+only the moments off the device, every step would bring them in and send them back. What must
+still cross over each step:
 
     before each all-gather   the unit's parameter shard      tier -> device   (h2d)
     after each reduce-scatter the reduced gradient slice     device -> tier   (d2h)
@@ -27,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-OFFLOADABLE = ("params", "grads", "optimizer")
 TIERS = ("host", "disk")
 
 
@@ -37,26 +39,16 @@ class OffloadError(RuntimeError):
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Where the sharded state lives. ``kinds`` must be the whole sharded state: the optimizer
-    step runs where parameters, gradients and moments are, so they move together."""
+    """Where the sharded state — parameters, gradients, optimizer moments, always together —
+    lives. (Activations and gathered parameters are needed on the device at once: to save
+    activation memory, recompute activations instead.)"""
     tier: str = "host"
     directory: str | None = None                 # for tier="disk"
-    kinds: tuple[str, ...] = OFFLOADABLE
     pin_memory: bool | None = None               # default: when CUDA is available
 
     def __post_init__(self):
         if self.tier not in TIERS:
             raise ValueError(f"unknown offload tier {self.tier!r}; expected one of {TIERS}")
-        bad = [k for k in self.kinds if k not in OFFLOADABLE]
-        if bad:
-            raise ValueError(
-                f"cannot offload {bad}: minishard offloads the sharded state {OFFLOADABLE}. "
-                f"Activations and gathered parameters are needed on the device at once; to save "
-                f"activation memory use activation recomputation instead")
-        if set(self.kinds) != set(OFFLOADABLE):
-            raise ValueError(f"offload kinds {list(self.kinds)}: parameters, gradients and "
-                             f"optimizer state move together (the optimizer step runs where they "
-                             f"live); pass all of {OFFLOADABLE}")
         if self.tier == "disk" and not self.directory:
             raise ValueError("tier='disk' needs a directory for its memory-mapped files")
 

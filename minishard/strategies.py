@@ -36,6 +36,7 @@ class Strategy:
     instrumented: bool = True          # minishard's code: every allocation and byte is recorded
     single_process: bool = False       # only on one rank
     offloads: bool = False             # can keep its sharded state in host memory or on disk
+    hybrid: bool = False               # shards inside groups of shard_size ranks, replicates across
     mixed_precision: str = "bf16_mixed"   # the ledger's precision when a run asks for bf16_mixed
 
     def ledger_precision(self, precision: str) -> str:
@@ -128,6 +129,15 @@ class MasterWeights:
             if p.grad is not None:
                 p.grad.zero_()
 
+    def checkpoint_regions(self, h) -> None:
+        """For ``minishard.checkpoint``: replicas of everything; each bf16 weight is saved as its
+        fp32 master (the weight is the master's rounded working copy)."""
+        h.strategy = "single" if h.world_size == 1 else "ddp"
+        masters = dict(zip(self.params, self.master))
+        for p, fqn in h.names.items():
+            h.order.append(fqn)
+            h.replicated(fqn, p, self.optimizer, masters.get(p))
+
 
 def wrap_targets(net: nn.Module, wrap: str) -> list[tuple[str, nn.Module]]:
     """The modules that become FSDP units below the root: each block, each Linear, or none."""
@@ -172,12 +182,12 @@ def _replicated(strategy, net, config, comm, ledger, *, wrapper=None) -> Built:
 
 def _ddp(net, comm, ledger, config):
     from .ddp import DDP
-    return DDP(net, comm, ledger, bucket_cap_mb=config.bucket_cap_mb)
+    return DDP(net, comm=comm, ledger=ledger, bucket_cap_mb=config.bucket_cap_mb)
 
 
 def _naive_ddp(net, comm, ledger, config):
     from .ddp import NaiveDDP
-    return NaiveDDP(net, comm, ledger)
+    return NaiveDDP(net, comm=comm, ledger=ledger)
 
 
 def _zero(strategy, net, config, comm, ledger, *, reduce="reduce_scatter") -> Built:
@@ -187,8 +197,8 @@ def _zero(strategy, net, config, comm, ledger, *, reduce="reduce_scatter") -> Bu
     mixed = config.precision == "bf16_mixed"
     if mixed:
         net.to(torch.bfloat16)
-    opt = ZeroOptimizer(net, opt_class, stage=strategy.stage, comm=comm, ledger=ledger, reduce=reduce,
-                        master_dtype=torch.float32 if mixed else None,
+    opt = ZeroOptimizer([p for p in net.parameters()], opt_class, stage=strategy.stage, comm=comm,
+                        ledger=ledger, reduce=reduce, master_dtype=torch.float32 if mixed else None,
                         bucket_cap_mb=config.bucket_cap_mb, **opt_kwargs)
     return Built(strategy, net, opt, (comm,), no_sync=opt.no_sync, clip=opt.clip_grad_norm_)
 
@@ -198,7 +208,6 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     of ``shard_size`` ranks and replicates across them."""
     from . import fsdp
     from .offload import OffloadPolicy, Tier
-    from .optim_state import ensure_optimizer_state
     opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
     mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed" else None
     comms, replicate = (comm,), None
@@ -217,17 +226,16 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
         fsdp.fully_shard(m, reshard_after_forward=config.reshard_after_forward, name=name, **kw)
     fsdp.fully_shard(net, name="root", reshard_after_forward=True if config.reshard_root else None, **kw)
     fsdp.set_prefetch(net, config.prefetch, config.prefetch)
-    opt = opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
-    if tier is not None:
-        ensure_optimizer_state(opt, tier.zeros_like)      # the moments live in the tier too
-        opt.tier = tier
+    # the step on the shards (with offload: the moments are made in the tier, the step runs there)
+    opt = fsdp.ShardedOptimizer(net, opt_class([p for p in net.parameters() if p.requires_grad],
+                                               **opt_kwargs), tier)
     from .ledger import track_optimizer_state
     no_sync = (lambda: fsdp.no_sync(net)) if config.fsdp_accumulate_unsharded else None
     device = tier.name if tier is not None else None
     return Built(strategy, net, opt, comms, units=fsdp.units(net), tier=tier, no_sync=no_sync,
                  gather=lambda: fsdp.full_parameters(net),
                  clip=lambda c: fsdp.clip_grad_norm_(net, c),
-                 track_state=lambda led: track_optimizer_state(led, opt, net, device=device))
+                 track_state=lambda led: track_optimizer_state(led, opt.optimizer, net, device=device))
 
 
 def _torch_fsdp(strategy, net, config, comm, ledger) -> Built:
@@ -284,7 +292,7 @@ _ALL = [
     Strategy("fsdp_flat", "FSDP with flat parameters (as FSDP1)", 3, partial(_fsdp, layout="flat"),
              aliases=("fsdp-flat",), offloads=True, mixed_precision="bf16_fsdp"),
     Strategy("hsdp", "hybrid sharding (HSDP)", 3, partial(_fsdp, hybrid=True), offloads=True,
-             mixed_precision="bf16_fsdp"),
+             hybrid=True, mixed_precision="bf16_fsdp"),
     Strategy("torch_ddp", "PyTorch DistributedDataParallel", 0, _torch_ddp, aliases=("torch-ddp",),
              instrumented=False),
     Strategy("torch_zero1", "PyTorch DDP + ZeroRedundancyOptimizer", 1, partial(_torch_ddp, zero=True),

@@ -16,13 +16,19 @@ Schema version 1 (one object per line, per rank)::
     alloc/free  category, bytes, tag, device ("device"|"host"|"disk")
     unit        name, state
     transfer    direction ("h2d"|"d2h"|...), bytes, seconds, tag
-    mark        name  (free-form annotation, e.g. "ready")
 
 ``t`` is seconds since the tracer's origin. Ranks started together share one origin (the
 launcher passes it), so their timelines line up.
+
+Reading a trace is one fold, done here once for every reader (the player, the course's tables):
+:class:`LedgerTimeline` (live bytes per rank and category after each event), :class:`PhaseFold`
+(phase begin/end pairs as spans, and the phase each rank is in), :func:`unit_spans` (each FSDP
+unit's states over time) and :class:`Replay`, which keeps all of them per event so that any
+event of a long trace is one lookup away.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import time
@@ -30,8 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
+
 SCHEMA_VERSION = 1
-KINDS = ("phase", "collective", "alloc", "free", "unit", "transfer", "mark")
+KINDS = ("phase", "collective", "alloc", "free", "unit", "transfer")
 
 
 class TraceFormatError(ValueError):
@@ -87,9 +95,6 @@ class Tracer:
             yield
         finally:
             self.emit("phase", name=name, edge="end", **fields)
-
-    def mark(self, name: str, **fields) -> None:
-        self.emit("mark", name=name, **fields)
 
     def write_jsonl(self, path: str | Path) -> Path:
         path = Path(path)
@@ -228,7 +233,6 @@ class LedgerTimeline:
 
     @classmethod
     def build(cls, events: list[dict]) -> "LedgerTimeline":
-        import numpy as np
         ranks = sorted({e["rank"] for e in events})
         cats: list[str] = []
         for e in events:
@@ -248,3 +252,220 @@ class LedgerTimeline:
         row = self.bytes[i]
         return {r: {c: int(row[a, b]) for b, c in enumerate(self.categories)}
                 for a, r in enumerate(self.ranks)}
+
+
+# --------------------------------------------------------------------------- folding a trace
+
+def rank_events(events: Iterable[dict], rank: int, step: int | None = None) -> list[dict]:
+    """One rank's events in the order it recorded them (``seq``), optionally of one step. (A
+    collective's ``t`` is when it started, so time order would put it before what the rank did
+    while it was in flight.)"""
+    evs = [e for e in events if e["rank"] == rank and (step is None or e.get("step") == step)]
+    return sorted(evs, key=lambda e: e["seq"])
+
+
+@dataclass(frozen=True)
+class PhaseSpan:
+    """One phase on one rank, from its begin event to its end. ``unit`` names the FSDP unit of a
+    unit's own phases (its waits for a collective); top-level phases have none."""
+    rank: int
+    name: str
+    unit: str | None
+    step: int | None
+    t0: float
+    t1: float
+
+
+class PhaseFold:
+    """Pairs each rank's phase begin/end events into :class:`PhaseSpan` s and knows which phase
+    each rank is in. Feed it events in order with :meth:`add`."""
+
+    def __init__(self):
+        self.spans: list[PhaseSpan] = []         # in the order the phases ended
+        self._open: dict[int, list[tuple[str, str | None, float, int | None]]] = {}
+
+    def add(self, ev: dict) -> str:
+        """Fold one event; return the phase its rank is in ("" outside any; ``step`` does not
+        count, an ``end`` event is still inside the phase it ends, a unit's phase reads
+        ``"wait_unshard blocks.0"``)."""
+        stack = self._open.setdefault(ev["rank"], [])
+        if ev["kind"] != "phase":
+            return _innermost(stack)
+        name, unit = ev["name"], ev.get("unit")
+        if ev["edge"] == "begin":
+            stack.append((name, unit, ev["t"], ev.get("step")))
+            return _innermost(stack)
+        label = _innermost(stack)
+        for j in range(len(stack) - 1, -1, -1):
+            if stack[j][:2] == (name, unit):
+                _, _, t0, step = stack.pop(j)
+                self.spans.append(PhaseSpan(ev["rank"], name, unit, step, t0, ev["t"]))
+                break
+        return label
+
+    def open_spans(self, t_now: float) -> list[PhaseSpan]:
+        """Phases begun and not ended yet (a live run), as if they ended at ``t_now``."""
+        return [PhaseSpan(r, name, unit, step, t0, max(t0, t_now))
+                for r, stack in self._open.items() for name, unit, t0, step in stack]
+
+
+def _innermost(stack: list) -> str:
+    for name, unit, _, _ in reversed(stack):
+        if name != "step":
+            return f"{name} {unit}" if unit else name
+    return ""
+
+
+def phase_spans(events: Iterable[dict]) -> list[PhaseSpan]:
+    """Every phase of ``events`` that ended, in the order they ended."""
+    fold = PhaseFold()
+    for ev in events:
+        fold.add(ev)
+    return fold.spans
+
+
+@dataclass(frozen=True)
+class UnitSpan:
+    """An FSDP unit in one state other than ``sharded`` on one rank, until its next state
+    (``until``; None: still in it when the events end)."""
+    rank: int
+    unit: str
+    state: str
+    t0: float
+    t1: float
+    until: str | None
+
+
+def unit_spans(events: list[dict], t_end: float | None = None) -> list[UnitSpan]:
+    """Every unit's states other than ``sharded``, in the order they ended; the states still held
+    when ``events`` end come last, drawn up to ``t_end`` (default: the last event's time)."""
+    held: dict[tuple[int, str], tuple[str, float]] = {}
+    out = []
+    for e in events:
+        if e["kind"] != "unit":
+            continue
+        key = (e["rank"], e["name"])
+        if key in held:
+            state, t0 = held.pop(key)
+            out.append(UnitSpan(e["rank"], e["name"], state, t0, e["t"], e["state"]))
+        if e["state"] != "sharded":
+            held[key] = (e["state"], e["t"])
+    if t_end is None:
+        t_end = max((e["t"] for e in events), default=0.0)
+    return out + [UnitSpan(r, n, state, t0, t_end, None) for (r, n), (state, t0) in held.items()]
+
+
+class Replay:
+    """A trace folded once, so that any event is one lookup away: live bytes per rank and
+    category (:meth:`snapshot`, the fold of every alloc/free up to the event), every unit's state
+    (:meth:`unit_states`), the phase the event's rank is in (:meth:`phase`), the collective in
+    flight at a time (:meth:`collective_at`); ``phases`` holds the phases as spans.
+
+    A finished trace gets its ledger from :class:`LedgerTimeline` (one cumsum); :meth:`append`
+    extends everything one event at a time for live runs (capacity doubles as it fills)."""
+
+    def __init__(self, events: Iterable[dict] = ()):
+        events = list(events)
+        self.events: list[dict] = []
+        self.t: list[float] = []                 # time of each event
+        self._phase: list[str] = []              # phase its rank was in ("" outside any)
+        self.collectives: list[int] = []         # indices of the collective events
+        self.transfers: list[int] = []           # indices of the transfer events (offload)
+        self.unit_events: list[tuple] = []       # (index, rank, unit, state) of unit events
+        self.unit_names: dict[str, None] = {}    # units in the order they first appear
+        self.phases = PhaseFold()
+        self._coll_cache = (0, np.empty(0), np.empty(0))
+        timeline = LedgerTimeline.build(events)
+        # columns of the fold: ranks and categories in the order they first appeared
+        self._slots, self.categories = timeline.ranks, timeline.categories
+        self._bytes = timeline.bytes if events else np.zeros((16, 1, 1), dtype=np.int64)
+        for ev in events:
+            self._index(ev)
+        self.ymax = int(self._bytes[:self.n].sum(axis=2).max()) if events else 0
+
+    @property
+    def n(self) -> int:
+        return len(self.events)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._slots)
+
+    def append(self, ev: dict) -> None:
+        """Add one event (live mode): check its schema, extend the ledger fold by one row."""
+        ev = load([ev])[0]
+        if ev["rank"] not in self._slots:
+            self._slots.append(ev["rank"])
+        if ev["kind"] in ("alloc", "free") and ev["category"] not in self.categories:
+            self.categories.append(ev["category"])
+        n, R, C = self.n, len(self._slots), len(self.categories)
+        cap, r0, c0 = self._bytes.shape
+        if n >= cap or R > r0 or C > c0:         # grow: double the events, pad new ranks/categories
+            grown = np.zeros((max(cap, 2 * n, 16), max(R, r0), max(C, c0)), dtype=np.int64)
+            grown[:cap, :r0, :c0] = self._bytes
+            self._bytes = grown
+        self._bytes[n] = self._bytes[n - 1] if n else 0
+        if ev["kind"] in ("alloc", "free"):
+            sign = 1 if ev["kind"] == "alloc" else -1
+            self._bytes[n, self._slots.index(ev["rank"]),
+                        self.categories.index(ev["category"])] += sign * ev["bytes"]
+        self.ymax = max(self.ymax, int(self._bytes[n].sum(axis=1).max()))
+        self._index(ev)
+
+    def _index(self, ev: dict) -> None:
+        self.events.append(ev)
+        self.t.append(ev["t"])
+        self._phase.append(self.phases.add(ev))
+        kind = ev["kind"]
+        if kind == "collective":
+            self.collectives.append(self.n - 1)
+        elif kind == "transfer":
+            self.transfers.append(self.n - 1)
+        elif kind == "unit":
+            self.unit_events.append((self.n - 1, ev["rank"], ev["name"], ev["state"]))
+            self.unit_names.setdefault(ev["name"])
+
+    # ---- lookups
+    def bytes_at(self, i: int) -> np.ndarray:
+        """Live bytes after event ``i``: one row per rank (in rank order), one column per
+        category (in ``self.categories`` order)."""
+        row = self._bytes[i, :len(self._slots), :len(self.categories)]
+        if self._slots != self.ranks:            # live ranks can join out of order
+            row = row[np.argsort(self._slots)]
+        return row
+
+    def snapshot(self, i: int) -> dict[int, dict[str, int]]:
+        """``{rank: {category: bytes}}`` live after event ``i``."""
+        row = self.bytes_at(i)
+        return {r: {c: int(row[a, b]) for b, c in enumerate(self.categories)}
+                for a, r in enumerate(self.ranks)}
+
+    def unit_states(self, i: int) -> dict[int, dict[str, str]]:
+        """``{rank: {unit: state}}`` after event ``i``; a unit not seen yet is sharded."""
+        states = {r: dict.fromkeys(self.unit_names, "sharded") for r in self.ranks}
+        end = bisect.bisect_right(self.unit_events, (i, float("inf")))
+        for _, rank, name, state in self.unit_events[:end]:
+            states[rank][name] = state
+        return states
+
+    def phase(self, i: int) -> str:
+        """The phase event ``i``'s rank was in (see :meth:`PhaseFold.add`)."""
+        return self._phase[i]
+
+    def collective_at(self, t: float) -> dict | None:
+        """The collective in flight at time ``t`` on any rank. When several are (every rank
+        has its own event for the same all-reduce), the one that started *last*: a ring cannot
+        move until its last rank has joined."""
+        n, starts, ends = self._coll_cache
+        if n != len(self.collectives):           # live runs add collectives; rebuild lazily
+            starts = np.array([self.events[i]["t"] for i in self.collectives])
+            ends = np.array([self.events[i]["t_end"] for i in self.collectives])
+            self._coll_cache = (len(self.collectives), starts, ends)
+        inside = np.flatnonzero((starts <= t) & (t <= ends))
+        if inside.size == 0:
+            return None
+        return self.events[self.collectives[inside[np.argmax(starts[inside])]]]
+
+    def traffic(self) -> list[dict]:
+        """The collective and transfer events, in trace order."""
+        return [self.events[i] for i in sorted(self.collectives + self.transfers)]

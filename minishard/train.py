@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import nullcontext
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -64,9 +64,11 @@ def train_step(built: Built, batches: Sequence[tuple[torch.Tensor, torch.Tensor]
     return loss_sum
 
 
-def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig()) -> dict[str, Any]:
+def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
+          on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train ``config.steps`` optimizer steps; each sees ``config.accum`` micro-batches of
-    ``config.micro_batch`` sequences per rank. Returns this rank's measurements."""
+    ``config.micro_batch`` sequences per rank. Returns this rank's measurements. ``on_step``
+    is called after every step with ``{rank, step, steps, loss, seconds, peak}`` (progress)."""
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train(rank, config) takes a TrainConfig, got {type(config).__name__}: "
                         f"train(rank, TrainConfig(strategy='ddp', steps=3))")
@@ -78,14 +80,7 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig()) 
     cfg = model_mod.config(config.model, **config.model_overrides)
     ledger = LiveLedger(tracer, budget=config.device_budget) if strategy.instrumented else None
     comm = Comm(tracer, ledger=ledger)
-
-    net = model_mod.GPT(cfg, seed=config.seed).to(rank.device)
-    net.recompute_activations = config.recompute
-    net.loss_chunk_tokens = config.loss_chunk_tokens
-    for name, p in net.named_parameters():
-        if name.startswith(config.freeze) and config.freeze:
-            p.requires_grad_(False)
-    built = build(net, config, comm, ledger)
+    built = build(_model(config, cfg, rank.device), config, comm, ledger)
     first_step, ckpt = 0, {}
     if config.resume_from is not None:
         from . import checkpoint
@@ -102,6 +97,9 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig()) 
             loss = train_step(built, batches, clip=config.clip, ledger=ledger, tracer=tracer,
                               track_activations=config.track_activations)
         meter.loss(loss)
+        if on_step is not None:
+            on_step({"rank": rank.rank, "step": step - first_step, "steps": config.steps, "loss": loss,
+                     "seconds": meter.steps["step_times"][-1], "peak": ledger.peak if ledger else 0})
     tracer.step = None
 
     out: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size,
@@ -126,6 +124,18 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig()) 
     if built.tier is not None:
         built.tier.cleanup()
     return out
+
+
+def _model(config: TrainConfig, cfg, device) -> torch.nn.Module:
+    """The GPT every rank starts from (the same seed everywhere), its memory knobs set and the
+    frozen parameters' gradients switched off."""
+    net = model_mod.GPT(cfg, seed=config.seed).to(device)
+    net.recompute_activations = config.recompute
+    net.loss_chunk_tokens = config.loss_chunk_tokens
+    for name, p in net.named_parameters():
+        if config.freeze and name.startswith(config.freeze):
+            p.requires_grad_(False)
+    return net
 
 
 def _ledger_report(ledger: LiveLedger, config: TrainConfig, cfg, strategy, world_size: int) -> dict:

@@ -17,121 +17,71 @@ Layout. The trainable parameters are packed, bucket by bucket, into one flat buf
 model's parameters alias. Each bucket is padded to a multiple of N and cut into N equal
 *chunks*; rank r owns chunk r of every bucket. One code path serves both stages (the stage is a
 threshold on what is sharded, see ``ledger.SHARDED_FROM_STAGE``) and the inner optimizer is any
-element-wise ``torch.optim`` class, run on the rank's chunks as if they were parameters.
+element-wise ``torch.optim`` class, run on the rank's chunks as if they were parameters — one
+inner parameter group per parameter group given (a bucket never mixes groups). The bucket
+mechanics (hooks, launch order, end of backward) are shared with DDP (``minishard.buckets``);
+what is ZeRO's own is the collective and where the reduced slice goes.
+
+``ZeroOptimizer`` is a ``torch.optim.Optimizer``: its ``param_groups`` hold the model's
+parameters and the hyperparameters, which a learning-rate scheduler may change; they reach the
+inner optimizer before every step.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from .comm import Comm, Work
-from .ddp import BucketedReduction, plan_buckets
+from .buckets import Bucket, BucketedReduction, offsets_of, plan_buckets
+from .comm import Comm
 from .ledger import LiveLedger, track_optimizer_state
 
 # Optimizers whose update is element-wise, so running them on flat slices is exact. Their state
 # keys are the ones the sharder knows how to keep per slice.
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 KNOWN_STATE = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}
+NOT_HYPERPARAMETERS = ("params", "param_names")
 
 
-@dataclass
-class ShardedBucket:
+@dataclass(eq=False, kw_only=True)
+class ShardedBucket(Bucket):
     """A contiguous region of the flat buffers: ``N * chunk`` elements, rank r owns chunk r."""
-    index: int
     start: int                      # offset of the region in the flat buffers
     numel: int                      # real elements (the rest of the region is padding)
     chunk: int                      # elements each rank owns
-    params: list[nn.Parameter]
-    offsets: list[int]              # of each parameter inside the region
-    ready: set = field(default_factory=set)
-    work: Work | None = None
-    buffer: torch.Tensor | None = None   # stage 2: the bucket's local gradients, until reduced
     reduced: torch.Tensor | None = None  # stage 2: where the reduce-scatter delivers our slice
 
 
-class ZeroOptimizer(BucketedReduction):
+class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO-1/2 sharded optimizer (see the module docstring).
 
-    ``ZeroOptimizer(model, torch.optim.AdamW, stage=1, comm=comm, lr=1e-3)``; then the usual loop:
-    ``loss.backward(); opt.step(); opt.zero_grad()``. Communication of gradients happens during
-    backward (hooks on the parameters), the parameter all-gather at the end of ``step()``.
-    ``master_dtype`` (default: the parameters' dtype) is the precision of the sharded copy the
-    optimizer updates: bf16 parameters with an fp32 master is the mixed-precision setting.
+    ``ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-3)`` — or parameter
+    groups, as with any torch optimizer — then the usual loop: ``loss.backward(); opt.step();
+    opt.zero_grad()``. ``comm`` (default: the default process group) is the group it shards
+    over. Gradients are reduced during backward (hooks on the parameters), the parameters
+    all-gathered at the end of ``step()``. ``master_dtype`` (default: the parameters' dtype) is
+    the precision of the sharded copy the optimizer updates: bf16 parameters with an fp32 master
+    is the mixed-precision setting. Keyword arguments left over are the inner optimizer's.
     """
 
-    def __init__(self, module: nn.Module, optimizer_class=torch.optim.AdamW, *, stage: int,
-                 comm: Comm, ledger: LiveLedger | None = None, reduce: str = "reduce_scatter",
-                 master_dtype: torch.dtype | None = None, bucket_cap_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, **optimizer_kwargs):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got stage={stage!r}; "
-                             f"stage 3 shards the parameters too: use minishard.fsdp")
-        if reduce not in ("reduce_scatter", "all_reduce"):
-            raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got {reduce!r}")
-        if stage == 2 and reduce == "all_reduce":
-            raise ValueError("stage 2 keeps only a gradient slice, so it must reduce-scatter")
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)):
-            raise ValueError(
-                f"{getattr(optimizer_class, '__name__', optimizer_class)} is not an element-wise "
-                f"optimizer this sharder understands ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); "
-                f"an optimizer with per-tensor state (norms, factored moments) cannot be run on flat slices")
-        self.module, self.comm, self.ledger = module, comm, ledger
-        self.stage, self.reduce = stage, reduce
-        N = comm.world_size
-        comm.replicate_from_rank0(module.parameters(), ledger)
-
-        # ---- the flat layout: buckets of whole parameters, each padded to N equal chunks
-        groups = plan_buckets(module, bucket_cap_mb, first_bucket_mb)
-        p0 = groups[0][0][1]
-        if any(p.dtype != p0.dtype for g in groups for _, p in g):
-            raise ValueError("ZeroOptimizer needs one parameter dtype; got a mix")
-        self.buckets, start = [], 0
-        for i, group in enumerate(groups):
-            numel = sum(p.numel() for _, p in group)
-            chunk = math.ceil(numel / N)
-            offsets = [sum(p.numel() for _, p in group[:k]) for k in range(len(group))]
-            self.buckets.append(ShardedBucket(i, start, numel, chunk, [p for _, p in group], offsets))
-            start += chunk * N
-        self.flat_params = torch.zeros(start, dtype=p0.dtype, device=p0.device)
-        with torch.no_grad():
-            for b in self.buckets:                 # the model's parameters now alias the buffer
-                for p, off in zip(b.params, b.offsets):
-                    view = self.flat_params[b.start + off:b.start + off + p.numel()].view_as(p)
-                    view.copy_(p)
-                    p.data = view
-        self._where = {p: (b, k) for b in self.buckets for k, p in enumerate(b.params)}
-
-        # ---- gradients: full flat buffer (stage 1) or only our chunks (stage 2)
-        if stage == 1:
-            self.flat_grads = torch.zeros_like(self.flat_params)
-            for b in self.buckets:
-                for p, off in zip(b.params, b.offsets):
-                    p.grad = self.flat_grads[b.start + off:b.start + off + p.numel()].view_as(p)
-            grad_chunks = [self._mine(self.flat_grads, b) for b in self.buckets]
-        else:
-            self.grad_shard = torch.zeros(sum(b.chunk for b in self.buckets), dtype=p0.dtype,
-                                          device=p0.device)
-            grad_chunks = list(self.grad_shard.split([b.chunk for b in self.buckets]))
-        self.grad_chunks = grad_chunks
-
-        # ---- what the inner optimizer updates: our chunks of the parameters, or an fp32 copy
-        self.master_dtype = master_dtype or p0.dtype
-        param_chunks = [self._mine(self.flat_params, b) for b in self.buckets]
-        if self.master_dtype == p0.dtype:
-            self.master = None
-            self.shards = [nn.Parameter(c) for c in param_chunks]     # aliases: updates in place
-            for s, g in zip(self.shards, grad_chunks):
-                s.grad = g
-        else:
-            self.master = torch.cat(param_chunks).to(self.master_dtype)
-            self.shards = [nn.Parameter(c) for c in self.master.split([b.chunk for b in self.buckets])]
-        self.optimizer = optimizer_class(self.shards, **optimizer_kwargs)
-        self.param_groups = self.optimizer.param_groups
-
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, *, stage: int = 1,
+                 comm: Comm | None = None, ledger: LiveLedger | None = None,
+                 reduce: str = "reduce_scatter", master_dtype: torch.dtype | None = None,
+                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0, **defaults):
+        _check_arguments(stage, reduce, optimizer_class)
+        if isinstance(params, nn.Module):
+            raise TypeError("ZeroOptimizer takes parameters or parameter groups, as every torch "
+                            "optimizer does: ZeroOptimizer(model.parameters(), ...)")
+        super().__init__(params, defaults)
+        self.comm = comm if comm is not None else Comm()
+        self.ledger, self.stage, self.reduce = ledger, stage, reduce
+        self.comm.replicate_from_rank0([p for g in self.param_groups for p in g["params"]], ledger)
+        self.buckets = self._lay_out(bucket_cap_mb, first_bucket_mb)
+        self._allocate_gradients()
+        self._build_inner_optimizer(optimizer_class, master_dtype)
         if ledger is not None:
             ledger.track("params", self.flat_params, "flat_params")
             if stage == 1:
@@ -140,12 +90,76 @@ class ZeroOptimizer(BucketedReduction):
                 ledger.track("grads", self.grad_shard, "grad_shard")
             if self.master is not None:
                 ledger.track("master", self.master, "master_shard")
+        if stage == 1:
+            self.reduction = BucketedReduction(self.buckets, reduce=self._reduce_gradients, ledger=ledger)
+        else:   # at most two buckets in flight: gradient memory stays at a few buckets
+            self.reduction = BucketedReduction(self.buckets, reduce=self._reduce_scatter_bucket,
+                                               land=self._keep_slice, grads_in_buckets=False,
+                                               max_in_flight=2, ledger=ledger)
 
-        self._sync = True
-        self._in_flight: list[ShardedBucket] = []
-        # the one place hooks are registered: each is a single call to a named method
-        for p in self._where:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+    # ------------------------------------------------------------------ construction
+    def _lay_out(self, cap_mb: float, first_mb: float) -> list[ShardedBucket]:
+        """Buckets of whole parameters, each padded to N equal chunks, packed into one flat
+        buffer that the parameters then alias."""
+        plan = plan_buckets([g["params"] for g in self.param_groups], cap_mb, first_mb)
+        p0 = plan[0][1][0]
+        if any(p.dtype != p0.dtype for _, params in plan for p in params):
+            raise ValueError("ZeroOptimizer needs one parameter dtype; got a mix")
+        N, buckets, start = self.comm.world_size, [], 0
+        for i, (group, params) in enumerate(plan):
+            numel = sum(p.numel() for p in params)
+            chunk = math.ceil(numel / N)
+            buckets.append(ShardedBucket(index=i, group=group, params=params, offsets=offsets_of(params),
+                                         size=chunk * N, start=start, numel=numel, chunk=chunk))
+            start += chunk * N
+        self.flat_params = torch.zeros(start, dtype=p0.dtype, device=p0.device)
+        with torch.no_grad():
+            for b in buckets:                      # the model's parameters now alias the buffer
+                for p, off in zip(b.params, b.offsets):
+                    view = self.flat_params[b.start + off:b.start + off + p.numel()].view_as(p)
+                    view.copy_(p)
+                    p.data = view
+        return buckets
+
+    def _allocate_gradients(self) -> None:
+        """Stage 1: the full flat gradient buffer, each bucket's region of it the bucket's
+        buffer. Stage 2: only our chunks (the buckets' buffers come and go during backward)."""
+        if self.stage == 1:
+            self.flat_grads = torch.zeros_like(self.flat_params)
+            for b in self.buckets:
+                b.buffer = self.flat_grads[b.start:b.start + b.size]
+            self.grad_chunks = [self._mine(self.flat_grads, b) for b in self.buckets]
+        else:
+            self.grad_shard = torch.zeros(sum(b.chunk for b in self.buckets),
+                                          dtype=self.flat_params.dtype, device=self.flat_params.device)
+            self.grad_chunks = list(self.grad_shard.split([b.chunk for b in self.buckets]))
+
+    def _build_inner_optimizer(self, optimizer_class, master_dtype: torch.dtype | None) -> None:
+        """What the inner optimizer updates: our chunks of the parameters (aliases: updated in
+        place), or an fp32 copy of them; one inner group per parameter group."""
+        dtype = self.flat_params.dtype
+        self.master_dtype = master_dtype or dtype
+        param_chunks = [self._mine(self.flat_params, b) for b in self.buckets]
+        if self.master_dtype == dtype:
+            self.master = None
+            self.shards = [nn.Parameter(c) for c in param_chunks]
+            for s, g in zip(self.shards, self.grad_chunks):
+                s.grad = g
+        else:
+            self.master = torch.cat(param_chunks).to(self.master_dtype)
+            self.shards = [nn.Parameter(c) for c in self.master.split([b.chunk for b in self.buckets])]
+        groups = [{**_hyperparameters(g), "params": [s for s, b in zip(self.shards, self.buckets) if b.group == i]}
+                  for i, g in enumerate(self.param_groups)]
+        self.optimizer = optimizer_class(groups, **self.defaults)
+        self._shards_by_bucket = nn.ParameterList(self.shards)     # ("0", shard 0), ("1", ...)
+        self.defaults = dict(self.optimizer.defaults)   # every hyperparameter, as schedulers expect
+        _copy_hyperparameters(self.optimizer.param_groups, self.param_groups)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "buckets", None) is not None:
+            raise NotImplementedError("ZeroOptimizer lays out its flat buffers once, at construction: "
+                                      "pass every parameter group to the constructor")
+        super().add_param_group(param_group)
 
     def _mine(self, flat: torch.Tensor, b: ShardedBucket) -> torch.Tensor:
         """This rank's chunk of bucket ``b`` in a flat buffer (a view)."""
@@ -158,77 +172,36 @@ class ZeroOptimizer(BucketedReduction):
         """Stage 1: accumulate full local gradients, reduce once on the last micro-batch.
         Stage 2 keeps no full gradient, so it reduce-scatters every micro-batch and accumulates
         the reduced slices: more traffic, less memory. There, this context changes nothing."""
-        prev, self._sync = self._sync, self.stage == 2
+        prev, self.reduction.sync = self.reduction.sync, self.stage == 2
         try:
             yield
         finally:
-            self._sync = prev
+            self.reduction.sync = prev
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        b, k = self._where[p]
-        if self.stage == 1:
-            view = self.flat_grads[b.start + b.offsets[k]:b.start + b.offsets[k] + p.numel()].view_as(p)
-            if p.grad.data_ptr() != view.data_ptr():   # after zero_grad(set_to_none=True)
-                view.copy_(p.grad)
-                p.grad = view
-        else:
-            # stage 2: move the gradient into the bucket's temporary buffer and drop it
-            if b.buffer is None:
-                b.buffer = torch.zeros(b.chunk * self.comm.world_size, dtype=p.dtype, device=p.device)
-                if self.ledger is not None:
-                    self.ledger.track("comm_buffers", b.buffer, f"grad_bucket:{b.index}")
-            b.buffer[b.offsets[k]:b.offsets[k] + p.numel()].copy_(p.grad.view(-1))
-            p.grad = None
-        if self._sync:
-            self._mark_ready(b, k)
-
-    def _reduce_bucket(self, b: ShardedBucket) -> None:
+    def _reduce_gradients(self, b: ShardedBucket) -> None:
+        """Stage 1: the bucket's region of the full gradient buffer, reduced in place."""
         N = self.comm.world_size
-        tag = f"bucket{b.index}"
-        if self.stage == 1:
-            region = self.flat_grads[b.start:b.start + b.chunk * N]
-            region.div_(N)
-            if self.reduce == "all_reduce":
-                b.work = self.comm.all_reduce(region, async_op=True, tag=tag)
-            else:   # our chunk of the region receives our slice of the sum
-                b.work = self.comm.reduce_scatter(self._mine(self.flat_grads, b), region,
-                                                  async_op=True, tag=tag)
-        else:
-            # double buffering: at most two buckets in flight, so gradient memory stays at a few
-            # buckets however large the model (waiting for the older one is what bounds it)
-            if len(self._in_flight) == 2:
-                self._finish_bucket(self._in_flight.pop(0))
-            b.buffer.div_(N)
-            b.reduced = torch.empty(b.chunk, dtype=b.buffer.dtype, device=b.buffer.device)
-            b.work = self.comm.reduce_scatter(b.reduced, b.buffer, async_op=True, tag=tag)
-            self._in_flight.append(b)
+        region = b.buffer
+        region.div_(N)
+        if self.reduce == "all_reduce":
+            b.work = self.comm.all_reduce(region, async_op=True, tag=f"bucket{b.index}")
+        else:   # our chunk of the region receives our slice of the sum
+            b.work = self.comm.reduce_scatter(self.grad_chunks[b.index], region, async_op=True,
+                                              tag=f"bucket{b.index}")
 
-    def _finish_bucket(self, b: ShardedBucket) -> None:
-        if b.work is not None:
-            b.work.wait()
-            b.work = None
-        if self.stage == 2 and b.reduced is not None:
-            self.grad_chunks[b.index].add_(b.reduced)     # accumulate the reduced slice
-            b.reduced = None
-            if self.ledger is not None:
-                self.ledger.free(f"grad_bucket:{b.index}")
-            b.buffer = None
-        b.ready = set()
+    def _reduce_scatter_bucket(self, b: ShardedBucket) -> None:
+        """Stage 2: the bucket's temporary buffer, reduce-scattered into a fresh slice."""
+        b.buffer.div_(self.comm.world_size)
+        b.reduced = torch.empty(b.chunk, dtype=b.buffer.dtype, device=b.buffer.device)
+        b.work = self.comm.reduce_scatter(b.reduced, b.buffer, async_op=True, tag=f"bucket{b.index}")
 
-    def _finish_gradient_sync(self) -> None:
-        """End of backward: reduce buckets whose parameters got no gradient, wait for all."""
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if self.stage == 2 and b.buffer is None:
-                b.buffer = torch.zeros(b.chunk * self.comm.world_size, dtype=self.flat_params.dtype)
-                if self.ledger is not None:
-                    self.ledger.track("comm_buffers", b.buffer, f"grad_bucket:{b.index}")
-            self._reduce_bucket(b)
-            self._next_launch += 1
-        for b in self.buckets:
-            self._finish_bucket(b)
-        self._in_flight = []
-        self._next_launch, self._callback_queued = 0, False
+    def _keep_slice(self, b: ShardedBucket) -> None:
+        """Stage 2: accumulate the reduced slice, drop the bucket's buffer."""
+        self.grad_chunks[b.index].add_(b.reduced)
+        b.reduced = None
+        if self.ledger is not None:
+            self.ledger.free(f"grad_bucket:{b.index}")
+        b.buffer = None
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -246,8 +219,13 @@ class ZeroOptimizer(BucketedReduction):
         return total
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None):
         """Update our slice, then all-gather the parameters so every rank has the whole model."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        _copy_hyperparameters(self.param_groups, self.optimizer.param_groups)   # a scheduler's lr
         if self.master is not None:       # mixed precision: the fp32 master sees fp32 gradients
             for s, g in zip(self.shards, self.grad_chunks):
                 s.grad = g.to(self.master_dtype)
@@ -256,8 +234,12 @@ class ZeroOptimizer(BucketedReduction):
         if unknown:
             raise ValueError(f"{type(self.optimizer).__name__} keeps state {sorted(unknown)} that "
                              f"ZeroOptimizer does not know how to shard")
-        if self.ledger is not None:
-            track_optimizer_state(self.ledger, self.optimizer, prefix="shard_")
+        if self.ledger is not None:     # named by bucket: unique across parameter groups
+            track_optimizer_state(self.ledger, self.optimizer, self._shards_by_bucket, prefix="shard_")
+        self._all_gather_parameters()
+        return loss
+
+    def _all_gather_parameters(self) -> None:
         works = []
         for b, s in zip(self.buckets, self.shards):
             mine = self._mine(self.flat_params, b)
@@ -272,8 +254,9 @@ class ZeroOptimizer(BucketedReduction):
         for w in works:
             w.wait()
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the gradients in place (they live in flat buffers the hooks rely on)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in place, whatever ``set_to_none`` says: they live in flat buffers
+        the hooks rely on."""
         if self.stage == 1:
             self.flat_grads.zero_()
         else:
@@ -284,8 +267,41 @@ class ZeroOptimizer(BucketedReduction):
         return {"stage": self.stage, "world_size": self.comm.world_size,
                 "buckets": [(b.start, b.numel, b.chunk) for b in self.buckets]}
 
+    def checkpoint_regions(self, h) -> None:
+        """What this rank holds, for ``minishard.checkpoint``: the parameters are replicas (the
+        flat buffer is whole on every rank); the optimizer state (and, in mixed precision, the
+        fp32 master) of rank r is chunk r of every bucket, which may start or end inside a
+        parameter. Parameters in no bucket (frozen) are plain replicas."""
+        r = h.rank
+        h.strategy = f"zero{self.stage}"
+        h.order = [h.names[p] for p in h.names]
+        for b, shard in zip(self.buckets, self.shards):
+            lo_c, hi_c = r * b.chunk, (r + 1) * b.chunk           # our chunk, in bucket coordinates
+            states = h.optimizer_state(self.optimizer, shard, f"ZeRO bucket {b.index}")
+            for p, off in zip(b.params, b.offsets):
+                fqn = h.names[p]
+                full = self.flat_params[b.start + off:b.start + off + p.numel()]
+                lo, hi = max(off, lo_c), min(off + p.numel(), hi_c)   # our elements of p (bucket coords)
+                mine = slice(lo - lo_c, max(hi, lo) - lo_c)            # ... in chunk coordinates
+                if self.master is None:                                # the chunk aliases the buffer
+                    h.tensor(f"param/{fqn}", p.shape, p.dtype)
+                    h.add(f"param/{fqn}", 0, full, save=False)
+                    h.add(f"param/{fqn}", lo - off, shard.detach()[mine], load=False)
+                else:                                                  # fp32 master chunk + bf16 copy
+                    h.tensor(f"param/{fqn}", p.shape, self.master_dtype)
+                    h.add(f"param/{fqn}", lo - off, shard.detach()[mine])
+                    h.add(f"param/{fqn}", 0, full, save=False, cast=True)
+                for kind, t in states.items():
+                    h.tensor(f"{kind}/{fqn}", p.shape, t.dtype)
+                    h.add(f"{kind}/{fqn}", lo - off, t[mine])
+        bucketed = {p for b in self.buckets for p in b.params}
+        for p, fqn in h.names.items():                               # frozen: not ZeRO's
+            if p not in bucketed:
+                h.replicated(fqn, p, None)
+
     def state_dict(self) -> dict:
         """This rank's shard: its optimizer state, its master slice, and the layout they fit."""
+        _copy_hyperparameters(self.param_groups, self.optimizer.param_groups)
         return {"zero": {**self.layout(), "rank": self.comm.rank},
                 "optimizer": self.optimizer.state_dict(),
                 "master": None if self.master is None else self.master.clone()}
@@ -302,5 +318,31 @@ class ZeroOptimizer(BucketedReduction):
             raise ValueError("this ZeRO state was saved with another bucket layout "
                              "(different model or bucket_cap_mb); it cannot be loaded here")
         self.optimizer.load_state_dict(state["optimizer"])
+        _copy_hyperparameters(self.optimizer.param_groups, self.param_groups)
         if self.master is not None:
             self.master.copy_(state["master"])
+
+
+def _check_arguments(stage: int, reduce: str, optimizer_class) -> None:
+    if stage not in (1, 2):
+        raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got stage={stage!r}; "
+                         f"stage 3 shards the parameters too: use minishard.fsdp")
+    if reduce not in ("reduce_scatter", "all_reduce"):
+        raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got {reduce!r}")
+    if stage == 2 and reduce == "all_reduce":
+        raise ValueError("stage 2 keeps only a gradient slice, so it must reduce-scatter")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)):
+        raise ValueError(
+            f"{getattr(optimizer_class, '__name__', optimizer_class)} is not an element-wise "
+            f"optimizer this sharder understands ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); "
+            f"an optimizer with per-tensor state (norms, factored moments) cannot be run on flat slices")
+
+
+def _hyperparameters(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS}
+
+
+def _copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:
+    """Group by group, every hyperparameter of ``src`` into ``dst`` (parameters stay)."""
+    for s, d in zip(src, dst):
+        d.update(_hyperparameters(s))

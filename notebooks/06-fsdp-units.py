@@ -115,7 +115,7 @@ assert all(h["matches_hooks"] for h in hand)   # bit for bit the step the hooks 
 #
 # ## 2. The same lifecycle, driven by hooks
 # Without `manual=True`, `fully_shard` registers the hooks that make these calls (all in one
-# place: `_register_hooks` in [`minishard/fsdp.py`](../minishard/fsdp.py)): a forward pre-hook
+# place: `register_hooks` in [`minishard/fsdp/hooks.py`](../minishard/fsdp/hooks.py)): a forward pre-hook
 # unshards, a forward hook reshards, a hook on the unit's outputs unshards again when backward
 # reaches them, and an autograd node on the unit's inputs reduce-scatters when its backward is
 # done. Two steps of the nano model, the player following; the table under it shows each unit's

@@ -22,7 +22,7 @@
 # be loaded under *another* layout (a 64-rank job resumed on 32 after losing a node) and whether
 # the released weights come out in the format inference engines want (complete tensors, one
 # file per layer). The reasoning is in [tutorial/09-checkpoints.md](../tutorial/09-checkpoints.md);
-# the code is [`minishard/checkpoint.py`](../minishard/checkpoint.py).
+# the code is [`minishard/checkpoint/`](../minishard/checkpoint/).
 #
 # **The one-line "syntax"** — every tensor of the training state (each parameter, each Adam
 # moment) is a flat index space; what a rank holds is a set of *regions* of it:

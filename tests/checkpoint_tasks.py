@@ -130,7 +130,7 @@ def save_then_die(rank, path: str, die_rank: int) -> None:
     kw = dict(strategy="zero1", model=MODEL, micro_batch=MICRO_BATCH, track_activations=False)
     train(rank, TrainConfig(steps=2, save_to=path, **kw))
 
-    real_write = checkpoint._write_safetensors
+    real_write = checkpoint.saving.write_safetensors      # what save() calls to write a rank's file
 
     def dying_write(file, entries, tensors, *args):
         if rank.rank == die_rank:
@@ -141,5 +141,39 @@ def save_then_die(rank, path: str, die_rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)    # ...and the process is gone
         return real_write(file, entries, tensors, *args)
 
-    checkpoint._write_safetensors = dying_write
+    checkpoint.saving.write_safetensors = dying_write
     train(rank, TrainConfig(steps=1, resume_from=path, save_to=path, **kw))
+
+
+def refusals(rank) -> dict:
+    """What ``describe`` says of PyTorch's own sharded states: ZeroRedundancyOptimizer's
+    partition and fully_shard's DTensor parameters (None: it described them)."""
+    out = {}
+    for strategy in ("torch_zero1", "torch_fsdp"):
+        comm = Comm(rank.tracer)
+        built = build(GPT(config(MODEL), seed=0), TrainConfig(strategy, model=MODEL), comm)
+        try:
+            checkpoint.describe(built.model, built.optimizer, comm)
+            out[strategy] = None
+        except checkpoint.CheckpointError as e:
+            out[strategy] = str(e)
+    return out
+
+
+def save_with_replicated_norms(rank, path: str, layout: str) -> dict:
+    """FSDP with every norm kept whole on every rank (``replicate_params``), 2 AdamW steps, saved
+    to ``path``; returns what this rank holds."""
+    from minishard import fsdp
+    from minishard.strategies import Built, get
+    cfg = config(MODEL)
+    comm = Comm(rank.tracer)
+    net = GPT(cfg, seed=0)
+    for i, b in enumerate(net.blocks):
+        fsdp.fully_shard(b, comm=comm, layout=layout, name=f"blocks.{i}", replicate_params=("ln1", "ln2"))
+    fsdp.fully_shard(net, comm=comm, layout=layout, name="root", replicate_params=("ln_f",))
+    opt = fsdp.ShardedOptimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    built = Built(get("fsdp"), net, opt, (comm,), units=fsdp.units(net))
+    for step in range(2):
+        train_step(built, [batch(cfg, step, MICRO_BATCH, rank.rank, rank.world_size)])
+    checkpoint.save(net, opt, path, comm=comm, step=2)
+    return portable(checkpoint.local_state(net, opt, comm))

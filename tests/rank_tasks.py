@@ -1,5 +1,4 @@
 """Small rank-side tasks the tests run on warm pools (importable by the rank processes)."""
-import copy
 import os
 import time
 
@@ -68,37 +67,6 @@ def whoami(rank):
     return {"rank": rank.rank, "world_size": rank.world_size, "pid": os.getpid()}
 
 
-def zero_state_roundtrip(rank, stage: int):
-    """Train 2 steps, save the sharded state, rebuild from it, train 1 more step on both."""
-    from minishard.comm import Comm
-    from minishard.model import GPT, batch, config
-    from minishard.zero import ZeroOptimizer
-
-    cfg = config("nano")
-    comm = Comm(rank.tracer)
-
-    def make():
-        net = GPT(cfg)
-        return net, ZeroOptimizer(net, torch.optim.AdamW, stage=stage, comm=comm, lr=1e-2)
-
-    def step(net, opt, s):
-        x, y = batch(cfg, s, 2, rank.rank, rank.world_size)
-        net(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    net, opt = make()
-    for s in range(2):
-        step(net, opt, s)
-    state = copy.deepcopy(opt.state_dict())     # as if written to disk: no shared tensors
-    net2, opt2 = make()
-    net2.load_state_dict(net.state_dict())
-    opt2.load_state_dict(state)
-    step(net, opt, 2)
-    step(net2, opt2, 2)
-    return all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters()))
-
-
 def backward_overlap(rank, strategy: str):
     """Which collectives ran while backward was still running."""
     from minishard.train import TrainConfig, train
@@ -111,21 +79,12 @@ def backward_overlap(rank, strategy: str):
 
 def fsdp_lifecycle(rank, layout: str = "per_param"):
     """One FSDP step of the 3-block nano GPT: the unit state changes and the collectives, in the
-    order they were issued."""
+    order they were issued (read with the chapter's own reader, so the test checks what it shows)."""
+    from minishard.course.ch06 import lifecycle_order
     from minishard.train import TrainConfig, train
-    train(rank, TrainConfig(strategy="fsdp" if layout == "per_param" else "fsdp_flat", steps=1, model="nano", micro_batch=1, track_activations=False))
-    evs = [e for e in rank.tracer.events if e["kind"] in ("unit", "collective", "phase")]
-    evs.sort(key=lambda e: (e["t"], e["seq"]))       # collectives by the time they were issued
-    out = []
-    for e in evs:
-        if e["kind"] == "unit":
-            out.append(f"{e['name']}:{e['state']}")
-        elif e["kind"] == "collective" and e["tag"] != "replicate":
-            out.append(f"{e['op']}({e['tag']})")
-        elif e["kind"] == "phase" and e["name"] in ("forward", "backward", "optimizer") \
-                and e["edge"] == "begin":
-            out.append(e["name"].upper())
-    return out
+    train(rank, TrainConfig(strategy="fsdp" if layout == "per_param" else "fsdp_flat", steps=1,
+                            model="nano", micro_batch=1, track_activations=False))
+    return lifecycle_order(rank.tracer.events, rank=rank.rank)
 
 
 def fsdp_manual_vs_hooks(rank, steps: int = 2):

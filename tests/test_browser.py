@@ -162,8 +162,9 @@ def run_all(page) -> float:
                 .map(p => p.textContent.trim());
             const errors = document.querySelectorAll(
                 '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"]').length;
-            return prompts.length > 0 && !prompts.some(p => p.includes('*'))
-                && (errors > 0 || /\\d/.test(prompts[prompts.length - 1]));
+            // a failed cell ends Run All (the cells after it may keep their '*')
+            return errors > 0 || (prompts.length > 0 && !prompts.some(p => p.includes('*'))
+                && /\\d/.test(prompts[prompts.length - 1]));
         }""", timeout=RUN_TIMEOUT_S * 1000, polling=1000)
     wait_idle(page)
     return time.monotonic() - t0

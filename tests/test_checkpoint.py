@@ -163,6 +163,20 @@ def test_plan_is_what_load_reads_and_needs_no_ranks(pools, saved):
             imagined["tensors"][name]["pieces"], name
 
 
+@pytest.mark.parametrize("layout", ["per_param", "flat"])
+def test_parameters_an_fsdp_unit_keeps_whole_are_saved_and_resharded(pools, tmp_path, layout):
+    """``replicate_params``: the norms every rank holds whole are in the checkpoint (once), and
+    3 ranks under ZeRO-1 load every element of it."""
+    held = assemble(pools(2).run(checkpoint_tasks.save_with_replicated_norms, str(tmp_path / "norms"), layout))
+    on_disk = _flat(checkpoint.read_full(tmp_path / "norms"))
+    assert on_disk.keys() == held.keys() and "param/blocks.0.ln1.weight" in on_disk
+    assert "exp_avg/ln_f.bias" in on_disk
+    assert all(torch.equal(on_disk[n], held[n]) for n in held)
+    for r in pools(3).run(checkpoint_tasks.load_runs, str(tmp_path), [("norms", "zero1", "fp32")]):
+        assert not r[0]["wrong"] and r[0]["steps"] == {2.0}
+    assert checkpoint.read_metadata(tmp_path / "norms")["strategy"] == ("fsdp" if layout == "per_param" else "fsdp_flat")
+
+
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[list[int]] = []
     for a, b in sorted(spans):
@@ -355,11 +369,11 @@ def test_bad_input_is_named_and_changes_nothing(tmp_path, monkeypatch):
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     other, oopt = _model(seed=5)
     real_usage = shutil.disk_usage
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda p: real_usage(p)._replace(free=1 << 20))
     with pytest.raises(CheckpointError, match=r"has 1.0 MiB free; the checkpoint needs 2.\d MiB"):
         checkpoint.save(other, oopt, good, comm=comm, step=9)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", real_usage)
+    monkeypatch.setattr(shutil, "disk_usage", real_usage)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))     # the disk fills up mid-file
@@ -374,3 +388,41 @@ def test_bad_input_is_named_and_changes_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / ".good.saving").exists()
     checkpoint.load(target, topt, good, comm=comm)
     assert _fingerprint(target, topt) == _fingerprint(net, opt)
+
+
+# ---------------------------------------------------------------------- the protocol
+
+class Packed(torch.nn.Module):
+    """A strategy of its own: two weights packed in one flat parameter, which it describes
+    itself (``checkpoint_regions``) as the global tensors ``a`` (2x3) and ``b`` (4,)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.flat = torch.nn.Parameter(torch.randn(10, generator=torch.Generator().manual_seed(seed)))
+
+    def checkpoint_regions(self, holdings) -> None:
+        holdings.strategy, holdings.order = "packed", ["a", "b"]
+        flat = self.flat.detach()
+        for name, shape, view in (("a", (2, 3), flat[:6]), ("b", (4,), flat[6:])):
+            holdings.tensor(f"param/{name}", shape, flat.dtype)
+            holdings.replica(f"param/{name}", view)
+
+
+def test_a_strategy_that_describes_its_own_regions_is_saved_and_loaded_without_an_adapter(tmp_path):
+    comm = Comm()
+    src, dst = Packed(seed=1), Packed(seed=2)
+    assert isinstance(src, checkpoint.CheckpointRegions)
+    checkpoint.save(src, None, tmp_path / "ck", comm=comm, step=1)
+    meta = checkpoint.read_metadata(tmp_path / "ck")
+    assert meta["strategy"] == "packed" and list(meta["tensors"]) == ["param/a", "param/b"]
+    full = checkpoint.read_full(tmp_path / "ck")
+    assert torch.equal(full["param/a"], src.flat.detach()[:6].view(2, 3))
+    assert torch.equal(full["param/b"], src.flat.detach()[6:])
+    checkpoint.load(dst, None, tmp_path / "ck", comm=comm)
+    assert torch.equal(dst.flat, src.flat)
+
+
+def test_pytorchs_own_sharded_states_are_refused_with_a_way_out(pools):
+    for answer in pools(2).run(checkpoint_tasks.refusals):
+        assert "ZeroRedundancyOptimizer keeps its own layout" in answer["torch_zero1"]
+        assert "fully_shard (DTensor) parameters: use torch.distributed.checkpoint" in answer["torch_fsdp"]

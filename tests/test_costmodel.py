@@ -171,3 +171,37 @@ def test_deepspeed_estimate_bad_input(kw, msg):
     args = {"n_params": 10**6, "largest_layer": 10**4, "stage": 3} | kw
     with pytest.raises(ValueError, match=msg):
         deepspeed_estimate(**args)
+
+
+def test_a_plan_above_90_percent_of_the_device_is_warned_about():
+    """The margin the planner leaves for what it does not model (the CUDA context, NCCL's
+    buffers, fragmentation): the same warning for the CLI, the widget and its suggestions."""
+    from minishard.costmodel import HEADROOM, warnings
+    roomy = plan("llama3-8b", H100, "fsdp", seq_len=4096, recompute=True)
+    assert roomy.fits and roomy.device_share < HEADROOM and warnings(roomy) == []
+    device = replace(DEVICES["h100-80gb"], memory=roomy.total_memory / 0.95)
+    tight = plan("llama3-8b", Cluster(device, gpus_per_node=8), "fsdp", seq_len=4096, recompute=True)
+    assert tight.fits and tight.tight
+    assert warnings(tight) == ["95% of the device, and the plan leaves out the CUDA context, NCCL's "
+                               "buffers, allocator fragmentation and kernel temporaries: they can tip it over."]
+    assert warnings(plan("llama3-8b", H100, "ddp", seq_len=4096)) == []   # does not fit: nothing to warn
+
+
+def test_one_unit_for_the_whole_model_gathers_all_of_it_and_hides_nothing():
+    from minishard.model import config
+    n = _params(config("llama3-8b"))
+    block = plan("llama3-8b", H100, "fsdp", seq_len=4096, recompute=True)
+    whole = plan("llama3-8b", H100, "fsdp", seq_len=4096, recompute=True, wrap="model")
+    assert whole.memory["unsharded"] == 2 * n > 5 * block.memory["unsharded"]   # root + 2 blocks
+    assert whole.exposed_comm_s == whole.comm_s > 0                 # nothing overlaps compute
+    assert whole.compute_s == block.compute_s
+    assert "1 unit (the whole model), 2 collectives per step" in whole.notes
+    assert plan("llama3-8b", H100, "ddp", seq_len=4096, wrap="model") == plan("llama3-8b", H100, "ddp", seq_len=4096)
+    with pytest.raises(ValueError, match="wrap"):
+        plan("nano", H100, wrap="layer")
+
+
+def test_the_logits_the_loss_keeps():
+    from minishard.costmodel import logits_bytes
+    from minishard.model import config
+    assert logits_bytes(config("tiny"), 4, 128, 4) == 4 * 128 * 4096 * 4     # chapter 10's 8 MiB

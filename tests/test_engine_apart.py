@@ -10,6 +10,7 @@ trains on a cluster node without JupyterLab, plotly or ipywidgets.
 """
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,19 +22,21 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = sorted((ROOT / "minishard").glob("*.py"))
+ENGINE = sorted(f for f in (ROOT / "minishard").rglob("*.py")
+                if not f.relative_to(ROOT / "minishard").parts[0] in ("course", "viz"))
 COURSE_ONLY = ("minishard.course", "minishard.viz", "plotly", "ipywidgets", "anywidget", "IPython",
                "jupyterlab", "jupyter_server", "nbformat", "nbclient")
 
 
 def imported_modules(path: Path) -> set[str]:
     """Every module a file imports, anywhere in it, as absolute names."""
+    package = list(path.relative_to(ROOT).with_suffix("").parts[:-1])    # e.g. [minishard, checkpoint]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = "minishard" if node.level else ""
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
             mod = ".".join(x for x in (base, node.module or "") if x)
             out.add(mod)
             out.update(f"{mod}.{a.name}" for a in node.names)
@@ -43,8 +46,8 @@ def imported_modules(path: Path) -> set[str]:
 def test_the_engine_imports_no_course_or_widget_code():
     for path in ENGINE:
         bad = sorted(m for m in imported_modules(path) if m.startswith(COURSE_ONLY))
-        assert not bad, f"minishard/{path.name} imports {bad}: the engine must not (course code " \
-                        f"lives in minishard/course, widgets in minishard/viz)"
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}: the engine must not (course " \
+                        f"code lives in minishard/course, widgets in minishard/viz)"
 
 
 def test_the_engines_dependencies_are_torch_numpy_and_safetensors():
@@ -97,8 +100,8 @@ def test_a_fresh_environment_with_only_the_engine_trains_and_reshards(tmp_path):
     for n, phase in ((2, "train"), (3, "resume")):
         out = run(str(py), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                   str(tmp_path / "task.py"), str(tmp_path), phase, cwd=tmp_path, env=env).stdout
-        lines = [x for x in out.splitlines() if x.startswith("rank ")]
-        if phase == "train":
-            assert len(lines) == 2 * 3 and all(" wire " in x for x in lines), out
+        if phase == "train":          # (lines of different ranks may interleave in the output)
+            assert len(re.findall(r"rank \d (?:ddp|zero2|fsdp) wire \d+", out)) == 2 * 3, out
         else:
-            assert sorted(lines) == [f"rank {r} resumed at step 2" for r in range(3)], out
+            assert sorted(re.findall(r"rank \d resumed at step \d+", out)) == \
+                [f"rank {r} resumed at step 2" for r in range(3)], out

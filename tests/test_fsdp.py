@@ -6,7 +6,7 @@ import torch
 from minishard import fsdp
 from minishard.comm import Comm
 from minishard.ledger import gpt_activation_bytes
-from minishard.model import GPT, config
+from minishard.model import GPT, batch, config
 from minishard.train import TrainConfig, train
 
 from parity import as_reference, assert_parity, reference
@@ -207,3 +207,198 @@ def test_per_parameter_layout_keeps_each_dtype_exactly():
     full = dict(zip([s.fqn for s in unit.layout.slots], unit.layout.full_values()))
     for name, value in before.items():
         assert full[name].dtype == value.dtype and torch.equal(full[name], value), name
+
+
+# ---------------------------------------------------------------------------- the redesign's API
+
+SGD = dict(model="nano", steps=3, optimizer="sgd", lr=0.5)
+NORMS = {"blocks": ("ln1", "ln2"), "root": ("ln_f",)}
+
+
+def replicated_norms_run(rank, layout: str, accum: int, no_sync: bool) -> dict:
+    """Rank task: the nano GPT with every norm kept replicated (``replicate_params``), trained
+    with plain SGD through ``train_step`` as the ``fsdp`` strategy would."""
+    from minishard.strategies import Built, get
+    from minishard.train import train_step
+    cfg = config("nano")
+    comm = Comm(rank.tracer)
+    net = GPT(cfg, seed=0)
+    for i, b in enumerate(net.blocks):
+        fsdp.fully_shard(b, comm=comm, layout=layout, name=f"blocks.{i}", replicate_params=NORMS["blocks"])
+    fsdp.fully_shard(net, comm=comm, layout=layout, name="root", replicate_params=NORMS["root"])
+    opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=SGD["lr"]))
+    built = Built(get("fsdp"), net, opt, (comm,), units=fsdp.units(net),
+                  no_sync=(lambda: fsdp.no_sync(net)) if no_sync else None,
+                  gather=lambda: fsdp.full_parameters(net))
+    comm.reset_counters()
+    losses = [train_step(built, [batch(cfg, s * accum + k, MB, rank.rank, rank.world_size)
+                                 for k in range(accum)]) for s in range(SGD["steps"])]
+    whole = {n: p.detach().clone() for n, p in net.named_parameters() if ".ln" in n or n.startswith("ln_f")}
+    return {"rank": rank.rank, "losses": losses, "params": built.full_parameters(), "whole": whole,
+            "by_op": comm.by_op}
+
+
+@pytest.mark.parametrize("N", [2, 3])
+@pytest.mark.parametrize("layout", ["per_param", "flat"])
+@pytest.mark.parametrize("accum,no_sync", [(1, False), (3, False), (3, True)])
+def test_replicated_norms_train_like_one_process_whole_on_every_rank(pools, N, layout, accum, no_sync):
+    """``replicate_params``: the norms are never sharded — every rank holds them whole and
+    identical — their gradients are all-reduced (one packed all-reduce per unit and
+    synchronisation, of exactly their bytes), and SGD trains exactly like one process."""
+    res = pools(N).run(replicated_norms_run, layout, accum, no_sync)
+    assert_parity(res, reference(N, MB, accum=accum, **SGD), rtol=1e-3)
+    cfg = config("nano")
+    for r in res:
+        assert {n: tuple(t.shape) for n, t in r["whole"].items()} == \
+            {n: tuple(t.shape) for n, t in res[0]["whole"].items()}
+        assert all(t.shape == (cfg.d_model,) and torch.equal(t, res[0]["whole"][n])
+                   for n, t in r["whole"].items())
+    n_norm = 2 * 2 * cfg.d_model * cfg.n_layer + 2 * cfg.d_model       # ln1, ln2 per block; ln_f
+    assert len(res[0]["whole"]) == 4 * cfg.n_layer + 2
+    syncs = SGD["steps"] * (1 if no_sync else accum)
+    ar = res[0]["by_op"]["all_reduce"]
+    assert ar["payload"] == syncs * 4 * n_norm and ar["calls"] == syncs * (cfg.n_layer + 1)
+
+
+def test_replicated_parameters_are_refused_where_they_cannot_work():
+    net = GPT("nano")
+    with pytest.raises(ValueError, match="no parameter or submodule \\['ln3'\\]"):
+        fsdp.fully_shard(net.blocks[0], replicate_params=("ln3",))
+    with pytest.raises(ValueError, match="param_dtype"):
+        fsdp.fully_shard(net.blocks[1], replicate_params=("ln1",),
+                         mp_policy=fsdp.MixedPrecisionPolicy(torch.bfloat16))
+
+
+def master_gather_run(rank, layout: str) -> dict:
+    """Rank task: one bf16-mixed step, then the full parameters in both dtypes."""
+    from minishard.train import build, train_step
+    cfg = config("nano")
+    comm = Comm(rank.tracer)
+    built = build(GPT(cfg), TrainConfig("fsdp" if layout == "per_param" else "fsdp_flat",
+                                        model="nano", precision="bf16_mixed"), comm)
+    train_step(built, [batch(cfg, 0, MB, rank.rank, rank.world_size)])
+    events = len(rank.tracer.events)
+    master = fsdp.full_parameters(built.model, dtype=torch.float32)
+    quiet = not [e for e in rank.tracer.events[events:] if e["kind"] == "unit"]
+    compute = fsdp.full_parameters(built.model)
+    shards = {}                        # this rank's shard values, by name (per-parameter layout)
+    for u in fsdp.units(built.model) if layout == "per_param" else ():
+        for s, t in zip(u.layout.slots, u.layout.sharded):
+            shards[s.fqn if u.name == "root" else f"{u.name}.{s.fqn}"] = t.detach().clone()
+    return {"master": master, "compute": compute, "quiet": quiet, "shards": shards, "rank": rank.rank}
+
+
+@pytest.mark.parametrize("layout", ["per_param", "flat"])
+def test_full_parameters_gather_the_fp32_master_or_the_compute_dtype(pools, layout):
+    """Under bf16 mixed precision the shards are fp32 masters: ``dtype=torch.float32`` gathers
+    them exactly (the unit's own state untouched: no unit event), the default gathers what
+    the units compute with — the same values rounded to bf16."""
+    res = pools(2).run(master_gather_run, layout)
+    for r in res:
+        assert r["quiet"]
+        assert r["master"].keys() == r["compute"].keys()
+        assert all(v.dtype == torch.float32 for v in r["master"].values())
+        assert all(v.dtype == torch.bfloat16 for v in r["compute"].values())
+        assert all(torch.equal(r["master"][k].to(torch.bfloat16), r["compute"][k]) for k in r["master"])
+        assert any(not torch.equal(r["master"][k], r["compute"][k].float()) for k in r["master"])
+        for name, shard in r["shards"].items():                  # rank r's rows, exactly
+            c = shard.shape[0]
+            mine = r["master"][name].reshape(-1, *shard.shape[1:])[r["rank"] * c:(r["rank"] + 1) * c]
+            assert torch.equal(shard[:mine.shape[0]], mine), name
+        assert all(torch.equal(r["master"][k], res[0]["master"][k]) for k in r["master"])
+
+
+def default_comm_run(rank) -> dict:
+    """Rank task: ``fully_shard`` without ``comm``: the default process group."""
+    net = GPT("nano")
+    for b in net.blocks:
+        fsdp.fully_shard(b)
+    fsdp.fully_shard(net)
+    us = fsdp.units(net)
+    for u in us:
+        u.comm.reset_counters()
+    net(*batch(config("nano"), 0, MB, rank.rank, rank.world_size)).backward()
+    return {"world": {u.comm.world_size for u in us},
+            "calls": [u.comm.totals["calls"] for u in us],
+            "params": fsdp.full_parameters(net)}
+
+
+def test_fully_shard_without_comm_uses_the_default_process_group(pools):
+    res = pools(2).run(default_comm_run)
+    for r in res:
+        assert r["world"] == {2}
+        # the root gathered once, each block twice; one reduce-scatter each
+        assert r["calls"] == [2, 3, 3, 3]
+        assert all(torch.equal(t, res[0]["params"][k]) for k, t in r["params"].items())
+
+
+def test_training_state_says_what_each_unit_is_doing():
+    """FORWARD while a unit computes forward; in backward, PRE_BACKWARD while it computes its
+    gradients (blocks after it already POST_BACKWARD); IDLE and SHARDED after the step."""
+    net = GPT("nano")
+    for i, b in enumerate(net.blocks):
+        fsdp.fully_shard(b, name=f"blocks.{i}")
+    fsdp.fully_shard(net, name="root")
+    us = {u.name: u for u in fsdp.units(net)}
+    seen = {}
+
+    def grab(where: str) -> None:      # (a hook that returns None changes nothing)
+        seen.setdefault(where, {n: u.training_state.value for n, u in us.items()})
+    net.blocks[1].mlp.register_forward_hook(lambda *_: grab("forward of blocks.1"))
+    net.blocks[1].mlp.register_full_backward_hook(lambda *_: grab("backward of blocks.1"))
+    loss = net(*batch(config("nano"), 0, MB))
+    grab("between forward and backward")
+    loss.backward()
+    assert seen["forward of blocks.1"] == {"root": "forward", "blocks.0": "idle",
+                                           "blocks.1": "forward", "blocks.2": "idle"}
+    assert set(seen["between forward and backward"].values()) == {"idle"}
+    assert seen["backward of blocks.1"] == {"root": "pre_backward", "blocks.0": "idle",
+                                            "blocks.1": "pre_backward", "blocks.2": "post_backward"}
+    assert {(u.training_state, u.state) for u in us.values()} == {
+        (fsdp.TrainingState.IDLE, fsdp.MemoryState.SHARDED)}
+
+
+def test_the_optimizer_steps_only_on_shards():
+    """``ShardedOptimizer``: the step's place in the lifecycle is after backward, every unit
+    sharded; a step while a unit holds its full parameters is refused."""
+    net = GPT("nano")
+    fsdp.fully_shard(net.blocks[0], manual=True, name="b0")
+    opt = fsdp.ShardedOptimizer(net.blocks[0], torch.optim.SGD(net.blocks[0].parameters(), lr=0.1))
+    unit = net.blocks[0]._fsdp_unit
+    unit.unshard()
+    with pytest.raises(RuntimeError, match="FSDP unit b0 is unsharded"):
+        opt.step()
+    unit.reshard()
+    opt.step()
+
+
+def test_every_hook_is_registered_in_hooks_py():
+    """The hooks, and the autograd nodes and callbacks that act as hooks, are made in one file."""
+    import ast
+    from pathlib import Path
+    registering = {"register_forward_pre_hook", "register_forward_hook", "register_hook",
+                   "register_post_accumulate_grad_hook", "queue_callback", "apply"}
+    where = {}
+    for f in (Path(fsdp.__file__).parent).glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in registering:
+                where.setdefault(node.func.attr, set()).add(f.name)
+    assert where and all(files == {"hooks.py"} for files in where.values()), where
+
+
+def test_the_architecture_docs_lifecycle_table_points_at_the_functions_it_names():
+    """docs/architecture.md's "FSDP lifecycle" table gives file:line for each step: each must
+    be the ``def`` of a function the row names (update the table when the code moves)."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("### FSDP lifecycle"):].split("\n\n")[1]
+    rows = [r for r in table.splitlines()[2:] if r.startswith("|")]
+    assert len(rows) >= 7
+    for row in rows:
+        for path, n in re.findall(r"`(minishard/[\w/]+\.py):(\d+)`", row):
+            code = (root / path).read_text().splitlines()[int(n) - 1]
+            name = re.match(r"\s*def (\w+)\(", code)
+            assert name and name.group(1) in row, f"{path}:{n} is {code.strip()!r}, not in {row!r}"

@@ -108,3 +108,26 @@ def test_live_ledger_tracks_optimizer_state_and_peaks():
         ledger.alloc("params", 1, "tok_emb.weight")
     with pytest.raises(ValueError, match="unknown ledger category"):
         ledger.alloc("weights", 1, "x")
+
+
+def test_out_of_memory_carries_what_it_allocated_and_what_the_device_held():
+    """The exception is data (the course reads its fields, not its message), and its message
+    is the report the notebooks print, unchanged."""
+    import pickle
+
+    from minishard.ledger import DeviceOutOfMemory
+    led = LiveLedger(budget=10 * 2**20)
+    led.alloc("params", 6 * 2**20, "p")
+    led.alloc("activations", 3 * 2**20, "act1")
+    led.alloc("grads", 2**20, "g", device="host")              # not on the device: not held
+    with pytest.raises(DeviceOutOfMemory) as info:
+        led.alloc("unsharded", 2 * 2**20, "blocks.3 (full)")
+    e = info.value
+    assert (e.category, e.tag, e.nbytes) == ("unsharded", "blocks.3 (full)", 2 * 2**20)
+    assert (e.budget, e.would_be) == (10 * 2**20, 11 * 2**20)
+    assert e.held == {"params": 6 * 2**20, "activations": 3 * 2**20}
+    assert str(e) == ("allocating 2.0 MiB of unsharded (blocks.3 (full)) would take the device to "
+                      "11.0 MiB, over its budget of 10.0 MiB; held now (MiB): activations 3.0, params 6.0")
+    back = pickle.loads(pickle.dumps(e))                       # a rank can send it whole
+    assert (back.held, back.would_be, str(back)) == (e.held, e.would_be, str(e))
+    assert not led.is_live("blocks.3 (full)") and led.total == 9 * 2**20

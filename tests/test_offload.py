@@ -64,10 +64,6 @@ def test_offload_fits_a_budget_that_plain_fsdp_does_not(pools):
 
 
 def test_bad_offload_requests_are_named(tmp_path):
-    with pytest.raises(ValueError, match="cannot offload \\['activations'\\]"):
-        OffloadPolicy(kinds=("params", "grads", "optimizer", "activations"))
-    with pytest.raises(ValueError, match="move together"):
-        OffloadPolicy(kinds=("optimizer",))
     with pytest.raises(ValueError, match="unknown offload tier 'nvme'"):
         OffloadPolicy(tier="nvme")
     with pytest.raises(ValueError, match="needs a directory"):

@@ -6,7 +6,7 @@ import pytest
 from minishard.costmodel import DEVICES, LINKS, Cluster, plan
 from minishard.model import GPT
 from minishard.viz import PlannerWidget
-from minishard.viz.planner import GiB, LABELS, STRATEGIES, whole_model_unit
+from minishard.viz.planner import GiB, LABELS, STRATEGIES
 
 N8B = GPT("llama3-8b", device="meta").num_params()
 
@@ -108,13 +108,26 @@ def test_wrap_model_gathers_the_whole_model_and_overlaps_nothing(pw):
 
 def test_whole_model_unit_keeps_the_planners_hybrid_and_offload_terms():
     c = Cluster(DEVICES["h100-80gb"], 8, nodes=2, inter=LINKS["ethernet-100g"])
-    kw = dict(micro_batch=1, seq_len=4096, recompute=True)
-    per_block = plan("llama3-8b", c, "fsdp", hybrid=True, **kw)
-    acts = plan("llama3-8b", c, "zero2", hybrid=True, **kw).memory["activations"]
-    one = whole_model_unit(per_block, "llama3-8b", c, activations=acts, hybrid=True, offload_s=0.25)
+    kw = dict(micro_batch=1, seq_len=4096, recompute=True, hybrid=True)
+    on_device = plan("llama3-8b", c, "fsdp", wrap="model", **kw)
+    one = plan("llama3-8b", c, "fsdp", wrap="model", offload=True, **kw)
+    offload_s = plan("llama3-8b", c, "fsdp", offload=True, **kw).exposed_comm_s \
+        - plan("llama3-8b", c, "fsdp", **kw).exposed_comm_s          # per block: the same PCIe time
     assert one.exposed_comm_s > one.comm_s            # the offload time is exposed, not communication
-    assert one.comm_s > one.exposed_comm_s - 0.25 - 1e-12
+    assert one.exposed_comm_s - on_device.exposed_comm_s == pytest.approx(offload_s)
+    assert one.comm_s == on_device.comm_s             # offload adds no communication
     assert any("hybrid" in n for n in one.notes) and any("1 unit" in n for n in one.notes)
+    assert not any("units" in n for n in one.notes)   # the per-block plan's "33 units" is gone
+
+
+def test_the_widget_draws_the_planners_whole_model_unit(pw):
+    pw.set(strategy="fsdp", wrap="model", nodes=2, hybrid=True, offload=True)
+    want = plan("llama3-8b", pw.cluster, "fsdp", wrap="model", micro_batch=1, seq_len=8192,
+                recompute=True, hybrid=True, offload=True)
+    assert pw.plan == want
+    for cat, b in want.memory.items():
+        assert _bar(pw, cat).y[3] == pytest.approx(b / GiB)
+    assert _bar(pw, "exposed communication").y[3] == pytest.approx(want.exposed_comm_s)
 
 
 def test_controls_that_do_not_apply_are_disabled(pw):
@@ -131,10 +144,10 @@ def test_a_shape_the_planner_refuses_is_a_verdict_not_a_crash(pw, monkeypatch):
     import minishard.viz.planner as planner
     real = planner.cached_plan
 
-    def refuse_fsdp(model, cluster, strategy, *args):
+    def refuse_fsdp(model, cluster, strategy, **job):
         if strategy == "fsdp":
             raise ValueError("16 ranks cannot each hold a shard of 8 parameters")
-        return real(model, cluster, strategy, *args)
+        return real(model, cluster, strategy, **job)
 
     monkeypatch.setattr(planner, "cached_plan", refuse_fsdp)
     pw.strategy = "fsdp"
@@ -165,12 +178,25 @@ def test_an_oom_report_reads_back_as_data():
     led.alloc("activations", 3 * 2**20, "act1")
     with pytest.raises(DeviceOutOfMemory) as e:
         led.alloc("unsharded", 2 * 2**20, "blocks.3 (full)")
-    r = oom_report(str(e.value))
+    r = oom_report(e.value)
     assert (r["allocating"], r["alloc_mib"], r["tag"]) == ("unsharded", 2.0, "blocks.3 (full)")
     assert (r["would_be_mib"], r["budget_mib"]) == (11.0, 10.0)
     assert r["held_mib"] == {"activations": 3.0, "params": 6.0}
-    with pytest.raises(ValueError, match="not a minishard out-of-memory report"):
-        oom_report("CUDA out of memory")
+
+
+def test_an_oom_report_is_exact_where_the_message_rounds():
+    """The report reads the exception's fields, not its message: a tag with brackets and
+    sizes the message rounds to one decimal come back as they were."""
+    from minishard.ledger import DeviceOutOfMemory, LiveLedger
+    from minishard.course.ch10 import oom_report
+    led = LiveLedger(budget=10 * 2**20)
+    led.alloc("params", 9 * 2**20 + 1, "p")
+    with pytest.raises(DeviceOutOfMemory) as e:
+        led.alloc("comm_buffers", 3 * 2**19 + 7, "blocks.0 (ag) (prefetched)")
+    r = oom_report(e.value)
+    assert r["tag"] == "blocks.0 (ag) (prefetched)" and r["allocating"] == "comm_buffers"
+    assert r["alloc_mib"] * 2**20 == 3 * 2**19 + 7 and r["held_mib"] == {"params": 9 + 2**-20}
+    assert "1.5 MiB of comm_buffers" in str(e.value)
 
 
 def test_percentile_interpolates_like_numpy():

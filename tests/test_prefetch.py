@@ -91,3 +91,47 @@ def test_bad_prefetch_depth_is_named():
             fsdp.set_prefetch(net, forward=bad)
     with pytest.raises(DeviceOutOfMemory, match="over its budget"):
         train(None, TrainConfig(strategy="fsdp", model="nano", steps=1, micro_batch=1, device_budget=10_000))
+
+
+class _OutOfOrder(torch.nn.Module):
+    """Three blocks declared 0, 1, 2 that forward runs as 2, 0, 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for i in (2, 0, 1):
+            x = torch.tanh(self.blocks[i](x))
+        return self.head(x).sum()
+
+
+def test_prefetch_follows_the_order_forward_ran_the_units_in():
+    """As FSDP2: the root records the order of its first forward and prefetches by it, not by
+    the order the modules were declared in. Depth 1, second step: each unit is gathered just
+    before it runs — in forward 2, 0, 1; in backward 1, 0, 2."""
+    from minishard.trace import Tracer
+    tracer = Tracer()
+    net = _OutOfOrder()
+    for i, b in enumerate(net.blocks):
+        fsdp.fully_shard(b, comm=Comm(tracer), name=f"b{i}")
+    fsdp.fully_shard(net, comm=Comm(tracer), name="root")
+    fsdp.set_prefetch(net, 1, 1)
+    for step in range(2):
+        tracer.step = step
+        net(torch.ones(2, 8)).backward()
+    assert [u.name for u in net._fsdp_unit.forward_order()] == ["b2", "b0", "b1"]
+    gathers = [e["name"] for e in tracer.events if e["kind"] == "unit" and e.get("step") == 1
+               and e["state"] == "unsharding"]
+    assert gathers == ["root", "b2", "b0", "b1", "b1", "b0", "b2"]
+
+
+def test_the_gpts_recorded_order_is_its_module_order():
+    """For the GPT the recorded order is the declared one: prefetch is unchanged by recording."""
+    net = GPT("nano")
+    for i, b in enumerate(net.blocks):
+        fsdp.fully_shard(b, name=f"blocks.{i}")
+    fsdp.fully_shard(net, name="root")
+    net(torch.zeros(1, 4, dtype=torch.long))
+    assert net._fsdp_unit.forward_order() == [b._fsdp_unit for b in net.blocks]

@@ -68,3 +68,80 @@ def test_ledger_timeline_is_the_fold_of_alloc_and_free():
             if e["kind"] in ("alloc", "free"):
                 want[e["rank"]]["params"] += e["bytes"] if e["kind"] == "alloc" else -e["bytes"]
         assert tl.at(i) == want
+
+
+# --------------------------------------------------------------------------- the fold every reader shares
+
+def _ev(t, rank, kind, seq=0, **fields):
+    return {"v": trace.SCHEMA_VERSION, "rank": rank, "seq": seq, "t": t, "kind": kind, **fields}
+
+
+def _phase(t, rank, name, edge, step=0, **fields):
+    return _ev(t, rank, "phase", name=name, edge=edge, step=step, **fields)
+
+
+def test_phase_fold_pairs_begin_and_end_per_rank_and_names_the_phase_of_every_event():
+    evs = [_phase(0.0, 0, "step", "begin"), _phase(0.1, 0, "forward", "begin"),
+           _phase(0.15, 1, "forward", "begin"),                          # rank 1 interleaves
+           _phase(0.2, 0, "wait_unshard", "begin", unit="blocks.0"),
+           _ev(0.25, 0, "alloc", category="activations", bytes=8, tag="a", device="device"),
+           _phase(0.3, 0, "wait_unshard", "end", unit="blocks.0"),
+           _phase(0.4, 0, "forward", "end"), _phase(0.45, 1, "forward", "end"),
+           _phase(0.5, 0, "backward", "begin"), _phase(0.9, 0, "backward", "end"),
+           _phase(1.0, 0, "step", "end")]
+    fold = trace.PhaseFold()
+    labels = [fold.add(e) for e in evs]
+    assert labels == ["", "forward", "forward", "wait_unshard blocks.0", "wait_unshard blocks.0",
+                      "wait_unshard blocks.0", "forward", "forward", "backward", "backward", ""]
+    got = [(s.rank, s.name, s.unit, s.t0, s.t1) for s in fold.spans]     # in the order they ended
+    assert got == [(0, "wait_unshard", "blocks.0", 0.2, 0.3), (0, "forward", None, 0.1, 0.4),
+                   (1, "forward", None, 0.15, 0.45), (0, "backward", None, 0.5, 0.9),
+                   (0, "step", None, 0.0, 1.0)]
+    assert trace.phase_spans(evs) == fold.spans
+
+
+def test_open_phases_end_at_the_time_asked():
+    fold = trace.PhaseFold()
+    for e in [_phase(0.0, 0, "step", "begin"), _phase(0.1, 0, "forward", "begin")]:
+        fold.add(e)
+    assert [(s.name, s.t0, s.t1) for s in fold.open_spans(0.5)] == [("step", 0.0, 0.5), ("forward", 0.1, 0.5)]
+    assert fold.spans == []
+
+
+def test_unit_spans_follow_each_units_states_until_the_next():
+    evs = [_ev(t, 0, "unit", name=n, state=s) for t, n, s in [
+        (0.0, "b0", "unsharding"), (0.1, "b0", "unsharded"), (0.2, "b1", "unsharding"),
+        (0.3, "b0", "sharded"), (0.4, "b1", "unsharded"), (0.5, "b1", "reduce_scattering"),
+        (0.6, "b1", "sharded"), (0.7, "b0", "unsharding")]]
+    got = [(s.unit, s.state, s.t0, s.t1, s.until) for s in trace.unit_spans(evs)]
+    assert got == [("b0", "unsharding", 0.0, 0.1, "unsharded"), ("b0", "unsharded", 0.1, 0.3, "sharded"),
+                   ("b1", "unsharding", 0.2, 0.4, "unsharded"),
+                   ("b1", "unsharded", 0.4, 0.5, "reduce_scattering"),
+                   ("b1", "reduce_scattering", 0.5, 0.6, "sharded"),
+                   ("b0", "unsharding", 0.7, 0.7, None)]                 # still in flight at the end
+
+
+def test_rank_events_are_in_the_order_the_rank_recorded_them():
+    t = Tracer(0, 1, origin=0.0)
+    t.emit("alloc", category="params", bytes=4, tag="p", device="device")
+    t.emit("collective", t=0.0, op="all_reduce", payload=4, wire=4, dtype="float32", group=1,
+           tag="b", t_end=t.now())                                       # started before the alloc
+    merged = trace.merge(t.events)
+    assert [e["kind"] for e in merged] == ["collective", "alloc"]
+    assert [e["kind"] for e in trace.rank_events(merged, 0)] == ["alloc", "collective"]
+
+
+def test_replay_is_the_same_fold_fed_at_once_or_one_event_at_a_time():
+    evs = trace.merge(_two_rank_events() + [_ev(5.0, 1, "unit", seq=9, name="root", state="unsharded")])
+    whole, live = trace.Replay(evs), trace.Replay()
+    for e in evs:
+        live.append(e)
+    timeline = LedgerTimeline.build(evs)
+    for i in range(len(evs)):
+        assert whole.snapshot(i) == live.snapshot(i) == timeline.at(i)
+        assert whole.unit_states(i) == live.unit_states(i)
+        assert whole.phase(i) == live.phase(i)
+    assert whole.unit_states(len(evs) - 1) == {0: {"root": "sharded"}, 1: {"root": "unsharded"}}
+    assert whole.phase(1) == "forward" and whole.ymax == 100
+    assert [e["op"] for e in whole.traffic()] == ["all_reduce", "all_reduce"]
+    assert whole.collective_at(whole.traffic()[0]["t"])["kind"] == "collective"

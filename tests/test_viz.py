@@ -236,10 +236,29 @@ def test_feed_throttles_redraws_and_keeps_a_moved_slider(ddp_step):
     assert p._slider.max == len(ddp_step) - 1 and p.index == 5   # ... and stays there
 
 
+def test_a_live_timeline_draws_the_phases_still_open_up_to_the_newest_event(ddp_step):
+    p = Player()
+    upto = next(i for i, e in enumerate(ddp_step) if e["kind"] == "alloc" and e["tag"] == "act2")
+    for ev in ddp_step[:upto + 1]:                    # both ranks inside forward
+        p.feed(ev)
+    p.flush()
+    forward = next(tr for tr in p.timeline_figure.data if tr.name == "forward")
+    newest = ddp_step[upto]["t"]
+    assert sorted(forward.y) == ["rank 0 · compute", "rank 1 · compute"]
+    assert all(b + x == pytest.approx(newest * 1e3) for b, x in zip(forward.base, forward.x))
+    assert all(h.endswith("forward …") for h in forward.hovertext)
+    for ev in ddp_step[upto + 1:]:
+        p.feed(ev)
+    p.flush()
+    forward = next(tr for tr in p.timeline_figure.data if tr.name == "forward")
+    assert [x for x in forward.x] == pytest.approx([600.0, 600.0])   # closed: 1.0 -> 1.6 s
+    assert not any("…" in h for h in forward.hovertext)
+
+
 def test_feed_rejects_another_schema_version():
     p = Player()
     with pytest.raises(trace.TraceFormatError):
-        p.feed({"v": 99, "rank": 0, "seq": 0, "t": 0.0, "kind": "mark", "name": "x"})
+        p.feed({"v": 99, "rank": 0, "seq": 0, "t": 0.0, "kind": "unit", "name": "x", "state": "sharded"})
 
 
 # --------------------------------------------------------------------------- the ring
@@ -247,8 +266,10 @@ def test_feed_rejects_another_schema_version():
 def _four_rank_all_reduce() -> list[dict]:
     spec = [(0.0, r, "collective", {"op": "all_reduce", "payload": 4096, "wire": 6144, "dtype": "float32",
                                     "group": 4, "tag": "bucket0", "t_end": 1.0}) for r in range(4)]
-    spec += [(t, 0, "mark", {"name": f"tick{t}"}) for t in (0.05, 0.2, 0.4, 0.55, 0.7, 0.9)]
-    spec += [(1.5, 0, "mark", {"name": "after"})]
+    # events to stop at while it is in flight (and one after): a byte of a buffer, in and out
+    spec += [(t, 0, kind, {"category": "comm_buffers", "bytes": 1, "tag": f"tick{t}", "device": "device"})
+             for t, kind in zip((0.05, 0.2, 0.4, 0.55, 0.7, 0.9), ("alloc", "free") * 3)]
+    spec += [(1.5, 0, "alloc", {"category": "comm_buffers", "bytes": 1, "tag": "after", "device": "device"})]
     return make_events(spec)
 
 
@@ -257,7 +278,7 @@ def test_ring_round_advances_with_time_within_one_collective():
     p = Player(events)
     rounds, labels = [], []
     for i, e in enumerate(events):
-        if e["kind"] == "mark" and e["name"].startswith("tick"):
+        if e.get("tag", "").startswith("tick"):
             p.jump(i)
             assert p.current_collective()["op"] == "all_reduce"
             rounds.append(ring_view(4, p.current_collective(), t=e["t"]).round)

@@ -1,5 +1,6 @@
 """ZeRO-1 and ZeRO-2 train like one process, send what the formulas say, and hold 1/N of the
 optimizer state (and, at stage 2, of the gradients)."""
+import copy
 import math
 
 import pytest
@@ -97,14 +98,50 @@ def test_bucket_reduce_scatters_fire_during_backward(pools, strategy):
     assert all(not b for op, _, b in ops if op == "all_gather")   # params gathered after the step
 
 
+class OneHeadUnused(torch.nn.Module):
+    """Two trainable layers, one of which the forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x).pow(2).mean()
+
+
+def unused_parameter_run(rank, stage: int) -> dict:
+    """Each parameter in a bucket of its own; backward never fills the buckets of ``unused``,
+    which come first in bucket order, so everything is reduced by the end-of-backward flush.
+    Compared with one process on the global batch."""
+    net = OneHeadUnused()
+    ref, before = copy.deepcopy(net), copy.deepcopy(net)
+    opt = ZeroOptimizer(net.parameters(), torch.optim.SGD, stage=stage, lr=0.1, bucket_cap_mb=1e-6)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    n, r = rank.world_size, rank.rank
+    for step in range(2):
+        x = torch.randn(4 * n, 8, generator=torch.Generator().manual_seed(step))
+        net(x[4 * r:4 * (r + 1)]).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"buckets": len(opt.buckets),
+            "gap": max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())),
+            "unused_moved": any(not torch.equal(a, b) for a, b in
+                                zip(net.unused.parameters(), before.unused.parameters()))}
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-def test_sharded_state_dict_roundtrip(pools, stage):
-    assert all(pools(3).run(rank_tasks.zero_state_roundtrip, stage))
+def test_buckets_without_gradients_are_reduced_at_the_end_of_backward(pools, stage):
+    for r in pools(2).run(unused_parameter_run, stage):
+        assert r["buckets"] == 4 and r["gap"] < 1e-6 and not r["unused_moved"], r
 
 
 def test_loading_a_shard_saved_at_another_world_size_points_to_resharding(pools):
     state = pools(2).run(train, TrainConfig(strategy="zero1", model="nano", steps=1, micro_batch=1, return_state=True))[0]["optimizer_state"]
-    opt = ZeroOptimizer(GPT("nano"), torch.optim.AdamW, stage=1, comm=Comm(), lr=1e-3)
+    opt = ZeroOptimizer(GPT("nano").parameters(), torch.optim.AdamW, stage=1, comm=Comm(), lr=1e-3)
     with pytest.raises(ValueError, match="rank 0 of 2.*resharding"):
         opt.load_state_dict(state)
 
@@ -112,9 +149,15 @@ def test_loading_a_shard_saved_at_another_world_size_points_to_resharding(pools)
 def test_bad_input_is_named():
     net = GPT("nano")
     with pytest.raises(ValueError, match="stage 3 shards the parameters"):
-        ZeroOptimizer(net, stage=3, comm=Comm())
+        ZeroOptimizer(net.parameters(), stage=3, comm=Comm())
     with pytest.raises(ValueError, match="Adafactor is not an element-wise optimizer"):
-        ZeroOptimizer(net, torch.optim.Adafactor, stage=1, comm=Comm())
+        ZeroOptimizer(net.parameters(), torch.optim.Adafactor, stage=1, comm=Comm())
     mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
     with pytest.raises(ValueError, match="mixed devices"):
-        ZeroOptimizer(mixed, stage=1, comm=Comm())
+        ZeroOptimizer(mixed.parameters(), stage=1, comm=Comm())
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ZeroOptimizer(frozen.parameters(), stage=1, comm=Comm())
+    zopt = ZeroOptimizer(GPT("nano").parameters(), stage=1, comm=Comm())
+    with pytest.raises(NotImplementedError, match="pass every parameter group to the constructor"):
+        zopt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})

@@ -2,16 +2,14 @@
 
 * :func:`race` times strategies (or FSDP wrappings) on the same ranks, alternating step by
   step, wall-clock and CPU seconds — fair timing on a machine other jobs share.
-* :func:`unsharded_series`, :func:`unit_states_at` and :func:`with_unit_states` turn a trace's
-  ``unit`` events into the chapter's tables and the player's unit-state panel (ipywidgets is
-  imported lazily, so the rank processes that import this module for :func:`race` do not pay
-  for it).
+* :func:`unsharded_series` and :func:`unit_states_at` read a trace's ``unit`` events into the
+  chapter's tables (both are lookups into the trace's fold, :mod:`minishard.trace`).
 """
 from __future__ import annotations
 
 from ..comm import Comm
 from ..model import GPT, batch, config
-from ..trace import LedgerTimeline
+from ..trace import LedgerTimeline, Replay
 
 
 def race(rank, variants: dict[str, dict] | None = None, model: str = "tiny", steps: int = 6,
@@ -63,48 +61,12 @@ def unsharded_series(events: list[dict], rank: int = 0, step: int | None = None)
 
 
 def unit_states_at(events: list[dict], i: int) -> dict[int, dict[str, str]]:
-    """``{rank: {unit: state}}`` after event ``i``: every unit starts sharded."""
-    states: dict[int, dict[str, str]] = {}
-    for e in events:
-        if e["kind"] == "unit":
-            states.setdefault(e["rank"], {}).setdefault(e["name"], "sharded")
-    for e in events[:i + 1]:
-        if e["kind"] == "unit":
-            states[e["rank"]][e["name"]] = e["state"]
-    return states
-
-
-STATE_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2"}
+    """``{rank: {unit: state}}`` after event ``i``: every unit starts sharded (the trace's fold,
+    :meth:`minishard.trace.Replay.unit_states`)."""
+    return Replay(events).unit_states(i)
 
 
 def with_unit_states(player):
-    """The player, plus a table of every unit's state on every rank that follows its slider.
-
-    (The :class:`~minishard.viz.Player` names a unit's state change in its title only; this
-    panel shows all units at once. It listens to the player's slider.)"""
-    import html
-
-    import ipywidgets as W
-
-    panel = W.HTML()
-
-    def render(_=None):
-        i = player.index
-        rp = player.replay
-        if i < 0:
-            return
-        states = unit_states_at(rp.events, i)
-        names = list(dict.fromkeys(n for r in sorted(states) for n in states[r]))
-        head = "".join(f"<th style='padding:2px 8px'>{html.escape(n)}</th>" for n in names)
-        body = ""
-        for r in sorted(states):
-            cells = "".join(
-                f"<td style='padding:2px 8px;background:{STATE_COLORS.get(states[r].get(n, 'sharded'), '#f4f4f4')}'>"
-                f"{states[r].get(n, 'sharded')}</td>" for n in names)
-            body += f"<tr><th style='padding:2px 8px'>rank {r}</th>{cells}</tr>"
-        panel.value = f"<table><tr><th>unit states</th>{head}</tr>{body}</table>"
-
-    player._slider.observe(render, names="value")
-    render()
-    panel.render = render
-    return W.VBox([player.widget, panel]), panel
+    """The player's widget, and the panel in it that shows every unit's state on every rank at
+    the event on its slider (``Player.units_panel``; kept for the chapters that unpack both)."""
+    return player.widget, player.units_panel

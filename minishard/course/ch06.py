@@ -2,7 +2,7 @@
 
 The tasks run on real ranks (``Ranks(N).run(task, ...)``) and return plain data a notebook can
 print and assert on; the views read traces only. Nothing here is a strategy: every byte is
-allocated, gathered and reduced by :mod:`minishard.fsdp` and :mod:`minishard.fsdp_param`.
+allocated, gathered and reduced by :mod:`minishard.fsdp` (its units and layouts).
 
 * :func:`lifecycle_by_hand` walks one training step of the nano GPT through every FSDP lifecycle
   call written out (``unshard``, ``reshard``, ``reduce_scatter_grads`` ...), snapshotting the
@@ -27,7 +27,7 @@ from .. import fsdp
 from ..comm import Comm
 from ..ledger import LiveLedger, track_optimizer_state
 from ..model import GPT, batch, config
-from .ch05 import STATE_COLORS
+from ..trace import phase_spans, unit_spans
 
 
 # --------------------------------------------------------------------------- 06: by hand
@@ -62,59 +62,101 @@ def lifecycle_by_hand(rank, model: str = "nano", micro_batch: int = 2, seed: int
     net = _shard_model(GPT(cfg, seed=seed), comm, ledger, manual=True)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)
     comm.reset_counters()
-    root, blocks = net._fsdp_unit, [b._fsdp_unit for b in net.blocks]
-    units = [root, *blocks]
-    qkv_slot = next(i for i, s in enumerate(blocks[0].layout.slots) if s.fqn == "attn.qkv.weight")
-    qkv_full = blocks[0].layout.unsharded[qkv_slot]        # the tensor the block computes with
-    rows, seen = [], [0]
+    snap = _Snapshots(net, tracer, ledger)
+    x, y = batch(cfg, 0, micro_batch, rank.rank, rank.world_size)
+    snap("(after fully_shard)")
+    with ledger.activations():
+        loss, emb, cut, top = _forward_by_hand(net, x, y, snap)
+    _backward_by_hand(net, loss, emb, cut, top, snap)
+    opt.step()
+    track_optimizer_state(ledger, opt, net)
+    opt.zero_grad(set_to_none=False)
+    snap("optimizer.step() on the shards")
+    by_hand = fsdp.full_parameters(net)
 
-    def snap(call: str) -> None:
-        new = [e for e in tracer.events[seen[0]:] if e["kind"] == "collective"]
-        seen[0] = len(tracer.events)
-        rows.append({"call": call,
-                     "states": {u.name: u.state.value for u in units},
-                     "ledger": ledger.current(),
-                     "qkv_shape": tuple(net.blocks[0].attn.qkv.weight.shape),
-                     "qkv_full_bytes": qkv_full.untyped_storage().nbytes(),
-                     "collectives": [f"{e['op']}({e['tag']})" for e in new]})
+    # the same step driven by the hooks
+    net2 = _shard_model(GPT(cfg, seed=seed), Comm(), None, manual=False)
+    opt2 = torch.optim.AdamW(net2.parameters(), lr=1e-3, weight_decay=0.01)
+    loss2 = net2(x, y)
+    loss2.backward()
+    opt2.step()
+    by_hooks = fsdp.full_parameters(net2)
+    tracer.step = None
+    return {"rows": snap.rows, "loss": loss.item(),
+            "matches_hooks": loss.item() == loss2.item()
+            and all(torch.equal(by_hand[k], by_hooks[k]) for k in by_hooks)}
+
+
+class _Snapshots:
+    """After each lifecycle call, one row: the units' states, the ledger, what the module holds
+    as ``blocks[0].attn.qkv.weight`` and the full tensor it computes with, the collectives the
+    call issued."""
+
+    def __init__(self, net: GPT, tracer, ledger: LiveLedger):
+        self.net, self.tracer, self.ledger = net, tracer, ledger
+        self.units = [net._fsdp_unit, *(b._fsdp_unit for b in net.blocks)]
+        first = net.blocks[0]._fsdp_unit
+        qkv = next(i for i, s in enumerate(first.layout.slots) if s.fqn == "attn.qkv.weight")
+        self.qkv_full = first.layout.unsharded[qkv]
+        self.rows: list[dict] = []
+        self._seen = 0
+
+    def __call__(self, call: str) -> None:
+        new = [e for e in self.tracer.events[self._seen:] if e["kind"] == "collective"]
+        self._seen = len(self.tracer.events)
+        self.rows.append({"call": call,
+                          "states": {u.name: u.state.value for u in self.units},
+                          "ledger": self.ledger.current(),
+                          "qkv_shape": tuple(self.net.blocks[0].attn.qkv.weight.shape),
+                          "qkv_full_bytes": self.qkv_full.untyped_storage().nbytes(),
+                          "collectives": [f"{e['op']}({e['tag']})" for e in new]})
+
+
+def _forward_by_hand(net: GPT, x, y, snap: _Snapshots):
+    """The root (embeddings, final norm, head) gathered for the whole step, the blocks one by
+    one, each block's input cut from the graph. Returns the loss, the embeddings' output, the
+    blocks' (input, output) pairs and the head's input."""
+    root, blocks = net._fsdp_unit, [b._fsdp_unit for b in net.blocks]
+    root.unshard()
+    snap("root.unshard()")
+    h = emb = net.tok_emb(x) + net.pos_emb.weight[:x.shape[1]]    # (B, T, C)
+    cut = []                                                       # (block input, output)
+    for b, u in zip(net.blocks, blocks):
+        if u is blocks[0]:
+            u.unshard(async_op=True)
+            snap(f"{u.name}.unshard(async_op=True)")
+            u.wait_for_unshard()
+            snap(f"{u.name}.wait_for_unshard()")
+        else:
+            u.unshard()
+            snap(f"{u.name}.unshard()")
+        a = h.detach().requires_grad_()
+        h = b(a)
+        cut.append((a, h))
+        snap(f"{u.name} forward")
+        u.reshard()
+        snap(f"{u.name}.reshard()")
+    top = h.detach().requires_grad_()
+    logits = net.head(net.ln_f(top))                               # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    snap("root forward: loss")
+    return loss, emb, cut, top
+
+
+def _backward_by_hand(net: GPT, loss, emb, cut, top, snap: _Snapshots) -> None:
+    """The root's head first, then the blocks in reverse (gathered again, backward, their
+    gradients reduce-scattered, resharded), the embeddings last."""
+    root, blocks = net._fsdp_unit, [b._fsdp_unit for b in net.blocks]
 
     def grads_arrived(u) -> None:            # what the post-accumulate-grad hooks would report
         for i in range(len(u.layout.grad_leaves())):
             u.on_grad_ready(i)
 
-    x, y = batch(cfg, 0, micro_batch, rank.rank, rank.world_size)
-    snap("(after fully_shard)")
-    with ledger.activations():
-        # ---- forward: the root (embeddings, final norm, head) for the whole step, blocks one by one
-        root.unshard()
-        snap("root.unshard()")
-        h = emb = net.tok_emb(x) + net.pos_emb.weight[:x.shape[1]]    # (B, T, C)
-        cut = []                                                       # (block input, output)
-        for b, u in zip(net.blocks, blocks):
-            if u is blocks[0]:
-                u.unshard(async_op=True)
-                snap(f"{u.name}.unshard(async_op=True)")
-                u.wait_for_unshard()
-                snap(f"{u.name}.wait_for_unshard()")
-            else:
-                u.unshard()
-                snap(f"{u.name}.unshard()")
-            a = h.detach().requires_grad_()
-            h = b(a)
-            cut.append((a, h))
-            snap(f"{u.name} forward")
-            u.reshard()
-            snap(f"{u.name}.reshard()")
-        top = h.detach().requires_grad_()
-        logits = net.head(net.ln_f(top))                               # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        snap("root forward: loss")
-    # ---- backward: the root's head first, then the blocks in reverse, the embeddings last
     loss.backward()
     grads_arrived(root)
     snap("loss.backward() (head, ln_f)")
     grad = top.grad
-    for (a, h), b, u in reversed(list(zip(cut, net.blocks, blocks))):
+    for (a, h), u in reversed(list(zip(cut, blocks))):
         u.unshard()
         snap(f"{u.name}.unshard()")
         h.backward(grad)
@@ -132,23 +174,6 @@ def lifecycle_by_hand(rank, model: str = "nano", micro_batch: int = 2, seed: int
     snap("root.reduce_scatter_grads()")
     root.reshard()
     snap("root.reshard()")
-    opt.step()
-    track_optimizer_state(ledger, opt, net)
-    opt.zero_grad(set_to_none=False)
-    snap("optimizer.step() on the shards")
-    by_hand = fsdp.full_parameters(net)
-
-    # the same step driven by the hooks
-    net2 = _shard_model(GPT(cfg, seed=seed), Comm(), None, manual=False)
-    opt2 = torch.optim.AdamW(net2.parameters(), lr=1e-3, weight_decay=0.01)
-    loss2 = net2(x, y)
-    loss2.backward()
-    opt2.step()
-    by_hooks = fsdp.full_parameters(net2)
-    tracer.step = None
-    return {"rows": rows, "loss": loss.item(),
-            "matches_hooks": loss.item() == loss2.item()
-            and all(torch.equal(by_hand[k], by_hooks[k]) for k in by_hooks)}
 
 
 # --------------------------------------------------------------------------- 06: two layouts
@@ -191,7 +216,7 @@ def padding_table(model: str, world_size: int) -> dict[str, list[int]]:
     """Padding elements each rank stores (summed over the units: every block and the root),
     per layout, for ``world_size`` ranks — computed by building the layouts on the meta
     device, no ranks needed."""
-    from ..fsdp_param import FlatLayout, PerParamLayout, collect_slots
+    from ..fsdp.layout import FlatLayout, PerParamLayout, collect_slots
     out = {}
     for kind in ("per_param", "flat"):
         net = GPT(model, device="meta")
@@ -263,33 +288,22 @@ def unit_state_figure(events: list[dict], rank: int = 0, step: int | None = None
     """One row per unit, time across: when it was gathering, gathered, reduce-scattering
     (blank: sharded). Forward and backward phases are shaded behind."""
     import plotly.graph_objects as go
+
+    from ..viz.figures import UNIT_STATE_COLORS
     evs = [e for e in events if e["rank"] == rank and (step is None or e.get("step") == step)]
-    open_, spans, order = {}, [], []
-    for e in evs:
-        if e["kind"] != "unit":
-            continue
-        if e["name"] not in order:
-            order.append(e["name"])
-        if e["name"] in open_:
-            st, t0 = open_.pop(e["name"])
-            spans.append((e["name"], st, t0, e["t"]))
-        if e["state"] != "sharded":
-            open_[e["name"]] = (e["state"], e["t"])
-    t_end = max((e["t"] for e in evs), default=0.0)
-    spans += [(n, st, t0, t_end) for n, (st, t0) in open_.items()]
+    order = list(dict.fromkeys(e["name"] for e in evs if e["kind"] == "unit"))
+    spans = unit_spans(evs)
     fig = go.Figure()
-    for st, col in STATE_COLORS.items():
-        ss = [s for s in spans if s[1] == st]
-        fig.add_trace(go.Bar(name=st, orientation="h", y=[s[0] for s in ss],
-                             base=[s[2] * 1e3 for s in ss], x=[(s[3] - s[2]) * 1e3 for s in ss],
+    for st, col in UNIT_STATE_COLORS.items():
+        ss = [s for s in spans if s.state == st]
+        fig.add_trace(go.Bar(name=st, orientation="h", y=[s.unit for s in ss],
+                             base=[s.t0 * 1e3 for s in ss], x=[(s.t1 - s.t0) * 1e3 for s in ss],
                              marker_color=col, width=0.6))
-    for e in evs:
-        if e["kind"] == "phase" and e["name"] in ("forward", "backward") and e["edge"] == "begin":
-            end = next(f["t"] for f in evs if f["kind"] == "phase" and f["name"] == e["name"]
-                       and f["edge"] == "end" and f["t"] >= e["t"])
-            fig.add_vrect(x0=e["t"] * 1e3, x1=end * 1e3, opacity=0.08, line_width=0,
-                          fillcolor="#4C78A8" if e["name"] == "forward" else "#F58518",
-                          annotation_text=e["name"], annotation_position="top left")
+    for p in phase_spans(evs):
+        if p.name in ("forward", "backward"):
+            fig.add_vrect(x0=p.t0 * 1e3, x1=p.t1 * 1e3, opacity=0.08, line_width=0,
+                          fillcolor="#4C78A8" if p.name == "forward" else "#F58518",
+                          annotation_text=p.name, annotation_position="top left")
     fig.update_layout(barmode="overlay", title=title, xaxis_title="time (ms)", height=120 + 40 * len(order),
                       width=900, yaxis=dict(categoryorder="array", categoryarray=order[::-1]),
                       margin=dict(l=90, r=10, t=50, b=40))

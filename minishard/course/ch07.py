@@ -1,8 +1,9 @@
-"""Rank tasks and views of traces for the course's chapters 07 (prefetch) and 08 (offload).
+"""Rank tasks and views of traces for the course's chapter 07 (prefetch).
 
-Nothing here is a strategy: every gather, wait and transfer is made by :mod:`minishard.fsdp`
-and :mod:`minishard.offload`. The tasks run on real ranks and return plain data; the views read
-a trace's events only (plotly is imported lazily, so rank processes do not pay for it).
+Nothing here is a strategy: every gather and wait is made by :mod:`minishard.fsdp`. The tasks
+run on real ranks and return plain data; the views read a trace's events only, through the
+trace's fold (:mod:`minishard.trace`; plotly is imported lazily, so rank processes do not pay
+for it).
 
 * :func:`prefetch_race` trains one model per prefetch depth side by side on the same ranks,
   alternating step by step, and returns each depth's step times and *exposed* communication
@@ -15,16 +16,15 @@ a trace's events only (plotly is imported lazily, so rank processes do not pay f
   the unit state events.
 * :func:`gather_waits` and :func:`prefetch_timeline` put each all-gather next to the time
   compute spent waiting for it: the overlap that prefetch buys, as numbers and as a figure.
-* :func:`transfer_table` sums a trace's ``transfer`` events (offload) by direction and unit.
 """
 from __future__ import annotations
 
 import itertools
-
 import time
 
 from ..comm import Comm
 from ..model import GPT, batch, config
+from ..trace import phase_spans, rank_events, unit_spans
 
 PASSES = ("forward", "backward")
 
@@ -69,12 +69,6 @@ def prefetch_race(rank, depths=(0, 1, 2, 3), model: str = "tiny", steps: int = 5
 # --------------------------------------------------------------------------- 07: views of a trace
 
 
-def _rank_events(events: list[dict], rank: int, step: int | None = None) -> list[dict]:
-    """One rank's events in the order they were recorded (``seq``), optionally one step."""
-    evs = [e for e in events if e["rank"] == rank and (step is None or e.get("step") == step)]
-    return sorted(evs, key=lambda e: e["seq"])
-
-
 def gathered_peaks(events: list[dict], rank: int = 0) -> dict[str, int]:
     """Peaks, over the whole trace, of the bytes of full parameters on ``rank``:
 
@@ -84,7 +78,7 @@ def gathered_peaks(events: list[dict], rank: int = 0) -> dict[str, int]:
     * ``both`` — the two together, at the same moment: every byte of full parameters held."""
     live = {"unsharded": 0, "in_flight": 0}
     peaks = {"unsharded": 0, "in_flight": 0, "both": 0}
-    for e in _rank_events(events, rank):
+    for e in rank_events(events, rank):
         if e["kind"] not in ("alloc", "free"):
             continue
         if e["category"] == "unsharded":
@@ -117,10 +111,10 @@ def who_is_gathered(events: list[dict], rank: int = 0, step: int = 1) -> list[di
     def bookkeeping(e) -> bool:
         return ((e["kind"] == "unit" and e["state"] == "unsharding")
                 or (e["kind"] in ("alloc", "free") and e["category"] in ("unsharded", "comm_buffers"))
-                or e["kind"] in ("collective", "transfer", "mark")
+                or e["kind"] in ("collective", "transfer")
                 or (e["kind"] == "phase" and e["name"].startswith("wait_")))
 
-    for e in _rank_events(events, rank, step):
+    for e in rank_events(events, rank, step):
         if pending is not None and not bookkeeping(e):
             pending["in_flight"] = sorted((u for u, s in state.items() if s == "unsharding"),
                                           key=issued.get)
@@ -142,25 +136,16 @@ def gather_waits(events: list[dict], rank: int = 0, step: int = 1) -> list[dict]
     """Every all-gather of one step on ``rank``: its unit and pass, when it was issued and
     completed, and how long compute then waited for it (the ``wait_unshard`` phase). ``hidden``
     is the part of the all-gather's time that compute did not wait through."""
-    evs = _rank_events(events, rank, step)
-    bounds = {}
-    for e in evs:
-        if e["kind"] == "phase" and e["name"] in PASSES and not e.get("unit"):
-            bounds.setdefault(e["name"], {})[e["edge"]] = e["t"]
-    waits = {}
-    open_ = {}
-    for e in evs:
-        if e["kind"] == "phase" and e["name"] == "wait_unshard":
-            if e["edge"] == "begin":
-                open_[e["unit"]] = e["t"]
-            else:
-                waits.setdefault(e["unit"], []).append((open_.pop(e["unit"]), e["t"]))
+    evs = rank_events(events, rank, step)
+    phases = phase_spans(evs)
+    bounds = {p.name: (p.t0, p.t1) for p in phases if p.name in PASSES and not p.unit}   # each pass's last
+    waits: dict[str, list[tuple[float, float]]] = {}
+    for p in phases:
+        if p.name == "wait_unshard":
+            waits.setdefault(p.unit, []).append((p.t0, p.t1))
 
     def pass_of(t: float) -> str:
-        for p in PASSES:
-            if bounds.get(p, {}).get("begin", float("inf")) <= t <= bounds.get(p, {}).get("end", -1.0):
-                return p
-        return "outside"
+        return next((p for p in PASSES if p in bounds and bounds[p][0] <= t <= bounds[p][1]), "outside")
 
     rows = []
     for e in sorted((e for e in evs if e["kind"] == "collective" and e["op"] == "all_gather"),
@@ -184,36 +169,26 @@ WIDTHS = {"gathering": 0.75, "gathered": 0.45, "reduce_scatter": 0.75, "waiting"
 
 
 def _unit_spans(evs: list[dict]) -> tuple[list[str], dict[str, list[tuple]], list[tuple]]:
-    """Units in order of appearance, spans ``(unit, t0, t1)`` by kind, and the passes."""
-    order, bars = [], {k: [] for k in COLORS}
-    opened: dict[str, float] = {}
-    waits: dict[tuple, float] = {}
+    """Units in order of appearance, spans ``(unit, t0, t1)`` by kind, and the passes. A unit
+    is *gathered* from the end of its all-gather until it is freed (through its reduce-scatter
+    in backward: its full parameters are still held)."""
+    order = list(dict.fromkeys(e["name"] for e in evs if e["kind"] == "unit"))
+    bars = {k: [] for k in COLORS}
+    into_rs: dict[str, float] = {}              # unit -> when it was gathered, now reduce-scattering
+    for s in unit_spans(evs):
+        if s.state == "unsharded" and s.until == "reduce_scattering":
+            into_rs[s.unit] = s.t0
+        elif s.state == "unsharded" or (s.state == "reduce_scattering" and s.unit in into_rs):
+            bars["gathered"].append((s.unit, into_rs.pop(s.unit, s.t0), s.t1))
     for e in evs:
-        if e["kind"] == "unit":
-            n = e["name"]
-            if n not in order:
-                order.append(n)
-            if e["state"] == "unsharded":
-                opened[n] = e["t"]
-            elif n in opened and e["state"] in ("sharded", "unsharding"):
-                bars["gathered"].append((n, opened.pop(n), e["t"]))
-        elif e["kind"] == "collective" and e["op"] in ("all_gather", "reduce_scatter") \
+        if e["kind"] == "collective" and e["op"] in ("all_gather", "reduce_scatter") \
                 and e["tag"] != "replicate":
             key = "gathering" if e["op"] == "all_gather" else "reduce_scatter"
             bars[key].append((e["tag"], e["t"], e["t_end"]))
-        elif e["kind"] == "phase" and e["name"] in ("wait_unshard", "wait_reduce_scatter"):
-            if e["edge"] == "begin":
-                waits[(e["unit"], e["name"])] = e["t"]
-            else:
-                bars["waiting"].append((e["unit"], waits.pop((e["unit"], e["name"])), e["t"]))
-    t_end = max((e["t"] for e in evs), default=0.0)
-    bars["gathered"] += [(n, t0, t_end) for n, t0 in opened.items()]
-    passes = []
-    for e in evs:
-        if e["kind"] == "phase" and e["name"] in PASSES and not e.get("unit") and e["edge"] == "begin":
-            end = next(f["t"] for f in evs if f["kind"] == "phase" and f["name"] == e["name"]
-                       and not f.get("unit") and f["edge"] == "end" and f["t"] >= e["t"])
-            passes.append((e["name"], e["t"], end))
+    phases = phase_spans(evs)
+    bars["waiting"] = [(p.unit, p.t0, p.t1) for p in phases
+                       if p.name in ("wait_unshard", "wait_reduce_scatter")]
+    passes = [(p.name, p.t0, p.t1) for p in phases if p.name in PASSES and not p.unit]
     return order, bars, passes
 
 
@@ -230,7 +205,7 @@ def prefetch_timeline(runs: dict[str, list[dict]], rank: int = 0, step: int = 1,
                         subplot_titles=list(runs))
     n_units = 1
     for row, (label, events) in enumerate(runs.items(), start=1):
-        evs = _rank_events(events, rank, step)
+        evs = rank_events(events, rank, step)
         t0 = min(e["t"] for e in evs)
         order, bars, passes = _unit_spans(evs)
         n_units = max(n_units, len(order))
@@ -253,6 +228,3 @@ def prefetch_timeline(runs: dict[str, list[dict]], rank: int = 0, step: int = 1,
                       height=120 + len(runs) * (60 + 26 * n_units),
                       margin=dict(l=80, r=10, t=70, b=40))
     return fig
-
-
-# --------------------------------------------------------------------------- 08: transfers

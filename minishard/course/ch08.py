@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from ..comm import Comm
 from ..model import GPT, batch, config
-from .ch07 import _rank_events
+from ..trace import rank_events
 
 
 def transfer_table(events: list[dict], rank: int = 0, step: int | None = None) -> dict:
     """``transfer`` events of ``rank`` (in ``step``) summed: ``{(direction, unit): [count,
     bytes, seconds]}``."""
     out: dict[tuple, list] = {}
-    for e in _rank_events(events, rank, step):
+    for e in rank_events(events, rank, step):
         if e["kind"] == "transfer":
             row = out.setdefault((e["direction"], e["tag"]), [0, 0, 0.0])
             row[0] += 1

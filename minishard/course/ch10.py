@@ -14,7 +14,6 @@ plain data; the readings are pure functions of results and events.
 """
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from typing import Any
@@ -23,9 +22,9 @@ import torch
 
 from ..comm import Comm
 from ..launch import RankContext
-from ..ledger import LiveLedger
+from ..ledger import DeviceOutOfMemory, LiveLedger
 from ..tp import TensorParallelMLP
-from ..ledger import DeviceOutOfMemory
+from ..trace import phase_spans
 
 
 # ---------------------------------------------------------------------------- the OOM checklist
@@ -46,32 +45,23 @@ def under_budget(rank: RankContext, budget: int, *, peak_too: bool = True, **tra
         out = train(rank, TrainConfig(device_budget=budget, **train_kw))
         report: dict[str, Any] = {"fits": True}
     except DeviceOutOfMemory as e:
+        report = {"fits": False, "error": str(e), **oom_report(e)}
         if not peak_too:
-            return {"fits": False, "error": str(e), **oom_report(str(e))}
-        report = {"fits": False, "error": str(e), **oom_report(str(e))}
+            return report
         out = train(rank, TrainConfig(**train_kw))
     led = out["ledger"]
     return {**report, "peak": led["peak"], "peak_snapshot": led["peak_snapshot"],
             "calls": out["calls"][-1], "step_times": out["step_times"]}
 
 
-_OOM = re.compile(r"allocating ([\d.]+) MiB of (\w+) \((.*?)\) would take the device to "
-                  r"([\d.]+) MiB, over its budget of ([\d.]+) MiB; held now \(MiB\): (.*)$", re.S)
-
-
-def oom_report(message: str) -> dict[str, Any]:
-    """Read a :class:`~minishard.ledger.DeviceOutOfMemory` message as data: the category and
-    MiB of the allocation that failed (and its tag), and what the device held by category
-    (MiB, as the message rounds them) — what you read first in a real out-of-memory report."""
-    m = _OOM.search(message)
-    if m is None:
-        raise ValueError(f"not a minishard out-of-memory report: {message!r}")
-    held = {}
-    for part in m.group(6).split(", "):
-        cat, _, mib = part.rpartition(" ")
-        held[cat] = float(mib)
-    return {"allocating": m.group(2), "alloc_mib": float(m.group(1)), "tag": m.group(3),
-            "would_be_mib": float(m.group(4)), "budget_mib": float(m.group(5)), "held_mib": held}
+def oom_report(error: DeviceOutOfMemory) -> dict[str, Any]:
+    """A :class:`~minishard.ledger.DeviceOutOfMemory` as data, in MiB: the category and size of
+    the allocation that failed (and its tag), the total it would have reached, the budget, and
+    what the device held by category — what you read first in a real out-of-memory report."""
+    mib = 2**20
+    return {"allocating": error.category, "alloc_mib": error.nbytes / mib, "tag": error.tag,
+            "would_be_mib": error.would_be / mib, "budget_mib": error.budget / mib,
+            "held_mib": {c: b / mib for c, b in sorted(error.held.items())}}
 
 
 # ---------------------------------------------------------------------------- tail jitter
@@ -83,7 +73,6 @@ def straggler(rank: RankContext, slow_rank: int = 1, every: int = 5, delay: floa
     """Train ``steps`` steps; rank ``slow_rank`` sleeps ``delay`` seconds before the forward of
     every ``every``-th step (a stand-in for a slow node, a GC pause, a noisy neighbour).
     Returns this rank's wall-clock step times, measured from a common barrier."""
-    from ..comm import Comm
     from ..model import GPT, batch, config
     from ..train import TrainConfig, build, train_step
 
@@ -127,25 +116,16 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 def phase_seconds(events: list[dict], rank: int, name: str) -> list[float]:
     """Seconds rank ``rank`` spent in each top-level phase ``name`` (forward, backward, ...),
-    step by step, from the trace's phase begin/end events."""
-    begin, out = None, []
-    for e in events:
-        if e["kind"] == "phase" and e["rank"] == rank and e["name"] == name and not e.get("unit"):
-            if e["edge"] == "begin":
-                begin = e["t"]
-            elif begin is not None:
-                out.append(e["t"] - begin)
-                begin = None
-    return out
+    step by step, from the trace's phase spans."""
+    return [p.t1 - p.t0 for p in phase_spans(events)
+            if p.rank == rank and p.name == name and not p.unit]
 
 
 def comm_seconds(events: list[dict], rank: int, step: int) -> tuple[float, float]:
     """(seconds some collective of ``rank`` was in flight during ``step``, the step's duration),
     read from the trace: collective events carry ``t`` and ``t_end``, the step phase its edges."""
-    edges = {e["edge"]: e["t"] for e in events
-             if e["kind"] == "phase" and e["name"] == "step" and e["rank"] == rank
-             and e.get("step") == step}
-    t0, t1 = edges["begin"], edges["end"]
+    mine = (e for e in events if e["rank"] == rank and e.get("step") == step)
+    t0, t1 = next((p.t0, p.t1) for p in phase_spans(mine) if p.name == "step" and not p.unit)
     spans = [(max(e["t"], t0), min(e["t_end"], t1)) for e in events
              if e["kind"] == "collective" and e["rank"] == rank and e["t_end"] > t0 and e["t"] < t1]
     return _union(spans), t1 - t0
@@ -254,12 +234,6 @@ def measure_compute(rank, **train_kw) -> list[float]:
 def measure_all_reduce(rank, sizes: list[int], repeats: int = 5) -> list[float]:
     """A rank task: median seconds of an fp32 all-reduce of each size (elements), to calibrate
     the loopback link (see benchmarks/bench_planner.py)."""
-    import statistics
-    import time
-
-    import torch
-
-    from ..comm import Comm
     comm = Comm()
     out = []
     for n in sizes:

@@ -1,13 +1,14 @@
-"""Views of a trace: the step-through :class:`Player` widget and the plain figures it is made of.
+"""Views of a trace: the step-through :class:`Player` widget and the plain figures it is made of,
+and the course's calculator widgets.
 
 The engine never imports this package; it only reads events (``minishard.trace``).
 """
+from .calculator import LedgerCalculator          # the ledger calculator widget, chapter 01
 from .figures import ledger_bars, timeline_figure
+from .planner import PlannerWidget                # the planner widget, chapter 10
 from .player import Player, Replay, static_player_figure
+from .reshard import reshard_figure               # the reshard map, chapter 09
 from .ring import ring_figure, ring_schedule
 
-__all__ = ["Player", "Replay", "ledger_bars", "ring_figure", "ring_schedule", "timeline_figure",
-           "static_player_figure"]
-from .calculator import LedgerCalculator  # noqa: E402  (the ledger calculator widget, chapter 01)
-from .reshard import reshard_figure  # noqa: E402  (the reshard map, chapter 09)
-from .planner import PlannerWidget  # noqa: E402  (the planner widget, chapter 10)
+__all__ = ["LedgerCalculator", "Player", "PlannerWidget", "Replay", "ledger_bars", "reshard_figure",
+           "ring_figure", "ring_schedule", "static_player_figure", "timeline_figure"]

@@ -22,6 +22,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from ..ledger import OPTIMIZERS, PRECISIONS, Estimate, estimate, gpt_activation_bytes
+from .. import strategies
 from ..strategies import STAGES
 from ..costmodel import param_counts
 from ..model import CONFIGS, config
@@ -151,7 +152,7 @@ class LedgerCalculator:
                         precision=e.precision, optimizer=e.optimizer,
                         activation_bytes=self.activation_bytes).total <= self.device_gb * GB:
                 return n
-            if e.strategy == "ddp":
+            if strategies.get(e.strategy).stage == 0:     # replicas: more ranks never help
                 return None
         return None
 

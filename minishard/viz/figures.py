@@ -11,6 +11,7 @@ from typing import Iterable
 import plotly.graph_objects as go
 
 from ..ledger import CATEGORIES
+from ..trace import PhaseSpan, phase_spans
 
 MB = 1_000_000          # the bars are in decimal megabytes, like the "MB" on their axis
 
@@ -23,6 +24,8 @@ COLORS = {
     "all_reduce": "#E45756", "reduce_scatter": "#B279A2", "all_gather": "#72B7B2",
     "broadcast": "#9D755D",
 }
+# An FSDP unit's states (blank: sharded), in the player's panel and the course's figures.
+UNIT_STATE_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2"}
 
 
 def color(name: str) -> str:
@@ -97,60 +100,32 @@ class Span:
     about: str           # hover text
 
 
-class PhaseTracker:
-    """Pairs phase begin/end events into spans and knows which phase each rank is in.
-
-    Feed it events in order with :meth:`add`; it returns the phase the event's rank is in (an
-    ``end`` event still counts as inside the phase it ends). ``step`` and per-unit phases are
-    tracked for the label but drawn on no lane: they nest around / inside the top-level phases —
-    except a unit's waits for its collectives, drawn over compute: the exposed communication.
-    """
-
-    def __init__(self):
-        self.spans: list[Span] = []
-        self._open: dict[int, list[tuple[tuple[str, str | None], float, int | None]]] = {}
-
-    def add(self, ev: dict) -> str:
-        r, kind = ev["rank"], ev["kind"]
-        stack = self._open.setdefault(r, [])
-        if kind == "collective":
+def lane_spans(phases: Iterable[PhaseSpan], traffic: Iterable[dict],
+               ongoing: Iterable[PhaseSpan] = ()) -> list[Span]:
+    """What the timeline draws, from the trace's fold (:class:`~minishard.trace.PhaseFold`): the
+    top-level phases on the compute lane (``step`` nests around them and is not drawn), a unit's
+    waits for its collectives over compute (the exposed communication; a unit's other phases
+    nest inside the top-level ones), the collectives and transfers (``traffic``) on the comm
+    lane, and the top-level phases still ``ongoing`` in a live run."""
+    out = []
+    for p in phases:
+        if p.unit is None and p.name != "step":
+            out.append(Span(p.rank, "compute", p.name, p.t0, p.t1, f"rank {p.rank} step {p.step} {p.name}"))
+        elif p.name.startswith("wait"):           # compute stood still
+            out.append(Span(p.rank, "compute", "waiting on comm", p.t0, p.t1,
+                            f"rank {p.rank} {p.name} {p.unit}"))
+    for ev in traffic:
+        r = ev["rank"]
+        if ev["kind"] == "collective":
             about = f'rank {r} {ev["op"]} {ev.get("tag", "")} · {fmt_bytes(ev["payload"])}'
-            self.spans.append(Span(r, "comm", ev["op"], ev["t"], ev["t_end"], about))
-        elif kind == "transfer":                  # offload: host <-> device copies
+            out.append(Span(r, "comm", ev["op"], ev["t"], ev["t_end"], about))
+        elif ev["kind"] == "transfer":            # offload: host <-> device copies
             about = f'rank {r} {ev.get("direction", "")} {ev.get("tag", "")} · {fmt_bytes(ev["bytes"])}'
-            self.spans.append(Span(r, "comm", f'transfer {ev.get("direction", "")}', ev["t"],
-                                   ev["t"] + ev.get("seconds", 0.0), about))
-        if kind != "phase":
-            return _innermost(stack)
-        key = (ev["name"], ev.get("unit"))
-        if ev["edge"] == "begin":
-            stack.append((key, ev["t"], ev.get("step")))
-            return _innermost(stack)
-        label = _innermost(stack)
-        for j in range(len(stack) - 1, -1, -1):
-            if stack[j][0] == key:
-                _, t0, step = stack.pop(j)
-                if key[1] is None and key[0] != "step":
-                    self.spans.append(Span(r, "compute", key[0], t0, ev["t"],
-                                           f"rank {r} step {step} {key[0]}"))
-                elif key[0].startswith("wait"):   # exposed communication: compute stood still
-                    self.spans.append(Span(r, "compute", "waiting on comm", t0, ev["t"],
-                                           f"rank {r} {key[0]} {key[1]}"))
-                break
-        return label
-
-    def open_spans(self, t_now: float) -> list[Span]:
-        """Top-level phases begun but not ended yet (live runs), drawn up to ``t_now``."""
-        return [Span(r, "compute", key[0], t0, max(t0, t_now), f"rank {r} step {step} {key[0]} …")
-                for r, stack in self._open.items() for key, t0, step in stack
-                if key[1] is None and key[0] != "step"]
-
-
-def _innermost(stack) -> str:
-    for (name, unit), _, _ in reversed(stack):
-        if name != "step":
-            return f"{name} {unit}" if unit else name
-    return ""
+            out.append(Span(r, "comm", f'transfer {ev.get("direction", "")}', ev["t"],
+                            ev["t"] + ev.get("seconds", 0.0), about))
+    out += [Span(p.rank, "compute", p.name, p.t0, p.t1, f"rank {p.rank} step {p.step} {p.name} …")
+            for p in ongoing if p.unit is None and p.name != "step"]
+    return out
 
 
 def spans_figure(spans: list[Span], ranks: list[int], t_now: float | None = None) -> go.Figure:
@@ -178,7 +153,6 @@ def spans_figure(spans: list[Span], ranks: list[int], t_now: float | None = None
 def timeline_figure(events: list[dict], t_now: float | None = None) -> go.Figure:
     """Per-rank lanes: compute phases (forward/backward/optimizer, from phase begin/end pairs)
     above communication (each collective from ``t`` to ``t_end``); a cursor at ``t_now``."""
-    tracker = PhaseTracker()
-    for ev in events:
-        tracker.add(ev)
-    return spans_figure(tracker.spans, sorted({e["rank"] for e in events}), t_now)
+    traffic = [e for e in events if e["kind"] in ("collective", "transfer")]
+    return spans_figure(lane_spans(phase_spans(events), traffic), sorted({e["rank"] for e in events}),
+                        t_now)

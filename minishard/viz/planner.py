@@ -21,34 +21,29 @@ can drive it and check the result without a browser::
     pw.hybrid = True                    # the charts, the verdict and the hints follow
     assert pw.fits and pw.plan.exposed_comm_s < 0.2 * pw.plan.step_s
 
-Memory is in GiB (2^30 bytes), as the planner's verdicts. The planner assumes one FSDP unit per
-transformer block (plus the root); ``wrap="model"`` is this widget's own estimate of one unit for
-the whole model (see :func:`whole_model_unit`). The planner's assumptions and the source of
-every device and link figure are in ``docs/costmodel.md``.
+Memory is in GiB (2^30 bytes), as the planner's verdicts. Every figure is the planner's
+(:mod:`minishard.costmodel`, ``wrap="model"`` included); the widget only draws them and words
+the hints. The planner's assumptions and the source of every device and link figure are in
+``docs/costmodel.md``.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import lru_cache
 
 import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..costmodel import DEVICES, LINKS, Cluster, Plan, param_counts, plan, ring_time
-from ..model import CONFIGS, config
+from ..advice import LABELS, Advice
+from ..costmodel import DEVICES, LINKS, Cluster, Plan, plan
+from .. import strategies
+from ..model import CONFIGS
 from .calculator import control
 from .figures import category_order, color
 from .live_figure import LiveFigure
 
 GiB = 2**30
-# A plan above this share of the device gets a warning, whether it is the current one or a
-# suggestion: the planner does not model the CUDA context, NCCL's buffers, the allocator's
-# fragmentation or the temporaries of each kernel (docs/costmodel.md, "What the planner leaves out").
-HEADROOM = 0.9
-UNMODELLED = "the CUDA context, NCCL's buffers, allocator fragmentation and kernel temporaries"
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "ZeRO-3 / FSDP"}
+STRATEGIES = strategies.PLANNED                  # one per ZeRO stage
 WRAPS = ("block", "model")
 _CATEGORIES = category_order(["params", "grads", "master", "exp_avg", "exp_avg_sq", "activations",
                               "unsharded", "comm_buffers"])
@@ -56,46 +51,14 @@ TIME_PARTS = (("compute", "#4C78A8"), ("exposed communication", "#E45756"))
 
 
 @lru_cache(maxsize=4096)
-def cached_plan(model: str, cluster: Cluster, strategy: str, micro_batch: int, seq_len: int,
-                prefetch: int, recompute: bool, offload: bool, hybrid: bool, mfu: float) -> Plan:
-    """:func:`~minishard.costmodel.plan` with bf16-mixed AdamW, memoised: a slider move re-plans
-    all four strategies, and moving back should cost nothing."""
-    return plan(model, cluster, strategy, micro_batch=micro_batch, seq_len=seq_len,
-                prefetch=prefetch, recompute=recompute, offload=offload, hybrid=hybrid, mfu=mfu)
+def cached_plan(model: str, cluster: Cluster, strategy: str, **job) -> Plan:
+    """:func:`~minishard.costmodel.plan`, memoised: a slider move re-plans all four strategies,
+    and moving back should cost nothing."""
+    return plan(model, cluster, strategy, **job)
 
 
-def whole_model_unit(per_block: Plan, model: str, cluster: Cluster, *, activations: float,
-                     hybrid: bool, offload_s: float) -> Plan:
-    """FSDP with one unit for the whole model (``wrap="model"``), from the per-block plan.
-
-    The one unit is the root: gathered whole before the first layer computes, kept gathered
-    until backward is done (FSDP never reshards the root after forward), its full gradients
-    reduce-scattered after the last one is computed. So a GPU holds the whole model's working
-    weights at the peak, and nothing overlaps: compute waits for the whole gather, and the
-    reduce-scatter waits for the whole backward. ``activations``: the full forward's (the
-    per-block plan may hold fewer at its in-backward peak); ``offload_s``: the PCIe time the
-    planner added for offload, if any (it does not depend on the wrapping)."""
-    n = param_counts(config(model))[0]
-    x = g = 2                                          # bf16 working weights and gradients
-    shard_n = cluster.gpus_per_node if hybrid else cluster.world_size
-    slow = min(cluster.intra, cluster.inter, key=lambda link: link.bandwidth)
-    link = cluster.intra if (cluster.nodes == 1 or hybrid) else slow
-    memory = {k: v for k, v in per_block.memory.items()
-              if k not in ("unsharded", "comm_buffers", "activations")}
-    memory["unsharded"] = x * n
-    # the two candidate peaks: end of forward (every activation) or end of backward (the full
-    # gradients waiting for their reduce-scatter)
-    if activations >= g * n:
-        memory["activations"] = activations
-    else:
-        memory["comm_buffers"] = g * n
-    comm = ring_time("all_gather", x * n, shard_n, link) + ring_time("reduce_scatter", g * n, shard_n, link)
-    exposed = comm + offload_s
-    if hybrid and cluster.nodes > 1:                   # as the planner: gradient shards across nodes
-        cross = ring_time("all_reduce", g * n / shard_n, cluster.nodes, cluster.inter)
-        comm, exposed = comm + cross, exposed + cross
-    notes = [n_ for n_ in per_block.notes if "units" not in n_] + ["1 unit (the whole model), 2 collectives per step"]
-    return replace(per_block, memory=memory, comm_s=comm, exposed_comm_s=exposed, notes=notes)
+def _planner(model, cluster, strategy, **job) -> Plan:
+    return cached_plan(model, cluster, strategy, **job)       # (looked up at call time: tests swap it)
 
 
 class PlannerWidget:
@@ -123,51 +86,12 @@ class PlannerWidget:
                  micro_batch: int = 1, seq_len: int = 8192, mfu: float = 0.4):
         self._updating = False
         self.redraws = 0                               # how many times update() drew (tests)
-        style = {"description_width": "95px"}
-        lay = W.Layout(width="330px")
-        link_options = [(f"{k}: {v.name}", k) for k, v in LINKS.items()]
-        self._controls = {
-            "model": W.Dropdown(options=list(CONFIGS), value=model, description="model",
-                                style=style, layout=lay),
-            "device": W.Dropdown(options=[(f"{k}: {v.name}", k) for k, v in DEVICES.items()],
-                                 value=device, description="device", style=style, layout=lay),
-            "gpus_per_node": W.IntSlider(value=gpus_per_node, min=1, max=16, description="GPUs/node",
-                                         style=style, layout=lay),
-            "nodes": W.IntSlider(value=nodes, min=1, max=256, description="nodes", style=style,
-                                 layout=lay),
-            "intra": W.Dropdown(options=link_options, value=intra, description="in a node",
-                                style=style, layout=lay),
-            "inter": W.Dropdown(options=link_options, value=inter, description="between nodes",
-                                style=style, layout=lay),
-            "strategy": W.ToggleButtons(options=[(LABELS[s], s) for s in STRATEGIES],
-                                        value=self._strategy_name(strategy), description="strategy",
-                                        style={**style, "button_width": "105px"}),
-            "wrap": W.ToggleButtons(options=list(WRAPS), value=wrap, description="FSDP wrap",
-                                    style={**style, "button_width": "70px"}),
-            "prefetch": W.IntSlider(value=prefetch, min=0, max=4, description="prefetch",
-                                    style=style, layout=lay),
-            "recompute": W.Checkbox(value=recompute, description="recompute activations",
-                                    indent=False),
-            "offload": W.Checkbox(value=offload, description="CPU offload", indent=False),
-            "hybrid": W.Checkbox(value=hybrid, description="hybrid sharding (HSDP)", indent=False),
-            "micro_batch": W.IntSlider(value=micro_batch, min=1, max=32, description="micro-batch",
-                                       style=style, layout=lay),
-            "seq_len": W.IntSlider(value=seq_len, min=128, max=131072, step=128,
-                                   description="seq len", style=style, layout=lay),
-            "mfu": W.FloatSlider(value=mfu, min=0.05, max=1.0, step=0.01, description="MFU",
-                                 style=style, layout=lay),
-        }
-        fig = make_subplots(rows=1, cols=2, column_widths=[0.58, 0.42], horizontal_spacing=0.12,
-                            subplot_titles=("memory of one GPU (GiB)", "one step (s)"))
-        for c in _CATEGORIES:
-            fig.add_trace(go.Bar(name=c, x=[], y=[], marker_color=color(c), legendgroup="memory"),
-                          row=1, col=1)
-        for name, colour in TIME_PARTS:
-            fig.add_trace(go.Bar(name=name, x=[], y=[], marker_color=colour, legendgroup="time"),
-                          row=1, col=2)
-        fig.update_layout(barmode="stack", width=980, height=420, margin=dict(l=50, r=10, t=70, b=40),
-                          legend=dict(traceorder="grouped"), title=dict(font=dict(size=13)))
-        self.figure = LiveFigure(fig)
+        self._controls = self._make_controls(
+            model=model, device=device, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra,
+            inter=inter, strategy=self._strategy_name(strategy), wrap=wrap, prefetch=prefetch,
+            recompute=recompute, offload=offload, hybrid=hybrid, micro_batch=micro_batch,
+            seq_len=seq_len, mfu=mfu)
+        self.figure = self._make_figure()
         self.verdict_html = W.HTML()
         self.hints_html = W.HTML()
         c = self._controls
@@ -180,13 +104,63 @@ class PlannerWidget:
             w.observe(self._on_change, names="value")
         self.update()
 
+    @staticmethod
+    def _make_controls(**v) -> dict[str, W.ValueWidget]:
+        style = {"description_width": "95px"}
+        lay = W.Layout(width="330px")
+        link_options = [(f"{k}: {link.name}", k) for k, link in LINKS.items()]
+
+        def widget(kind, name, label, **kw):
+            return kind(value=v[name], description=label, style=style, layout=lay, **kw)
+
+        def check(name, label):
+            return W.Checkbox(value=v[name], description=label, indent=False)
+
+        return {
+            "model": widget(W.Dropdown, "model", "model", options=list(CONFIGS)),
+            "device": widget(W.Dropdown, "device", "device",
+                             options=[(f"{k}: {d.name}", k) for k, d in DEVICES.items()]),
+            "gpus_per_node": widget(W.IntSlider, "gpus_per_node", "GPUs/node", min=1, max=16),
+            "nodes": widget(W.IntSlider, "nodes", "nodes", min=1, max=256),
+            "intra": widget(W.Dropdown, "intra", "in a node", options=link_options),
+            "inter": widget(W.Dropdown, "inter", "between nodes", options=link_options),
+            "strategy": W.ToggleButtons(options=[(LABELS[s], s) for s in STRATEGIES],
+                                        value=v["strategy"], description="strategy",
+                                        style={**style, "button_width": "105px"}),
+            "wrap": W.ToggleButtons(options=list(WRAPS), value=v["wrap"], description="FSDP wrap",
+                                    style={**style, "button_width": "70px"}),
+            "prefetch": widget(W.IntSlider, "prefetch", "prefetch", min=0, max=4),
+            "recompute": check("recompute", "recompute activations"),
+            "offload": check("offload", "CPU offload"),
+            "hybrid": check("hybrid", "hybrid sharding (HSDP)"),
+            "micro_batch": widget(W.IntSlider, "micro_batch", "micro-batch", min=1, max=32),
+            "seq_len": widget(W.IntSlider, "seq_len", "seq len", min=128, max=131072, step=128),
+            "mfu": widget(W.FloatSlider, "mfu", "MFU", min=0.05, max=1.0, step=0.01),
+        }
+
+    @staticmethod
+    def _make_figure() -> LiveFigure:
+        """Memory by category (left) and the step's compute and exposed communication (right),
+        one bar per strategy; :meth:`update` fills them."""
+        fig = make_subplots(rows=1, cols=2, column_widths=[0.58, 0.42], horizontal_spacing=0.12,
+                            subplot_titles=("memory of one GPU (GiB)", "one step (s)"))
+        for c in _CATEGORIES:
+            fig.add_trace(go.Bar(name=c, x=[], y=[], marker_color=color(c), legendgroup="memory"),
+                          row=1, col=1)
+        for name, colour in TIME_PARTS:
+            fig.add_trace(go.Bar(name=name, x=[], y=[], marker_color=colour, legendgroup="time"),
+                          row=1, col=2)
+        fig.update_layout(barmode="stack", width=980, height=420, margin=dict(l=50, r=10, t=70, b=40),
+                          legend=dict(traceorder="grouped"), title=dict(font=dict(size=13)))
+        return LiveFigure(fig)
+
     # ---- the strategy control accepts the planner's names too
     @staticmethod
     def _strategy_name(s: str) -> str:
-        s = "fsdp" if s == "zero3" else s
-        if s not in STRATEGIES:
+        name = strategies.get(s).name                   # (zero3 is fsdp's alias)
+        if name not in STRATEGIES:
             raise ValueError(f"unknown strategy {s!r}; expected one of {STRATEGIES} (or 'zero3')")
-        return s
+        return name
 
     @property
     def strategy(self) -> str:
@@ -216,30 +190,18 @@ class PlannerWidget:
         return Cluster(DEVICES[self.device], self.gpus_per_node, self.nodes, LINKS[self.intra],
                        LINKS[self.inter])
 
+    @property
+    def advice(self) -> Advice:
+        """The current controls as a planner configuration, and what it would change."""
+        return Advice(self.model, self.cluster, self.strategy, micro_batch=self.micro_batch,
+                      seq_len=self.seq_len, prefetch=self.prefetch, recompute=self.recompute,
+                      offload=self.offload, hybrid=self.hybrid, mfu=self.mfu, wrap=self.wrap,
+                      planner=_planner)
+
     def plan_for(self, strategy: str, **changes) -> Plan:
         """The plan of ``strategy`` with the current controls, some of them changed (e.g.
-        ``recompute=False``): what the hints compare against. Raises ValueError for a
-        configuration the planner refuses."""
-        s = dict(model=self.model, cluster=self.cluster, micro_batch=self.micro_batch,
-                 seq_len=self.seq_len, prefetch=self.prefetch, recompute=self.recompute,
-                 offload=self.offload, hybrid=self.hybrid, mfu=round(self.mfu, 4), wrap=self.wrap)
-        s.update(changes)
-        wrap = s.pop("wrap")
-        if strategy != "fsdp":
-            s["prefetch"] = 0                          # only FSDP prefetches; keep the cache small
-        p = cached_plan(s["model"], s["cluster"], strategy, s["micro_batch"], s["seq_len"],
-                        s["prefetch"], s["recompute"], s["offload"], s["hybrid"], s["mfu"])
-        if strategy == "fsdp" and wrap == "model":
-            full = cached_plan(s["model"], s["cluster"], "zero2", s["micro_batch"], s["seq_len"], 0,
-                               s["recompute"], False, s["hybrid"], s["mfu"])
-            offload_s = 0.0
-            if s["offload"]:
-                on_device = cached_plan(s["model"], s["cluster"], "fsdp", s["micro_batch"], s["seq_len"],
-                                        s["prefetch"], s["recompute"], False, s["hybrid"], s["mfu"])
-                offload_s = p.exposed_comm_s - on_device.exposed_comm_s
-            p = whole_model_unit(p, s["model"], s["cluster"], activations=full.memory["activations"],
-                                 hybrid=s["hybrid"], offload_s=offload_s)
-        return p
+        ``recompute=False``). Raises ValueError for a configuration the planner refuses."""
+        return self.advice.plan_for(strategy, **changes)
 
     @property
     def plans(self) -> dict[str, Plan | str]:
@@ -269,104 +231,11 @@ class PlannerWidget:
             return f"impossible: {p}"
         return f"{LABELS[self.strategy]}, {self.cluster.world_size} GPUs: {p.verdict()}"
 
-    # ---- what would you change?
-    def _gain(self, strategy: str, **changes) -> Plan | None:
-        try:
-            return self.plan_for(strategy, **changes)
-        except ValueError:
-            return None
-
     @property
     def hints(self) -> list[str]:
-        """Short suggestions for the selected strategy: the OOM checklist, in its order, when it
-        does not fit; the throughput questions when it does. Each names its measured chapter."""
-        p = self.plans[self.strategy]
-        if not isinstance(p, Plan):
-            return ["Fewer GPUs, or a bigger model: the planner refuses this shape."]
-        s, out = self.strategy, []
-        gib = lambda b: f"{b / GiB:.1f} GiB"                                     # noqa: E731
-
-        def tight(plan: Plan) -> str:     # the same warning for a suggestion as for the current plan
-            if plan.total_memory <= HEADROOM * plan.device_memory:
-                return ""
-            return (f" — {plan.total_memory / plan.device_memory:.0%} of the device, and the plan "
-                    f"leaves out {UNMODELLED}")
-        cfg = CONFIGS[self.model]
-        logits = self.micro_batch * self.seq_len * cfg.vocab_size * 2            # bf16 log-probs
-        if not p.fits:
-            if s == "fsdp" and self.wrap == "model":
-                alt = self._gain(s, wrap="block")
-                out.append(f"Wrap granularity: one unit gathers the whole model "
-                           f"({gib(p.memory['unsharded'])}); one unit per block needs "
-                           f"{gib(alt.total_memory)} per GPU.")
-            elif s == "fsdp" and self.prefetch > 1:
-                alt = self._gain(s, prefetch=1)
-                out.append(f"Prefetch depth {self.prefetch} keeps {self.prefetch} blocks gathered "
-                           f"ahead; depth 1 needs {gib(alt.total_memory)}.")
-            if not self.recompute:
-                alt = self._gain(s, recompute=True)
-                out.append(f"Activations are {gib(p.memory.get('activations', 0))}: recomputation "
-                           f"needs {gib(alt.total_memory)}, for one more forward pass "
-                           f"({alt.step_s / p.step_s - 1:+.0%} step time).")
-            if logits >= 0.03 * p.device_memory:
-                out.append(f"The [batch, seq, vocab] logits the loss keeps are {gib(logits)}: a "
-                           f"chunked loss (loss_chunk_tokens) keeps one chunk at a time.")
-            for bigger in STRATEGIES[STRATEGIES.index(s) + 1:]:
-                alt = self._gain(bigger)
-                if alt is not None and alt.fits:
-                    out.append(f"Shard more: {LABELS[bigger]} needs {gib(alt.total_memory)} per GPU{tight(alt)}.")
-                    break
-            c = self.cluster
-            more = self._gain(s, cluster=replace(c, nodes=2 * c.nodes))
-            if more is not None and more.fits:
-                out.append(f"Twice the nodes ({2 * c.world_size} GPUs): {gib(more.total_memory)} "
-                           f"per GPU{tight(more)}.")
-            acts = p.memory.get("activations", 0)
-            if acts > 0.25 * p.device_memory:
-                out.append(f"Activations ({gib(acts)}) do not shrink with more data-parallel GPUs: "
-                           f"a shorter micro-batch or sequence, or tensor/sequence parallelism, "
-                           f"which splits each layer's activations.")
-            if not self.offload:
-                alt = self._gain(s, offload=True)
-                if alt is not None and alt.fits:
-                    out.append(f"CPU offload fits ({gib(alt.total_memory)}{tight(alt)}) but adds "
-                               f"{alt.exposed_comm_s - p.exposed_comm_s:.2f} s of PCIe per step: "
-                               f"a last resort.")
-            if not out:
-                out.append("Nothing here is left to shard: more GPUs, or a smaller configuration.")
-            return out
-        share = p.exposed_comm_s / p.step_s
-        if share > 0.15:
-            msg = f"{share:.0%} of the step waits for the network."
-            if self.nodes > 1 and not self.hybrid:
-                alt = self._gain(s, hybrid=True)
-                if alt is not None and alt.fits:
-                    msg += (f" Hybrid sharding keeps the sharding collectives inside a node: "
-                            f"{alt.exposed_comm_s / alt.step_s:.0%} waiting, "
-                            f"{gib(alt.total_memory)} per GPU{tight(alt)}.")
-            out.append(msg)
-        for simpler in STRATEGIES[:STRATEGIES.index(s)]:
-            alt = self._gain(simpler)
-            if alt is not None and alt.fits and alt.step_s <= 1.03 * p.step_s:
-                out.append(f"{LABELS[simpler]} fits too ({gib(alt.total_memory)}{tight(alt)}) and is about as "
-                           f"fast ({alt.step_s:.2f} s against {p.step_s:.2f} s): a simpler system.")
-                break
-        if self.offload:
-            alt = self._gain(s, offload=False)
-            if alt is not None and alt.fits:
-                out.append(f"Offload is not needed: without it {gib(alt.total_memory)} fit{tight(alt)} and the "
-                           f"step is {p.step_s - alt.step_s:.2f} s shorter.")
-        if self.recompute:
-            alt = self._gain(s, recompute=False)
-            if alt is not None and alt.fits and alt.step_s < 0.97 * p.step_s:
-                out.append(f"It fits without recomputation too ({gib(alt.total_memory)}{tight(alt)}): "
-                           f"{1 - alt.step_s / p.step_s:.0%} less time per step.")
-        if p.total_memory > HEADROOM * p.device_memory:
-            out.append(f"{p.total_memory / p.device_memory:.0%} of the device, and the plan leaves "
-                       f"out {UNMODELLED}: they can tip it over.")
-        if not out:
-            out.append("Nothing to change: it fits and the network is hidden behind compute.")
-        return out
+        """What would you change? :meth:`minishard.advice.Advice.hints` for the current controls
+        (the same sentences ``python -m minishard plan`` prints)."""
+        return self.advice.hints()
 
     # ---- drawing
     def _on_change(self, _change) -> None:
@@ -378,7 +247,7 @@ class PlannerWidget:
         self.redraws += 1
         self._updating = True
         try:
-            fsdp = self.strategy == "fsdp"
+            fsdp = strategies.get(self.strategy).stage == 3
             self._controls["wrap"].disabled = not fsdp
             self._controls["prefetch"].disabled = not fsdp or self.wrap == "model"
             self._controls["hybrid"].disabled = self.nodes == 1

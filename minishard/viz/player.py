@@ -13,13 +13,12 @@ finished run or live while the ranks train::
     p = Player()                               # live: empty, fed as events arrive
     R.run(train, strategy="ddp", on_event=p.feed); p.flush()
 
-Every jump is a lookup: :class:`Replay` folds the trace once into per-event arrays (the cumulative
-ledger of :class:`~minishard.trace.LedgerTimeline`, each event's step and phase, the collectives'
-time spans), and a redraw touches only the plotly traces whose values changed.
+Every jump is a lookup: :class:`minishard.trace.Replay` folds the trace once into per-event arrays
+(the cumulative ledger, each event's phase, the units' states, the collectives' time spans), and a
+redraw touches only the plotly traces whose values changed.
 """
 from __future__ import annotations
 
-import bisect
 import html
 import time
 
@@ -28,118 +27,21 @@ import numpy as np
 import plotly.graph_objects as go
 
 from .. import trace
-from .figures import (MB, PhaseTracker, category_order, describe, ledger_bars, spans_figure)
+from .figures import (MB, UNIT_STATE_COLORS, category_order, describe, lane_spans, ledger_bars,
+                      spans_figure)
 from .ring import ring_figure, ring_view
 from .live_figure import LiveFigure
 
 NO_PHASE = "—"
-UNIT_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2"}
 
 
-class Replay:
-    """A trace folded into per-event arrays, so that any event is one lookup away.
-
-    ``bytes_at(i)`` is the ``(rank, category)`` matrix of live bytes after event ``i`` — the fold
-    of every alloc/free up to it. A finished trace gets it from ``LedgerTimeline`` (one cumsum);
-    :meth:`append` extends it one event at a time for live runs (capacity doubles as it fills).
-    """
-
-    def __init__(self, events: list[dict] = ()):
-        self.events: list[dict] = []
-        self.t: list[float] = []                 # time of each event
-        self.phase: list[str] = []               # phase its rank was in ("" outside any)
-        self.collectives: list[int] = []         # indices of the collective events
-        self.unit_events: list[tuple] = []       # (index, rank, unit, state) of unit events
-        self.unit_names: dict[str, None] = {}    # units in the order they first appear
-        self.phases = PhaseTracker()
-        self._coll_cache = (0, np.empty(0), np.empty(0))
-        timeline = trace.LedgerTimeline.build(list(events))
-        # columns of the fold: ranks and categories in the order they first appeared
-        self._slots, self.categories = timeline.ranks, timeline.categories
-        self._bytes = timeline.bytes if events else np.zeros((16, 1, 1), dtype=np.int64)
-        for ev in events:
-            self._index(ev)
-        self.ymax = int(self._bytes[:self.n].sum(axis=2).max()) if events else 0
-
-    @property
-    def n(self) -> int:
-        return len(self.events)
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted(self._slots)
-
-    def append(self, ev: dict) -> None:
-        """Add one event (live mode): check its schema, extend the ledger fold by one row."""
-        ev = trace.load([ev])[0]
-        if ev["rank"] not in self._slots:
-            self._slots.append(ev["rank"])
-        if ev["kind"] in ("alloc", "free") and ev["category"] not in self.categories:
-            self.categories.append(ev["category"])
-        n, R, C = self.n, len(self._slots), len(self.categories)
-        cap, r0, c0 = self._bytes.shape
-        if n >= cap or R > r0 or C > c0:         # grow: double the events, pad new ranks/categories
-            grown = np.zeros((max(cap, 2 * n, 16), max(R, r0), max(C, c0)), dtype=np.int64)
-            grown[:cap, :r0, :c0] = self._bytes
-            self._bytes = grown
-        self._bytes[n] = self._bytes[n - 1] if n else 0
-        if ev["kind"] in ("alloc", "free"):
-            sign = 1 if ev["kind"] == "alloc" else -1
-            self._bytes[n, self._slots.index(ev["rank"]),
-                        self.categories.index(ev["category"])] += sign * ev["bytes"]
-        self.ymax = max(self.ymax, int(self._bytes[n].sum(axis=1).max()))
-        self._index(ev)
-
-    def _index(self, ev: dict) -> None:
-        self.events.append(ev)
-        self.t.append(ev["t"])
-        self.phase.append(self.phases.add(ev))
-        if ev["kind"] == "collective":
-            self.collectives.append(self.n - 1)
-        elif ev["kind"] == "unit":
-            self.unit_events.append((self.n - 1, ev["rank"], ev["name"], ev["state"]))
-            self.unit_names.setdefault(ev["name"])
-
-    # ---- lookups
-    def bytes_at(self, i: int) -> np.ndarray:
-        """Live bytes after event ``i``: one row per rank (in rank order), one column per
-        category (in ``self.categories`` order)."""
-        row = self._bytes[i, :len(self._slots), :len(self.categories)]
-        if self._slots != self.ranks:            # live ranks can join out of order
-            row = row[np.argsort(self._slots)]
-        return row
-
-    def snapshot(self, i: int) -> dict[int, dict[str, int]]:
-        row = self.bytes_at(i)
-        return {r: {c: int(row[a, b]) for b, c in enumerate(self.categories)}
-                for a, r in enumerate(self.ranks)}
-
-    def unit_states(self, i: int) -> dict[int, dict[str, str]]:
-        """``{rank: {unit: state}}`` after event ``i``; a unit not seen yet is sharded."""
-        states = {r: dict.fromkeys(self.unit_names, "sharded") for r in self.ranks}
-        end = bisect.bisect_right(self.unit_events, (i, float("inf")))
-        for _, rank, name, state in self.unit_events[:end]:
-            states[rank][name] = state
-        return states
-
-    def collective_at(self, t: float) -> dict | None:
-        """The collective in flight at time ``t`` on any rank. When several are (every rank
-        has its own event for the same all-reduce), the one that started *last*: a ring cannot
-        move until its last rank has joined."""
-        n, starts, ends = self._coll_cache
-        if n != len(self.collectives):           # live runs add collectives; rebuild lazily
-            starts = np.array([self.events[i]["t"] for i in self.collectives])
-            ends = np.array([self.events[i]["t_end"] for i in self.collectives])
-            self._coll_cache = (len(self.collectives), starts, ends)
-        inside = np.flatnonzero((starts <= t) & (t <= ends))
-        if inside.size == 0:
-            return None
-        return self.events[self.collectives[inside[np.argmax(starts[inside])]]]
+class Replay(trace.Replay):
+    """The trace's fold (:class:`minishard.trace.Replay`), with each event's title in words."""
 
     def title(self, i: int) -> str:
         """``step 1 · backward · rank 0 all_reduce bucket0 · event 412/813`` (slider value/max)."""
         ev = self.events[i]
-        parts = [f'step {ev["step"]}' if ev.get("step") is not None else "", self.phase[i],
+        parts = [f'step {ev["step"]}' if ev.get("step") is not None else "", self.phase(i),
                  describe(ev), f"event {i}/{self.n - 1}"]
         return " · ".join(p for p in parts if p)
 
@@ -182,7 +84,8 @@ class Player:
         self._bar_ranks = rp.ranks
         self.ring_figure = LiveFigure(ring_figure(max(len(rp.ranks), 1)))
         self._ring_nodes = max(len(rp.ranks), 1)
-        self.timeline_figure = LiveFigure(spans_figure(rp.phases.spans, rp.ranks))
+        self.timeline_figure = LiveFigure(spans_figure(lane_spans(rp.phases.spans, rp.traffic()),
+                                                       rp.ranks))
 
     def _build_controls(self) -> None:
         last = max(self.replay.n - 1, 0)
@@ -314,7 +217,7 @@ class Player:
     def _rebuild_timeline(self) -> None:
         """New spans (live): redraw the lanes, phases still open drawn up to the newest event."""
         rp, fig = self.replay, self.timeline_figure
-        spans = rp.phases.spans + rp.phases.open_spans(max(rp.t))
+        spans = lane_spans(rp.phases.spans, rp.traffic(), rp.phases.open_spans(max(rp.t)))
         fresh = spans_figure(spans, rp.ranks)
         fig.data = ()
         fig.add_traces(fresh.data)
@@ -344,7 +247,7 @@ class Player:
         head = "".join(f"<th style='padding:2px 6px'>{html.escape(n)}</th>" for n in names)
         rows = "".join(
             f"<tr><th style='padding:2px 6px'>rank {r}</th>" + "".join(
-                f"<td style='padding:2px 6px;background:{UNIT_COLORS.get(st[n], '#f4f4f4')}'>"
+                f"<td style='padding:2px 6px;background:{UNIT_STATE_COLORS.get(st[n], '#f4f4f4')}'>"
                 f"{st[n]}</td>" for n in names) + "</tr>"
             for r, st in states.items())
         value = f"<table><tr><th>unit states</th>{head}</tr>{rows}</table>"

@@ -83,7 +83,7 @@ def _task(ctx, spec: dict) -> dict:
         if first is None:
             first = (flat_param[:numel] - start).norm().item()
     zcomm = Comm(None)
-    zopt = ZeroOptimizer(ref, torch.optim.SGD, stage=1, comm=zcomm, lr=0.1, momentum=0.9)
+    zopt = ZeroOptimizer(ref.parameters(), torch.optim.SGD, stage=1, comm=zcomm, lr=0.1, momentum=0.9)
     zcomm.reset_counters()                               # (ZeroOptimizer broadcasts rank 0's model first)
     ref_first = None
     for step in range(STEPS):

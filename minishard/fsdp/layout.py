@@ -1,6 +1,6 @@
 """How an FSDP unit lays out its parameters: per-parameter (FSDP2) or flat (FSDP1).
 
-A layout answers four questions for the unit lifecycle in ``fsdp.py``, which never looks inside:
+A layout answers four questions for the unit lifecycle (``unit.py``), which never looks inside:
 
 1. what does ``model.parameters()`` show while sharded (what the optimizer updates)?
 2. what does this rank contribute to the unit's all-gather, and where does the result go?
@@ -25,6 +25,10 @@ tensors.
 Full parameters are freed by shrinking their storage to zero bytes and brought back by growing
 it and filling it again — the tensors autograd saved for backward stay the same objects, so
 backward sees the re-gathered values.
+
+Both layouts can also gather the shards in another dtype into fresh tensors (``dtype=`` of
+``all_gather_input``/``all_gather_output``, then ``unpack``): how ``full_parameters`` reads the
+fp32 master weights of a unit that computes in bf16, without touching the unit's own state.
 """
 from __future__ import annotations
 
@@ -59,7 +63,9 @@ class ParamSlot:
 
 def collect_slots(module: nn.Module, taken: dict[int, str]) -> list[ParamSlot]:
     """The parameters a new unit owns: those of ``module`` not already in a unit. ``taken`` maps
-    the ids of parameters (and of shards) that earlier units took over to those units' names."""
+    the ids of parameters (and of shards) that earlier units took over to those units' names;
+    a shard or a parameter a unit keeps replicated is skipped, an original a unit replaced is a
+    tied weight."""
     slots, seen = [], {}
     for mod_name, mod in module.named_modules():
         for name, p in list(mod._parameters.items()):
@@ -67,8 +73,8 @@ def collect_slots(module: nn.Module, taken: dict[int, str]) -> list[ParamSlot]:
             if p is None:
                 continue
             if id(p) in taken:
-                if getattr(p, "_fsdp_shard", False):
-                    continue                     # a child unit's shard: not ours
+                if getattr(p, "_fsdp_shard", False) or getattr(p, "_fsdp_replicated", False):
+                    continue                     # held by a child unit: not ours
                 raise ValueError(f"parameter {fqn} is shared with unit {taken[id(p)]!r}, which "
                                  f"already sharded it (tied weights across units): put every "
                                  f"module that uses it in one unit, or untie the weights")
@@ -120,8 +126,7 @@ class PerParamLayout:
         # cast to one dtype would round the others), reduce their gradients in fp32
         self.mixed = param_dtype is None and len({s.dtype for s in slots}) > 1
         self.bytes_per = [s.dtype.itemsize if self.mixed else 1 for s in slots]
-        self.gather_sizes = [n * b for n, b in zip(self.sizes, self.bytes_per)]
-        self.gather_per_rank = sum(self.gather_sizes)
+        self.gather_per_rank = sum(n * b for n, b in zip(self.sizes, self.bytes_per))
         self.reduce_dtype = torch.float32 if self.mixed else slots[0].dtype
 
     # ---- what the ledger and the optimizer see
@@ -139,16 +144,19 @@ class PerParamLayout:
         return torch.uint8 if self.mixed else (self.param_dtype or self.slots[0].dtype)
 
     # ---- 2. the all-gather
-    def all_gather_input(self, device: torch.device) -> torch.Tensor:
-        """This rank's blocks, packed on the compute device (and cast to the compute dtype)."""
-        if self.mixed:
+    def all_gather_input(self, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This rank's blocks, packed on the compute device and cast to the compute dtype (or to
+        ``dtype``: a gather for reading, see ``unpack``)."""
+        if self.mixed and dtype is None:
             return torch.cat([p.detach().reshape(-1).view(torch.uint8).to(device)
                               for p in self.sharded])
         # copy to the device first, cast there: what crosses is the shard as stored
-        return torch.cat([p.detach().reshape(-1).to(device).to(self.gather_dtype)
+        return torch.cat([p.detach().reshape(-1).to(device).to(dtype or self.gather_dtype)
                           for p in self.sharded])
 
-    def all_gather_output(self) -> torch.Tensor:
+    def all_gather_output(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if dtype is not None:
+            return torch.empty(self.N * self.per_rank, dtype=dtype, device=self.device)
         return torch.empty(self.N * self.gather_per_rank, dtype=self.gather_dtype,
                            device=self.device)
 
@@ -158,20 +166,30 @@ class PerParamLayout:
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Rank q's block of parameter p goes to rows [q*c, (q+1)*c) of the full parameter."""
-        by_rank = gathered.view(self.N, self.gather_per_rank)
+        self._unpack_into(gathered, self.unsharded, raw=self.mixed)
+
+    def unpack(self, gathered: torch.Tensor) -> list[torch.Tensor]:
+        """Fresh full tensors from a gather in one dtype (``all_gather_output(dtype)``)."""
+        out = [torch.empty(s.shape, dtype=gathered.dtype, device=gathered.device) for s in self.slots]
+        self._unpack_into(gathered, out, raw=False)
+        return out
+
+    def _unpack_into(self, gathered: torch.Tensor, into: list[torch.Tensor], raw: bool) -> None:
+        """``raw``: the gather moved raw bytes (mixed dtypes), each block is viewed back."""
+        by_rank = gathered.view(self.N, self.gather_per_rank if raw else self.per_rank)
         offset = 0
-        for p, c, inner, size, b in zip(self.unsharded, self.rows, self.inner, self.gather_sizes,
-                                        self.bytes_per):
+        for p, c, inner, size, b in zip(into, self.rows, self.inner, self.sizes,
+                                        self.bytes_per if raw else [1] * len(into)):
             rows = p.view(-1, inner) if inner else p.view(-1, 1)
             with torch.no_grad(), _preserve_version(p):
                 for q in range(self.N):
                     lo, hi = q * c, min((q + 1) * c, rows.shape[0])
                     if hi > lo:
                         block = by_rank[q, offset:offset + (hi - lo) * max(inner, 1) * b]
-                        if self.mixed:
+                        if raw:
                             block = block.view(p.dtype)       # the raw bytes, as they were
                         rows[lo:hi].copy_(block.view(hi - lo, -1))
-            offset += size
+            offset += size * b
 
     def free_unsharded(self) -> None:
         for p in self.unsharded:
@@ -190,9 +208,6 @@ class PerParamLayout:
     def grad_leaves(self) -> list[nn.Parameter]:
         """The tensors whose gradients backward accumulates (hooks mark the unit ready)."""
         return [self.unsharded[i] for i in self.trainable()]
-
-    def has_unsharded_grads(self) -> bool:
-        return any(self.unsharded[i].grad is not None for i in self.trainable())
 
     def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor:
         """Gradients packed rank-major like the all-gather (the copy-in); frozen and missing
@@ -226,8 +241,14 @@ class PerParamLayout:
         for p in self.unsharded:
             p.grad = None
 
-    def unsharded_grad_nbytes(self) -> int:
-        return sum(p.grad.numel() * p.grad.element_size() for p in self.unsharded if p.grad is not None)
+    def held(self, i: int) -> tuple[torch.Tensor, int, int, int]:
+        """Parameter ``i`` on this rank: the shard tensor holding it, the first element held (in
+        the parameter's own index space), how many, and where they begin in the shard — rows
+        ``[r*c, (r+1)*c)`` of dim 0 (a checkpoint saves and loads exactly these)."""
+        s, c = self.slots[i], self.rows[i]
+        rows = s.shape[0] if len(s.shape) else 1
+        lo, hi = min(self.rank * c, rows), min((self.rank + 1) * c, rows)
+        return self.sharded[i], lo * self.inner[i], (hi - lo) * self.inner[i], 0
 
     def full_values(self) -> list[torch.Tensor]:
         """Each parameter's full value (after an unshard)."""
@@ -288,11 +309,17 @@ class FlatLayout:
     def gather_dtype(self) -> torch.dtype:
         return self.flat_full.dtype
 
-    def all_gather_input(self, device: torch.device) -> torch.Tensor:
-        return self.flat_shard.detach().to(device, copy=True).to(self.gather_dtype)
+    def all_gather_input(self, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.flat_shard.detach().to(device, copy=True).to(dtype or self.gather_dtype)
 
-    def all_gather_output(self) -> torch.Tensor:
+    def all_gather_output(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if dtype is not None:                     # a gather for reading, into a fresh buffer
+            return torch.empty(self.chunk * self.N, dtype=dtype, device=self.device)
         return self.flat_full                     # gathered in place: no copy-out
+
+    def unpack(self, gathered: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's full value, as views of a gather in one dtype."""
+        return [gathered[off:off + s.numel].view(s.shape) for s, off in zip(self.slots, self.offsets)]
 
     def alloc_unsharded(self) -> None:
         _set_storage(self.flat_full, self.flat_full.numel() * self.flat_full.element_size())
@@ -310,9 +337,6 @@ class FlatLayout:
 
     def grad_leaves(self) -> list[nn.Parameter]:
         return [self.flat_full] if self.flat_full.requires_grad else []
-
-    def has_unsharded_grads(self) -> bool:
-        return self.flat_full.grad is not None
 
     def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor:
         g = self.flat_full.grad
@@ -333,9 +357,13 @@ class FlatLayout:
     def drop_unsharded_grads(self) -> None:
         self.flat_full.grad = None
 
-    def unsharded_grad_nbytes(self) -> int:
-        g = self.flat_full.grad
-        return 0 if g is None else g.numel() * g.element_size()
+    def held(self, i: int) -> tuple[torch.Tensor, int, int, int]:
+        """Parameter ``i`` on this rank: the flat shard, the first element of the parameter held,
+        how many, and where they begin in the shard — chunk r of the unit's flat buffer cut at
+        the parameter's boundaries (a checkpoint saves and loads exactly these)."""
+        s, off, lo_c = self.slots[i], self.offsets[i], self.rank * self.chunk
+        lo, hi = max(off, lo_c), min(off + s.numel, lo_c + self.chunk)
+        return self.flat_shard, lo - off, max(hi - lo, 0), lo - lo_c
 
     def full_values(self) -> list[torch.Tensor]:
         return [self.flat_full.detach()[off:off + s.numel].view(s.shape)

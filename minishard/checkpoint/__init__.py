@@ -1,0 +1,31 @@
+"""Checkpoints after sharding: every rank saves its own slice, and any layout can load them back.
+
+A sharded run has no rank that holds the whole training state, so the state is saved the way it
+is held: each rank writes the part it owns, all ranks in parallel. The package, one idea a file,
+in the order chapter 9 tells it:
+
+* :mod:`.regions` — what a rank holds, as regions of global tensors; the one protocol a strategy
+  answers (``checkpoint_regions(holdings)``: ``ZeroOptimizer``, ``fsdp.ShardedOptimizer`` and
+  ``strategies.MasterWeights`` do); :func:`describe`.
+* :mod:`.format` — the files: safetensors written by hand, SHA-256 per block, metadata.json.
+* :mod:`.saving` — :func:`save`: every rank its own file, atomically.
+* :mod:`.reads` — which checksum blocks deliver what a rank needs, read verified.
+* :mod:`.loading` — :func:`load`: under any world size and strategy; read and verify, agree,
+  then copy.
+* :mod:`.resharding` — :func:`plan`: the reads of a load on M ranks, from metadata alone.
+* :mod:`.exporting` — :func:`export`: per-layer files for inference, streamed.
+
+No pickle on any load path: loading runs no code from the files.
+"""
+from .exporting import export, load_exported
+from .format import BLOCK_BYTES, FORMAT, METADATA, STATE_KINDS, VERSION, CheckpointError, read_metadata
+from .loading import load
+from .reads import Read, plan_reads, read_full
+from .regions import CheckpointRegions, Holdings, Region, ShardedState, describe, local_state
+from .resharding import ReshardPlan, layout, layout_metadata, plan
+from .saving import save
+
+__all__ = ["CheckpointError", "CheckpointRegions", "Holdings", "Region", "ShardedState", "describe",
+           "local_state", "save", "load", "read_metadata", "read_full", "Read", "plan_reads",
+           "ReshardPlan", "plan", "layout", "layout_metadata", "export", "load_exported",
+           "FORMAT", "VERSION", "METADATA", "BLOCK_BYTES", "STATE_KINDS"]

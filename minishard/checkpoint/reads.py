@@ -1,0 +1,143 @@
+"""Reading a checkpoint: which bytes deliver the elements a rank needs, and reading them verified.
+
+A loader reads only the checksum blocks that overlap what it needs (:func:`plan_reads`), checks
+each file's size and each block's SHA-256, and only then hands the values on
+(:func:`read_verified`). The same reads serve :func:`.loading.load` (this rank's regions),
+:func:`.resharding.plan` (from metadata alone), :func:`read_full` and the export.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from .format import CODES, DTYPES, METADATA, CheckpointError, element_size, read_metadata, resolve, tensor_bytes
+
+
+@dataclass(frozen=True)
+class Read:
+    """One contiguous read: whole checksum blocks of one saved piece."""
+    file: str
+    key: str
+    tensor: str
+    start: int                  # first element read, in the tensor's index space
+    numel: int
+    offset: int                 # byte offset in the file
+    nbytes: int
+    piece_lo: int               # first element read, within the piece
+    block: int                  # elements per checksum block
+    sha256: tuple | None        # expected hash of each block read (None: an imagined save)
+
+
+def plan_reads(meta: dict, needs: Iterable[tuple[str, int, int]]) -> list[Read]:
+    """The reads that deliver the elements ``needs`` = [(tensor, start, numel)]: for each saved
+    piece overlapping them, the whole checksum blocks that cover the overlap (so that what is
+    read can be verified), merged into contiguous reads."""
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for name, start, n in needs:
+        if name not in meta["tensors"]:
+            raise CheckpointError(f"the checkpoint has no tensor {name}")
+        if n:
+            wanted.setdefault(name, []).append((start, start + n))
+    reads = []
+    for name in [n for n in meta["tensors"] if n in wanted]:      # metadata (model) order
+        t = meta["tensors"][name]
+        size = element_size(t["dtype"])
+        block = meta["block_bytes"] // size
+        for p in t["pieces"]:
+            ps, pe = p["start"], p["start"] + p["numel"]
+            blocks = set()
+            for a, b in wanted[name]:
+                lo, hi = max(a, ps), min(b, pe)
+                if lo < hi:
+                    blocks.update(range((lo - ps) // block, (hi - ps - 1) // block + 1))
+            for first, last in _runs(sorted(blocks)):
+                lo, hi = first * block, min((last + 1) * block, p["numel"])
+                sha = tuple(p["sha256"][first:last + 1]) if p.get("sha256") else None
+                reads.append(Read(p["file"], p["key"], name, ps + lo, hi - lo,
+                                  p["offset"] + lo * size, (hi - lo) * size, lo, block, sha))
+    return reads
+
+
+def _runs(xs: list[int]) -> Iterator[tuple[int, int]]:
+    """[0, 1, 2, 5, 6] -> (0, 2), (5, 6)"""
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        yield xs[i], xs[j]
+        i = j + 1
+
+
+def read_verified(root: Path, meta: dict, reads: list[Read], meter=None
+                  ) -> Iterator[tuple[Read, torch.Tensor]]:
+    """Execute reads file by file, verifying sizes and checksums; yields (read, values).
+    ``meter`` (the export's) is told of every buffer read."""
+    # looked up at call time: the tests record reads at safetensors' boundary
+    from safetensors import SafetensorError, safe_open
+    by_file: dict[str, list[Read]] = {}
+    for rd in reads:
+        by_file.setdefault(rd.file, []).append(rd)
+    for fname, rs in by_file.items():
+        file = root / fname
+        what = f"{rs[0].tensor}" + (f" and {len(rs) - 1} more pieces" if len(rs) > 1 else "")
+        _check_size(root, meta, fname, what)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for rd in rs:
+                    sl = f.get_slice(rd.key)
+                    if sl.get_dtype() != CODES[DTYPES[meta["tensors"][rd.tensor]["dtype"]]]:
+                        raise CheckpointError(f"{file}: {rd.key} is {sl.get_dtype()}, {METADATA} "
+                                              f"says {meta['tensors'][rd.tensor]['dtype']}")
+                    values = sl[rd.piece_lo:rd.piece_lo + rd.numel]
+                    if meter is not None:
+                        meter.alloc(values)
+                    _verify(file, root, rd, values)
+                    yield rd, values
+        except SafetensorError as e:
+            raise CheckpointError(f"{file} is not a readable safetensors file ({e}); it holds {what}") from None
+
+
+def _check_size(root: Path, meta: dict, fname: str, what: str) -> None:
+    """The file exists and has the size the metadata recorded (a truncated file fails here)."""
+    file, info = root / fname, meta["files"].get(fname)
+    if info is None:
+        raise CheckpointError(f"{root / METADATA} lists pieces in {fname} but not the file")
+    try:
+        size = file.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"missing shard file {file}: it holds {what}") from None
+    if size != info["bytes"]:
+        raise CheckpointError(f"{file} is {size:,} bytes, {METADATA} says {info['bytes']:,}: "
+                              f"the file is truncated or was replaced (it holds {what})")
+
+
+def _verify(file: Path, root: Path, rd: Read, values: torch.Tensor) -> None:
+    """Every checksum block read has the SHA-256 the metadata recorded."""
+    if rd.sha256 is None:
+        raise CheckpointError(f"{root / METADATA} has no checksums for {rd.tensor}")
+    for k, want in enumerate(rd.sha256):
+        got = hashlib.sha256(tensor_bytes(values[k * rd.block:(k + 1) * rd.block])).hexdigest()
+        if got != want:
+            a = rd.start + k * rd.block
+            raise CheckpointError(
+                f"{file}: checksum mismatch in {rd.tensor}, elements "
+                f"[{a}, {min(a + rd.block, rd.start + rd.numel)}): the file is corrupted")
+
+
+def read_full(path: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Whole tensors from a checkpoint, verified (one process, no ranks): for tests and tools."""
+    root = resolve(Path(path))
+    meta = read_metadata(root)
+    names = list(meta["tensors"]) if names is None else list(names)
+    out = {n: torch.empty(math.prod(meta["tensors"][n]["shape"]), dtype=DTYPES[meta["tensors"][n]["dtype"]])
+           for n in names}
+    for rd, v in read_verified(root, meta, plan_reads(meta, [(n, 0, out[n].numel()) for n in names])):
+        out[rd.tensor][rd.start:rd.start + rd.numel] = v
+    return {n: t.view(meta["tensors"][n]["shape"]) for n, t in out.items()}

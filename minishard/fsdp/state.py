@@ -1,0 +1,52 @@
+"""What a unit holds and what it is doing: two states, as PyTorch's FSDP2 keeps them apart.
+
+``MemoryState`` is what the unit's parameters occupy in memory right now (FSDP2: each
+parameter's ``sharded_state``); every change is a ``unit`` event in the trace, which the player
+and the course draw. ``TrainingState`` is where the unit is in the step (FSDP2: the parameter
+group's ``_training_state``); it decides what a hook does — e.g. a forward during backward is a
+recomputation, not a new step — and it is not traced.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class MemoryState(enum.Enum):
+    """What a unit's parameters occupy. A unit rests in SHARDED or UNSHARDED; the other two are
+    the moments a collective is filling memory, shown because that is where time and bytes go."""
+    SHARDED = "sharded"
+    """Only this rank's shard of every parameter (1/N, padded) and the shard's gradient."""
+    UNSHARDING = "unsharding"
+    """The shard, and an all-gather in flight into a fresh buffer (the flat layout's full buffer;
+    the per-parameter layout's packed buffer, copied out into the parameters when it lands)."""
+    UNSHARDED = "unsharded"
+    """The full parameters, which the module computes with, next to the shard."""
+    REDUCE_SCATTERING = "reduce_scattering"
+    """The full parameters still, and the unit's full gradients packed into a reduce-scatter in
+    flight; the shard's ``.grad`` receives this rank's summed slice when it lands."""
+
+
+class TrainingState(enum.Enum):
+    """Where the unit is in the training step (what its hooks are doing)."""
+    IDLE = "idle"
+    """Between steps, or between its forward and its backward: no hook of the unit is running."""
+    FORWARD = "forward"
+    """Its forward runs: from the forward pre-hook (unshard) to the forward hook (reshard)."""
+    PRE_BACKWARD = "pre_backward"
+    """Backward reached its outputs: it is unsharded for, and computing, its gradients. A
+    forward now is a recomputation (activation checkpointing) and changes nothing."""
+    POST_BACKWARD = "post_backward"
+    """Its gradients are all in: reduce-scatter issued, parameters resharded (the root stays
+    unsharded). The root's end-of-backward callback brings every unit back to IDLE."""
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """As PyTorch's: ``param_dtype`` for the gathered parameters and compute, ``reduce_dtype`` for
+    the gradient reduce-scatter. The sharded parameters keep their own dtype (fp32): they are the
+    master weights the optimizer updates."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None

@@ -1,0 +1,442 @@
+"""One FSDP unit and its lifecycle, in the order a training step walks it.
+
+    unshard / wait_for_unshard   all-gather the full parameters     SHARDED -> UNSHARDING -> UNSHARDED
+    pre_forward                  forward reaches the unit: unshard, prefetch the next units
+    post_forward / reshard       free the full parameters           UNSHARDED -> SHARDED
+    pre_backward                 backward reaches the unit: unshard again, prefetch
+    post_backward                its gradients are in: reduce_scatter_grads, reshard
+    reduce_scatter_grads         sum the full gradients, keep the slice  -> REDUCE_SCATTERING
+    root_post_backward           the root, at the end of backward: every unit finish_backward
+
+Hooks call these (``hooks.py``); with ``manual=True`` a notebook calls ``unshard``, ``reshard``
+and ``reduce_scatter_grads`` itself. How the parameters are laid out is the layout's business
+(``layout.py``); this file never looks inside one.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn as nn
+
+from ..comm import Comm, Work
+from ..ledger import LiveLedger
+from ..offload import Tier, TransferLog
+from . import hooks
+from .layout import ParamSlot
+from .state import MemoryState, MixedPrecisionPolicy, TrainingState
+
+_IN_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+
+class FSDPUnit:
+    """One unit: its parameters' layout, its two states — ``state`` (a :class:`MemoryState`,
+    traced) and ``training_state`` — and the lifecycle steps as methods.
+
+    ``replicated``: parameters of the module the unit keeps whole on every rank (norms, say):
+    never gathered nor freed, their gradients all-reduced next to the reduce-scatter."""
+
+    def __init__(self, module: nn.Module, name: str, layout, comm: Comm, ledger: LiveLedger | None,
+                 reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy,
+                 tier: Tier | None = None, replicate: Comm | None = None,
+                 replicated: list[ParamSlot] = (), originals: set[int] = frozenset()):
+        self.module, self.name, self.layout = module, name, layout
+        self.comm, self.ledger = comm, ledger
+        self.replicate = replicate                 # hybrid sharding: the same shard elsewhere
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.state = MemoryState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.root: FSDPUnit | None = None          # set lazily, at the first forward
+        self.units: list[FSDPUnit] = []            # the root's list of every unit below it
+        self.requires_gradient_sync = True
+        self.replicated_slots = list(replicated)
+        self.replicated = [s.module._parameters[s.name] for s in self.replicated_slots]
+        self._originals = set(originals)           # ids of the parameters the shards replaced
+        self._gather: tuple[Work | None, torch.Tensor, int] | None = None
+        self._pending_rs: tuple[Work | None, torch.Tensor, torch.Tensor] | None = None
+        self._pending_ar: tuple[Work | None, torch.Tensor, list[torch.Tensor]] | None = None
+        self._root_post_backward_queued = False    # the root's: one callback per backward
+        self._recording: list[FSDPUnit] | None = None    # the root's: the first forward's order
+        self._forward_order: list[FSDPUnit] | None = None
+        # prefetch: explicit lists of units to unshard early, or (None) the root's depth rule
+        self.forward_prefetch: list[FSDPUnit] | None = None
+        self.backward_prefetch: list[FSDPUnit] | None = None
+        self.prefetch_depth = (0, 0)               # (forward, backward); read on the root
+        self.exposed_s = 0.0                       # seconds compute waited for this unit's comm
+        # offload: the shards and their gradients live in a tier off the device (offload.py)
+        self.tier, self.transfers = tier, TransferLog()
+        self._place_shards()
+
+    def _place_shards(self) -> None:
+        """The shards (in the tier, with offload) and their gradients, allocated now and entered
+        in the ledger: they exist for the whole run, and reduce-scatters accumulate into them."""
+        where = self.tier.name if self.tier is not None else None
+        for t in self.layout.shard_tensors():
+            if self.tier is not None:
+                t.data = self.tier.copy_of(t.data)
+            if t.requires_grad:
+                t.grad = self.tier.zeros_like(t) if self.tier is not None else torch.zeros_like(t)
+        for p in self.replicated:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        if self.ledger is None:
+            return
+        # with a lower-precision compute dtype the fp32 shards are the master weights
+        lower = self.mp_policy.param_dtype not in (None, self.layout.slots[0].dtype)
+        for i, t in enumerate(self.layout.shard_tensors()):
+            self.ledger.track("master" if lower else "params", t, f"{self.name}:shard{i}", where)
+            if t.grad is not None:
+                self.ledger.track("grads", t.grad, f"{self.name}:shard_grad{i}", where)
+        for i, p in enumerate(self.replicated):
+            self.ledger.track("params", p, f"{self.name}:replicated{i}")
+            if p.grad is not None:
+                self.ledger.track("grads", p.grad, f"{self.name}:replicated_grad{i}")
+
+    @property
+    def is_root(self) -> bool:
+        return self.root is self
+
+    @property
+    def in_backward(self) -> bool:
+        return self.training_state in _IN_BACKWARD
+
+    def claims(self) -> dict[int, str]:
+        """The ids of every tensor this unit took over — the parameters its shards replaced, its
+        shards, its replicated parameters — to its name: no later unit may take them."""
+        held = [*self.layout.shard_tensors(), *self.replicated]
+        return {**dict.fromkeys(self._originals, self.name), **{id(t): self.name for t in held}}
+
+    def _set_state(self, state: MemoryState) -> None:
+        self.state = state
+        if self.comm.tracer is not None:
+            self.comm.tracer.emit("unit", name=self.name, state=state.value)
+
+    # ------------------------------------------------------------------ unshard / reshard
+    def unshard(self, async_op: bool = False) -> None:
+        """Start the all-gather of the unit's full parameters (``wait_for_unshard`` finishes it).
+
+        The flat layout gathers straight into its full buffer, allocated here. The per-parameter
+        layout gathers into a packed buffer and allocates the parameters only at the copy-out,
+        so a unit still in flight (prefetched) holds one copy of its parameters, not two."""
+        if self.state != MemoryState.SHARDED:
+            return
+        self._set_state(MemoryState.UNSHARDING)
+        if self.layout.gathers_in_place:
+            self._alloc_unsharded()
+        inp = self._fetch_shards()
+        out = self.layout.all_gather_output()
+        if not self.layout.gathers_in_place and self.ledger is not None:
+            self.ledger.alloc("comm_buffers", out.numel() * out.element_size(), f"{self.name}:ag")
+        # gathering into the buffer whose views autograd saved must not count as modifying them
+        # (they get back the very values saved). gloo may write until wait(): the version is
+        # put back only after it.
+        version = out._version
+        with torch.no_grad():
+            work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
+        self._gather = (work, out, version)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _fetch_shards(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """What this rank sends into the all-gather, on the device; with offload the shard
+        comes over from the tier — a transfer."""
+        t0 = time.perf_counter()
+        inp = self.layout.all_gather_input(self.layout.device, dtype)
+        if self.tier is not None:
+            self.transfers.add("h2d", sum(t.numel() * t.element_size()
+                                          for t in self.layout.shard_tensors()),
+                               time.perf_counter() - t0, self.comm.tracer, self.name)
+        return inp
+
+    def _alloc_unsharded(self) -> None:
+        self.layout.alloc_unsharded()
+        if self.ledger is not None:
+            for i, t in enumerate(self.layout.unsharded_tensors()):
+                self.ledger.track("unsharded", t, f"{self.name}:full{i}")
+
+    def wait_for_unshard(self) -> None:
+        if self._gather is None:
+            return
+        work, out, version = self._gather
+        if work is not None:
+            self._wait(work, "wait_unshard")
+        torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+        if not self.layout.gathers_in_place:
+            self._alloc_unsharded()
+            self.layout.copy_out(out)
+            if self.ledger is not None:
+                self.ledger.free(f"{self.name}:ag")
+        self._gather = None
+        self.layout.to_unsharded()          # the module now computes with the full parameters
+        self._set_state(MemoryState.UNSHARDED)
+
+    def _wait(self, work: Work, what: str) -> None:
+        """Block until a collective is done; the time spent here is *exposed* communication
+        (compute had nothing to do), the rest was hidden behind compute."""
+        if work.is_completed():             # nothing to wait for: nothing exposed
+            work.wait()
+            return
+        t0 = time.perf_counter()
+        tracer = self.comm.tracer
+        with (tracer.phase(what, unit=self.name) if tracer is not None else contextlib.nullcontext()):
+            work.wait()
+        self.exposed_s += time.perf_counter() - t0
+
+    def reshard(self) -> None:
+        """Free the full parameters: the module holds nothing but shards again."""
+        if self.state == MemoryState.SHARDED:
+            return
+        self.wait_for_unshard()
+        self.layout.to_sharded()
+        self.layout.free_unsharded()
+        if self.ledger is not None:
+            for i in range(len(self.layout.unsharded_tensors())):
+                self.ledger.free(f"{self.name}:full{i}")
+        self._set_state(MemoryState.SHARDED)
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, args: tuple) -> tuple:
+        if self.root is None:
+            self.lazy_init_as_root()
+        if self.in_backward:                # recomputation (activation checkpointing): its
+            self.unshard()                  # graph is never walked back, nothing to register
+            self.wait_for_unshard()
+            return args
+        self.training_state = TrainingState.FORWARD
+        self.root.record_forward(self)
+        args = hooks.register_post_backward(self, args)
+        self.unshard()
+        self.wait_for_unshard()
+        self.prefetch(self._prefetch_targets(forward=True))
+        return args
+
+    def post_forward(self, output):
+        if self.in_backward:                # recomputation: backward needs the parameters now
+            return output
+        if not torch.is_grad_enabled():     # no backward will come
+            self.reshard()
+        elif self.reshard_after_forward:
+            self.reshard()
+        hooks.register_pre_backward(self, output)
+        self.training_state = TrainingState.IDLE
+        if self.is_root:
+            self._end_recording()
+        return output
+
+    # ------------------------------------------------------------------ backward
+    def pre_backward(self) -> None:
+        """Backward reached the unit's outputs: its full parameters must be back."""
+        if self.in_backward:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.root.queue_root_post_backward()
+        self.unshard()
+        self.wait_for_unshard()
+        self.prefetch(self._prefetch_targets(forward=False))
+
+    def on_grad_ready(self, index: int) -> None:
+        """A full gradient of this unit was accumulated: enter it in the ledger."""
+        if self.ledger is not None:
+            tag = f"{self.name}:grad_full{index}"
+            leaf = self.layout.grad_leaves()[index]
+            if not self.ledger.is_live(tag) and leaf.grad is not None:
+                self.ledger.alloc("grads", leaf.grad.numel() * leaf.grad.element_size(), tag)
+
+    def post_backward(self) -> None:
+        """The unit's backward is over: reduce-scatter its gradients, free its parameters."""
+        if self.training_state is TrainingState.POST_BACKWARD:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        if self.requires_gradient_sync and (self.layout.grad_leaves() or self._replicated_grads()):
+            self.reduce_scatter_grads(async_op=True)
+        if not self.is_root:
+            self.reshard()
+
+    def finish_backward(self) -> None:
+        """Backward is over (the root asks every unit): the gradients reduced and in place, the
+        parameters resharded, the unit idle until the next forward."""
+        self.wait_for_reduce_scatter()
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ gradient reduction
+    def reduce_scatter_grads(self, async_op: bool = False) -> None:
+        """Sum the full gradients over ranks; this rank keeps its slice in the shards' ``.grad``
+        (replicated parameters: the whole sum, by all-reduce). Waits first for the previous
+        unit's reduce-scatter, so at most one is in flight."""
+        for u in (self.root.units if self.root else [self]):
+            u.wait_for_reduce_scatter()
+        self._set_state(MemoryState.REDUCE_SCATTERING)
+        dtype = self.mp_policy.reduce_dtype or self.layout.reduce_dtype
+        inp = self.layout.reduce_scatter_input(dtype)
+        replicas = self.replicate.world_size if self.replicate is not None else 1
+        inp.div_(self.comm.world_size * replicas)   # sum / N: the gradient of the global mean loss
+        out = self.layout.reduce_scatter_output(dtype)
+        self._release_full_grads()
+        if self.ledger is not None:
+            self.ledger.alloc("comm_buffers", inp.numel() * inp.element_size(), f"{self.name}:rs")
+        work = self.comm.reduce_scatter(out, inp, async_op=True, tag=self.name)
+        self._pending_rs = (work, out, inp)
+        if self.replicated:
+            self._all_reduce_replicated(self.comm.world_size * replicas)
+        if not async_op:
+            self.wait_for_reduce_scatter()
+
+    def _replicated_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.replicated if p.grad is not None]
+
+    def _all_reduce_replicated(self, divisor: int) -> None:
+        """The replicated parameters' gradients, packed and all-reduced: each ``.grad`` holds the
+        sum over ranks. Divided before the sum, as DDP does, so that a gradient accumulated onto
+        an already reduced one (micro-batches without no_sync) stays the mean."""
+        grads = self._replicated_grads()
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.mp_policy.reduce_dtype or grads[0].dtype)
+        flat.div_(divisor)
+        if self.ledger is not None:
+            self.ledger.alloc("comm_buffers", flat.numel() * flat.element_size(), f"{self.name}:ar")
+        work = self.comm.all_reduce(flat, async_op=True, tag=self.name)
+        self._pending_ar = (work, flat, grads)
+
+    def wait_for_reduce_scatter(self) -> None:
+        if self._pending_rs is not None:
+            self._finish_reduce_scatter()
+        if self._pending_ar is not None:
+            self._finish_all_reduce()
+
+    def _finish_reduce_scatter(self) -> None:
+        work, out, _ = self._pending_rs
+        if work is not None:
+            self._wait(work, "wait_reduce_scatter")
+        if self.replicate is not None:      # hybrid: sum the slice with its replicas' (slow link)
+            self.replicate.all_reduce(out, tag=self.name)
+        t0 = time.perf_counter()
+        self.layout.accumulate_reduced(out)
+        if self.tier is not None:           # the reduced slice goes to the tier
+            self.transfers.add("d2h", out.numel() * out.element_size(), time.perf_counter() - t0,
+                               self.comm.tracer, self.name)
+        if self.ledger is not None:
+            self.ledger.free(f"{self.name}:rs")
+        self._pending_rs = None
+
+    def _finish_all_reduce(self) -> None:
+        work, flat, grads = self._pending_ar
+        if work is not None:
+            self._wait(work, "wait_reduce_scatter")
+        if self.replicate is not None:
+            self.replicate.all_reduce(flat, tag=self.name)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        if self.ledger is not None:
+            self.ledger.free(f"{self.name}:ar")
+        self._pending_ar = None
+
+    def _release_full_grads(self) -> None:
+        self.layout.drop_unsharded_grads()
+        if self.ledger is not None:
+            for i in range(len(self.layout.grad_leaves())):
+                if self.ledger.is_live(f"{self.name}:grad_full{i}"):
+                    self.ledger.free(f"{self.name}:grad_full{i}")
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, targets: list["FSDPUnit"]) -> None:
+        """Start the all-gathers of units that will run soon, without waiting: they travel while
+        this unit computes. Each prefetched unit holds its full parameters from now on — the
+        memory price of hiding communication."""
+        for u in targets:
+            u.unshard(async_op=True)
+
+    def _prefetch_targets(self, forward: bool) -> list["FSDPUnit"]:
+        """The next ``depth`` units in the order forward runs them (reversed in backward), unless
+        this unit was given an explicit list."""
+        explicit = self.forward_prefetch if forward else self.backward_prefetch
+        if explicit is not None:
+            return explicit
+        root = self.root
+        depth = root.prefetch_depth[0 if forward else 1]
+        if depth == 0:
+            return []
+        order = root.forward_order()
+        if not forward:
+            order = order[::-1]
+        if self is root:                  # the root runs first in forward and in backward
+            return order[:depth]
+        if self not in order:             # (did not run in the recorded forward)
+            return []
+        i = order.index(self)
+        return order[i + 1:i + 1 + depth]
+
+    # ------------------------------------------------------------------ the root's duties
+    def lazy_init_as_root(self) -> None:
+        """The first unit to run forward is the root: it finds the units below it. Unless told
+        otherwise, the root keeps its parameters from forward to backward (backward starts with
+        it at once), every other unit reshards after its forward."""
+        self.units = [m._fsdp_unit for m in self.module.modules() if hasattr(m, "_fsdp_unit")]
+        for u in self.units:
+            if u.root is not None and u.root is not u:
+                raise RuntimeError(f"unit {u.name} already belongs to root {u.root.name}")
+            u.root = self
+            if u.reshard_after_forward is None:
+                u.reshard_after_forward = u is not self
+
+    def record_forward(self, unit: "FSDPUnit") -> None:
+        """The root notes the order in which its first forward runs the units (as FSDP2 does):
+        prefetch follows it, not the order the modules were declared in."""
+        if unit is self:
+            if self._forward_order is None:
+                self._recording = []
+        elif self._recording is not None and unit not in self._recording:
+            self._recording.append(unit)
+
+    def _end_recording(self) -> None:
+        if self._recording is not None:
+            self._forward_order, self._recording = self._recording, None
+
+    def forward_order(self) -> list["FSDPUnit"]:
+        """The units below the root in the order forward runs them: as recorded in the first
+        forward; until that forward is over, the order of the modules."""
+        if self._forward_order is not None:
+            return self._forward_order
+        return [u for u in self.units if u is not self]
+
+    def queue_root_post_backward(self) -> None:
+        if not self._root_post_backward_queued:
+            self._root_post_backward_queued = True
+            hooks.queue_root_post_backward(self)
+
+    def root_post_backward(self) -> None:
+        """End of backward: units whose post-backward did not run — the root, whose inputs
+        (token ids) carry no gradient; units whose parameters got none — are reduced now; then
+        every unit, the root too, waits for its reduction and reshards."""
+        for u in self.units:
+            if u.training_state is TrainingState.PRE_BACKWARD:
+                u.post_backward()
+        for u in self.units:
+            u.finish_backward()
+        self._root_post_backward_queued = False
+
+    # ------------------------------------------------------------------ reading the parameters
+    @torch.no_grad()
+    def full_values(self, dtype: torch.dtype | None = None) -> list[tuple[ParamSlot, torch.Tensor]]:
+        """``(slot, full value)`` for every parameter of the unit, copies (a collective: every
+        rank calls it). ``dtype=None``: the unit's own unshard, in the compute dtype, resharded
+        after if it was sharded. A dtype: the shards all-gathered in it into fresh tensors — e.g.
+        ``torch.float32`` gives the fp32 master weights exactly — and the unit left as it is."""
+        if dtype is None:
+            was_sharded = self.state == MemoryState.SHARDED
+            self.unshard()
+            self.wait_for_unshard()
+            values = [v.clone() for v in self.layout.full_values()]
+            if was_sharded:
+                self.reshard()
+        else:
+            out = self.layout.all_gather_output(dtype)
+            self.comm.all_gather(out, self._fetch_shards(dtype), tag=self.name)
+            values = self.layout.unpack(out)
+        whole = [p.detach().to(dtype or p.dtype, copy=True) for p in self.replicated]
+        return [*zip(self.layout.slots, values), *zip(self.replicated_slots, whole)]

@@ -1,0 +1,66 @@
+"""Real model configs: a Hugging Face-style ``config.json`` read from disk, as a ``GPTConfig``.
+
+    minishard ledger --config configs/llama3-8b.json --world-size 8 --strategy zero3
+    minishard plan   --config configs/qwen2-7b.json --gpus-per-node 8
+
+Nothing is downloaded: the file is read locally and the model is built on the meta device, so
+its parameter count is exact (shared tensors counted once). The families read are those whose
+blocks minishard's GPT reproduces exactly — Llama, Mistral and Qwen2 (RMSNorm, SwiGLU, grouped
+queries, rotary positions: no position table) and GPT-2 (LayerNorm, GELU, learned positions,
+tied embeddings). Anything else is refused with the fields that were missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .model import GPTConfig
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+SUPPORTED = LLAMA_LIKE + ("gpt2",)
+_LLAMA_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "vocab_size")
+_GPT2_FIELDS = ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no model config at {path} (a Hugging Face config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+
+
+def config_from_hf(path_or_dict: str | os.PathLike | dict, seq_len: int | None = None) -> GPTConfig:
+    """The ``GPTConfig`` of a Llama / Mistral / Qwen2 / GPT-2 ``config.json``."""
+    hf = path_or_dict if isinstance(path_or_dict, dict) else read_hf_config(path_or_dict)
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ValueError(f"model_type {kind!r} is not one minishard builds exactly; supported: "
+                         f"{', '.join(SUPPORTED)} (fields read: {', '.join(_LLAMA_FIELDS)}, "
+                         f"num_key_value_heads, tie_word_embeddings; GPT-2: {', '.join(_GPT2_FIELDS)})")
+    required = _LLAMA_FIELDS if kind in LLAMA_LIKE else _GPT2_FIELDS
+    missing = [f for f in required if f not in hf]
+    if missing:
+        raise ValueError(f"this {kind} config lacks {', '.join(missing)} (needed: {', '.join(required)})")
+    if kind == "gpt2":
+        return GPTConfig(vocab_size=hf["vocab_size"], seq_len=seq_len or hf["n_positions"],
+                         d_model=hf["n_embd"], n_layer=hf["n_layer"], n_head=hf["n_head"],
+                         ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"], mlp="gelu",
+                         norm="layernorm", bias=True, learned_pos=True, tie_embeddings=True)
+    if hf.get("mlp_bias") or hf.get("attention_bias"):
+        raise ValueError(f"this {kind} config has attention_bias/mlp_bias set; minishard builds "
+                         f"the bias-free Llama blocks only")
+    return GPTConfig(vocab_size=hf["vocab_size"],
+                     seq_len=seq_len or hf.get("max_position_embeddings") or 4096,
+                     d_model=hf["hidden_size"], n_layer=hf["num_hidden_layers"],
+                     n_head=hf["num_attention_heads"],
+                     n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                     ffn_hidden=hf["intermediate_size"], mlp="swiglu", norm="rmsnorm", bias=False,
+                     learned_pos=False, qkv_bias=kind == "qwen2",
+                     tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
