@@ -1,44 +1,195 @@
-"""The torchrun entry point: the same job as the notebooks, a ledger table, a replayable trace."""
+"""The command line reaches every chapter: the README's torchrun line for each chapter runs, on 2
+ranks, and reports bytes and ledgers that agree with the formulas; a checkpoint saved on 2 ranks
+resumes on 3 exactly where an uninterrupted run would be; ``ledger`` and ``plan`` read real model
+configs; bad input stops with one line before any rank starts."""
 import json
+import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
-from minishard import trace
+import pytest
+
+from minishard import strategies, trace
 from minishard.cli import main
+from minishard.ledger import estimate, gpt_activation_bytes
+from minishard.model import GPT, config
+
+ROOT = Path(__file__).resolve().parents[1]
+NANO = GPT("nano", device="meta")
+PSI = NANO.num_params()
+ROOT_PARAMS = sum(p.numel() for n, p in NANO.named_parameters() if not n.startswith("blocks."))
 
 
-def test_torchrun_demo_prints_the_ledger_and_writes_a_replayable_trace(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "minishard", "demo", "--strategy", "ddp", "--steps", "2", "--model", "nano",
-         "--trace", str(tmp_path)],
-        capture_output=True, text=True, timeout=180)
+def readme_recipes() -> dict[str, list[str]]:
+    """Chapter -> the demo's arguments, from the README's one-line-per-chapter block."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("# 02 DDP"):]
+    block = block[:block.index("```")]
+    out, chapter = {}, None
+    for line in block.splitlines():
+        if line.startswith("# "):
+            chapter = line[2:4]
+        elif line.startswith("torchrun"):
+            args = shlex.split(line)
+            out.setdefault(chapter, []).append(args[args.index("demo") + 1:])
+    return out
+
+
+def demo(args: list[str], n: int, tmp: Path, **extra) -> dict:
+    """Run ``minishard demo`` under torchrun on ``n`` ranks; the JSON summary rank 0 printed."""
+    args = [str(tmp / a) if a.startswith(("traces/", "ckpt/", "release/")) else a for a in args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", "minishard", "demo", *args, "--model", "nano", "--json",
+           *[x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-    assert lines[0].startswith("minishard demo: strategy=ddp world_size=2 model=nano params=217,664")
-    rows = [l.split() for l in lines if l.strip()[:1].isdigit() and len(l.split()) > 5]
-    assert [r[0] for r in rows] == ["0", "1"]
-    # measured peak (MB) equals the analytic formula (MB) on both ranks
-    assert all(r[-3] == r[-2] for r in rows)
-    events = trace.load(tmp_path)
-    assert {e["rank"] for e in events} == {0, 1}
-    assert any(e["kind"] == "collective" and e["op"] == "all_reduce" for e in events)
-    chrome = json.loads((tmp_path / "trace.json").read_text())
-    assert chrome["traceEvents"]
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
 
 
-def test_demo_without_torchrun_and_the_ledger_command(tmp_path, capsys):
+def expected_wire(args: list[str], n: int) -> int:
+    """Bytes one rank sends per step, from the ring formulas (fp32 unless bf16 gradients)."""
+    s = args[args.index("--strategy") + 1]
+    ring = (n - 1) * 4 * PSI // n                                 # one pass of fp32 parameters
+    accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1
+    norm = 2 * (n - 1) * 8 // n if "--clip" in args and s.startswith("zero") else 0   # ZeRO: one float64
+    if s == "zero1" and "bf16_mixed" in args:
+        return ring + norm                                        # bf16 gradients and parameters
+    if s == "zero2":                      # a reduce-scatter per micro-batch, one all-gather
+        return (accum + 1) * ring + norm
+    if s in ("ddp", "zero1", "hsdp") or "--no-reshard-after-forward" in args:
+        return 2 * ring + norm if s != "hsdp" else None
+    if "--reshard-root" in args:
+        return 3 * ring                                           # the textbook 1.5x
+    return 3 * ring - (n - 1) * 4 * ROOT_PARAMS // n              # FSDP2 keeps the root gathered
+
+
+def test_every_chapters_readme_line_runs_and_agrees_with_the_formulas(tmp_path):
+    recipes = readme_recipes()
+    assert sorted(recipes) == [f"{c:02d}" for c in range(2, 11)]
+    for chapter, runs in recipes.items():
+        if chapter == "09":
+            continue                                              # (next test)
+        (args,) = runs
+        out = demo(args, 2, tmp_path, steps=2)
+        assert out["world_size"] == 2 and len(out["losses"]) == 2, chapter
+        want = expected_wire(args, 2)
+        for r in out["ranks"]:
+            if want is not None:
+                assert r["wire"] == [want, want], (chapter, r["wire"], want)
+            assert 0 <= r["wchar"][-1] - r["wire"][-1] < 16384, chapter       # the OS agrees
+            # the printed formula is the analytic ledger for this run
+            prec = "bf16_mixed" if "bf16_mixed" in args else "fp32"
+            strategy = strategies.get(args[args.index("--strategy") + 1])     # (hsdp: groups of 2)
+            state = estimate(NANO, world_size=2, strategy=strategy.name,
+                             precision=strategy.ledger_precision(prec)).state_bytes
+            est = r["estimate"]
+            assert sum(v for c, v in est.items() if c != "activations") == state, chapter
+            assert est["activations"] == gpt_activation_bytes(config("nano"), 4,
+                                                              dtype_bytes=2 if prec == "bf16_mixed" else 4)
+            assert r["peak"] >= state, chapter
+        if "--trace" in args:
+            events = trace.load(tmp_path / args[args.index("--trace") + 1])
+            assert {e["rank"] for e in events} == {0, 1}
+
+
+def test_save_on_2_ranks_resume_on_3_continues_the_uninterrupted_run(tmp_path):
+    """The same global batch (2 x 3 and 3 x 2 sequences): the steps after the checkpoint give the
+    losses an uninterrupted run gives, within 1e-6."""
+    (save, resume), = [readme_recipes()["09"]]
+    whole = demo(save[:save.index("--save")], 2, tmp_path, steps=4, micro_batch=3)
+    demo(save, 2, tmp_path, steps=2, micro_batch=3)
+    after = demo(resume, 3, tmp_path, steps=2, micro_batch=2)
+    assert [r["checkpoint"]["load"]["step"] for r in after["ranks"]] == [2, 2, 2]
+    for got, want in zip(after["losses"], whole["losses"][2:]):
+        assert abs(got - want) <= 1e-6 * abs(want), (after["losses"], whole["losses"])
+    release = tmp_path / resume[resume.index("--export") + 1]
+    assert (release / "model.safetensors.index.json").exists()
+
+
+def test_the_progress_line_and_the_tables(tmp_path, capfd):
+    # (rank 0 prints its progress from its own process: capfd sees what it writes)
+    assert main(["demo", "--world-size", "2", "--strategy", "zero3", "--steps", "2",
+                 "--model", "nano", "--trace", str(tmp_path / "t")]) == 0
+    out = capfd.readouterr().out
+    assert re.search(r"^step   2/2  loss \d+\.\d{4} .* ms  peak .* MiB$", out, re.M)
+    assert "minishard demo: strategy=fsdp world_size=2 model=nano params=217,664" in out
+    assert "peak - formula" in out and "(gathered units)" in out
+    assert (tmp_path / "t" / "trace.json").exists()
     assert main(["demo", "--world-size", "1", "--strategy", "single", "--steps", "1",
-                 "--model", "nano"]) == 0
-    assert "world_size=1" in capsys.readouterr().out
-    assert main(["ledger", "--model", "llama3-8b", "--world-size", "8", "--strategy", "ddp"]) == 0
-    out = capsys.readouterr().out
-    assert "8,030,261,248 parameters" in out and "16.00 bytes/param" in out
+                 "--model", "nano", "--quiet"]) == 0
+    assert not re.search(r"^step ", capfd.readouterr().out, re.M)
 
 
-def test_bad_model_name_is_an_error_not_a_traceback(capsys):
-    assert main(["ledger", "--model", "gpt-9"]) == 2
-    assert "unknown model config 'gpt-9'" in capsys.readouterr().err
+@pytest.mark.parametrize("config_file, n_params", [("llama3-8b.json", 8_030_261_248),
+                                                   ("qwen2-7b.json", 7_615_616_512),
+                                                   ("gpt2.json", 124_439_808)])
+def test_real_configs_give_the_published_parameter_counts(config_file, n_params, capsys):
+    path = str(ROOT / "configs" / config_file)
+    assert main(["ledger", "--config", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_params"] == n_params
+    assert main(["plan", "--config", path, "--json", "--seq-len", "1024"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert plans["n_params"] == n_params and set(plans["plans"]) == {"ddp", "zero1", "zero2", "fsdp"}
+    assert main(["plan", "--config", path, "--seq-len", "1024"]) == 0
+    assert "GiB/GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("strategy, nodes, inter", [("fsdp", 2, "ethernet-100g"), ("ddp", 1, "ib-ndr-400"),
+                                                  ("zero1", 1, "ib-ndr-400")])
+def test_plan_gives_the_widgets_advice(strategy, nodes, inter, capsys):
+    """``minishard plan`` words the same advice as the chapter 10 widget, sentence for sentence."""
+    pytest.importorskip("ipywidgets")
+    from minishard.viz.planner import PlannerWidget
+    pw = PlannerWidget(model="llama3-70b", strategy=strategy, nodes=nodes, inter=inter,
+                       recompute=False, seq_len=4096)
+    assert main(["plan", "--model", "llama3-70b", "--nodes", str(nodes), "--inter", inter,
+                 "--no-recompute", "--seq-len", "4096", "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)["plans"][strategy]["advice"]
+    assert advice == pw.hints and advice and all(advice)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--strategy", "zero4"], "unknown strategy 'zero4'; expected one of"),
+    (["demo", "--prefetch", "-1"], "prefetch must be an integer >= 0"),
+    (["demo", "--strategy", "hsdp", "--world-size", "3"], "does not divide the world size 3"),
+    (["demo", "--resume", "/nonexistent/ckpt"], "no such checkpoint directory"),
+    (["demo", "--offload", "host", "--strategy", "ddp"], "needs an FSDP strategy"),
+    (["ledger", "--model", "gpt-9"], "unknown model config 'gpt-9'"),
+    (["ledger", "--config", "/nonexistent/config.json"], "no model config at"),
+    (["plan", "--device-memory", "-3"], "--device-memory must be a positive"),
+])
+def test_bad_input_stops_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_training(tmp_path, capsys):
+    assert main(["demo", "--world-size", "1", "--strategy", "single", "--steps", "1", "--model", "nano",
+                 "--quiet", "--save", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--world-size", "1", "--strategy", "single", "--model", "tiny",
+                 "--resume", str(tmp_path / "ck")]) == 2
+    assert "holds another model" in capsys.readouterr().err
+
+
+def test_unknown_architectures_name_the_missing_fields(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    assert main(["ledger", "--config", str(tmp_path)]) == 2
+    assert "lacks num_hidden_layers, num_attention_heads, intermediate_size, vocab_size" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    assert main(["ledger", "--config", str(tmp_path)]) == 2
+    assert "model_type 'mamba' is not one minishard builds exactly" in capsys.readouterr().err
+
+
+def test_every_option_has_help():
+    from minishard.cli import parser
+    p = parser()
+    for action in p._subparsers._group_actions[0].choices.values():
+        for a in action._actions:
+            assert a.help, f"{action.prog} {a.option_strings or a.dest} has no help"
 
 
 def test_two_torchrun_agents_as_two_nodes(tmp_path):
@@ -58,4 +209,3 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     assert [a.returncode for a in agents] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     printed = "".join(o for o, _ in outs)
     assert "strategy=hsdp world_size=4" in printed
-    assert {e["rank"] for e in trace.load(tmp_path)} == {0, 1, 2, 3}
