@@ -19,12 +19,27 @@
 # three ways of starting them and how to read what they did. The long explanation is in
 # [tutorial/00-how-to-run.md](../tutorial/00-how-to-run.md); here is the code and what it measured.
 #
+# <details><summary>中文</summary>
+#
+# 后面每一章跑的都是*真实*的分布式训练：多个进程（rank）通过 PyTorch 的 gloo 后端连成一组，经 socket
+# 互相发送真实的字节。本章演示启动它们的三种方式，以及怎样看懂它们做了什么。详细讲解见
+# [tutorial/zh/00-how-to-run.md](../tutorial/zh/00-how-to-run.md)；这里是代码和它测出的结果。
+#
+# </details>
+#
 # **The one-line "syntax"**
 #
 # ```python
 # with Ranks(N) as R:                     # N processes, started once, kept warm
 #     out = R.run(task, **kwargs)         # task(rank_ctx, **kwargs) on every rank -> N results
 # ```
+#
+# <details><summary>中文</summary>
+#
+# **一行"语法"**：`Ranks(N)` 启动 N 个进程，只启动一次、一直常驻；`R.run(task, **kwargs)` 在每个 rank 上
+# 执行 `task(rank_ctx, **kwargs)`，返回 N 个结果。
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -239,6 +254,15 @@ R.close()
 # > same events as files, which the player and Perfetto replay. When a rank crashes you get *its*
 # > error as `RankError`, and you start a new pool.
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** 任务是模块级函数 `task(rank_ctx, ...)`，必须能被 rank 进程导入（不能定义在 notebook 单元格里）。
+# > `Ranks(N)` 让 N 个进程常驻，供许多任务复用；`on_event=` 把它们的事件实时流式传回；
+# > `torchrun -m minishard demo --trace DIR` 以文件形式产出同样的事件，由回放器和 Perfetto 回放。某个 rank
+# > 崩溃时，你拿到的是*它自己*的错误 `RankError`，然后新建一个进程池。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. Why must the task function live in a `.py` file rather than in a notebook cell?
@@ -269,6 +293,15 @@ R.close()
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch00.py`](../minishard/course/exercises/ch00.py)), then run the check. A
 # reference solution is in [`solutions/ch00.py`](../solutions/ch00.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：先预测，再运行。** 在启动任何 rank 之前，先写下 `hello` 会报告什么：all-reduce 之后每个 rank 持有的值，
+# 以及每个 rank 为此发送的字节数。检查程序随后在 2 个和 3 个真实 rank 上运行 `hello`，逐 rank 比对。
+# 答案写在下面的单元格里（或者编辑 [`minishard/course/exercises/ch00.py`](../minishard/course/exercises/ch00.py)
+# 里的存根），然后运行检查。参考答案在 [`solutions/ch00.py`](../solutions/ch00.py)：先自己试。
+#
+# </details>
 
 # %%
 def predict_hello(world_size: int, payload_mb: float) -> tuple[float, int]:

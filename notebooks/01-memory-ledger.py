@@ -21,11 +21,27 @@
 # the ledger of real ranks and checking that the two agree. The reasoning is in
 # [tutorial/01-memory-ledger.md](../tutorial/01-memory-ledger.md); the evidence is below.
 #
+# <details><summary>中文</summary>
+#
+# > **一个 8B 参数模型的 bf16 权重只有 16 GB，为什么在 80 GB 的 GPU 上，朴素的 DDP 连启动都启动不了？**
+#
+# 本章把这个问题回答两遍：先用解析的显存账本，再*实测*真实 rank 的账本，并检查两者是否一致。推理过程见
+# [tutorial/zh/01-memory-ledger.md](../tutorial/zh/01-memory-ledger.md)；证据在下面。
+#
+# </details>
+#
 # **The one-line "syntax"** — mixed-precision AdamW keeps, for every parameter, for the whole run:
 #
 # $$\underbrace{2}_{\text{bf16 weights}} + \underbrace{2}_{\text{bf16 grads}} + \underbrace{4}_{\text{fp32 master}} + \underbrace{4}_{\text{Adam } m} + \underbrace{4}_{\text{Adam } v} = 16 \text{ bytes per parameter, on every DDP rank,}$$
 #
 # plus activations, which depend on the batch rather than on the parameter count.
+#
+# <details><summary>中文</summary>
+#
+# **一行"语法"**：混合精度 AdamW 在整个训练过程中，为每个参数保留 bf16 权重 2 + bf16 梯度 2 + fp32 主权重
+# 4 + Adam 一阶矩 *m* 4 + 二阶矩 *v* 4 = 16 字节，每个 DDP rank 都一样；激活值另算，它取决于批次而不是参数量。
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -334,6 +350,15 @@ assert need == e8b.total and need > 80 * GB
 # > (step counters, temporaries, allocator cache, the framework) is small next to it on a large
 # > model, but not zero.
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** 训练时每个参数约占 16 字节——权重、梯度、fp32 主权重和两个 Adam 矩——所以 8B 模型在任何激活值
+# > 出现之前就需要约 128 GB 的状态，16 GB 的 bf16 权重只占八分之一。DDP 让每个 rank 持有完整的一份：加 GPU
+# > 只是加副本，永远腾不出空间。真实 rank 的实测账本与公式完全吻合，状态和激活值都是；它没算的部分（步数
+# > 计数器、临时缓冲区、分配器缓存、框架本身）在大模型上相对很小，但不是零。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. A 70B model with 8-bit Adam moments, bf16 weights and grads and an fp32 master copy: bytes per
@@ -364,6 +389,16 @@ assert need == e8b.total and need > 80 * GB
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch01.py`](../minishard/course/exercises/ch01.py)), then run the check. A
 # reference solution is in [`solutions/ch01.py`](../solutions/ch01.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：写出一个 DDP rank 的账本。** 按账本类别写出 AdamW 在 fp32 和 bf16 混合精度下，一个 DDP rank 持有的
+# 模型状态字节数。检查程序先用 0.2 M 到 405 B 参数的模型把你的账本与 `estimate` 对比，再与 2 个真实 rank 上
+# *实测*的账本对比。答案写在下面的单元格里（或者编辑
+# [`minishard/course/exercises/ch01.py`](../minishard/course/exercises/ch01.py) 里的存根），然后运行检查。
+# 参考答案在 [`solutions/ch01.py`](../solutions/ch01.py)：先自己试。
+#
+# </details>
 
 # %%
 def ddp_state_bytes(n_params: int, precision: str) -> dict[str, int]:

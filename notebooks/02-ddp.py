@@ -21,12 +21,30 @@
 # same update and the replicas stay identical. The long explanation is in
 # [tutorial/02-ddp.md](../tutorial/02-ddp.md); this notebook runs it and measures it.
 #
+# <details><summary>中文</summary>
+#
+# > **N 个 rank 怎样一起训练同一个模型？每一步要付出什么代价？**
+#
+# 数据并行让每个 rank 持有模型的完整副本，并分到全局批次中属于自己的一片。反向之后，各 rank 用一次
+# all-reduce 对梯度取平均，于是每个 rank 执行相同的更新，各副本保持一致。详细讲解见
+# [tutorial/zh/02-ddp.md](../tutorial/zh/02-ddp.md)；这个 notebook 把它跑起来并测量。
+#
+# </details>
+#
 # **The one-line "syntax"** — on rank $r$ of $N$, with $\Psi$ the number of parameters (so the
 # fp32 gradient is $4\Psi$ bytes):
 #
 # $$g = \frac{1}{N}\sum_{r=0}^{N-1} \nabla L(x_r) \quad\text{(all-reduce)},\qquad
 # \text{elements each rank sends per step} = \frac{2(N-1)}{N}\,\Psi
 # \ \ (\times 4 \text{ bytes in fp32}).$$
+#
+# <details><summary>中文</summary>
+#
+# **一行"语法"**：在 $N$ 个 rank 中的第 $r$ 个上（$\Psi$ 为参数量，fp32 梯度即 $4\Psi$ 字节），梯度
+# $g = \frac{1}{N}\sum_r \nabla L(x_r)$ 由一次 all-reduce 得到；每个 rank 每步发送 $\frac{2(N-1)}{N}\,\Psi$
+# 个元素（fp32 下乘以 4 字节）。
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -314,6 +332,16 @@ R4.close()
 # > on the whole batch. What DDP does not do is save memory: chapter 01's full ledger sits on every
 # > rank.
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** DDP 保留 N 个相同的副本，并靠每步对梯度做一次 all-reduce 让它们保持一致：每个 rank 发送
+# > 2(N−1)/N · Ψ 个梯度元素——N = 2 时 Ψ，N = 4 时 1.5Ψ，趋近 2Ψ；换成 fp32 字节是 4Ψ、6Ψ，趋近 8Ψ——这里
+# > 实测精确吻合，并由操作系统的字节计数印证。分桶把每个张量一次集合通信变成少数几次大的，并在反向期间
+# > 就发起。结果与 PyTorch 的 DDP 逐位一致，与单进程训练整个批次只差求和顺序。DDP 做不到的是省显存：
+# > 第 01 章的完整账本在每个 rank 上都有一份。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. Going from 4 to 64 ranks, by how much does the traffic each rank sends per step grow?
@@ -345,6 +373,16 @@ R4.close()
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch02.py`](../minishard/course/exercises/ch02.py)), then run the check. A
 # reference solution is in [`solutions/ch02.py`](../solutions/ch02.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：环形算法在线上的字节数。** 写出在 N 个 rank 上，对 S 字节做环形 all-reduce、reduce-scatter 和
+# all-gather 时，一个 rank 发送的字节数。检查程序先把你的公式与 minishard 的对比，再与操作系统统计的、每个
+# DDP rank 进程一步写出的字节数对比，分别在 2 个和 3 个 rank 上。答案写在下面的单元格里（或者编辑
+# [`minishard/course/exercises/ch02.py`](../minishard/course/exercises/ch02.py) 里的存根），然后运行检查。
+# 参考答案在 [`solutions/ch02.py`](../solutions/ch02.py)：先自己试。
+#
+# </details>
 
 # %%
 def ring_bytes(op: str, nbytes: int, world_size: int) -> int:

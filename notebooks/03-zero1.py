@@ -17,6 +17,18 @@
 # > **Every DDP rank keeps the same 12 bytes per parameter of optimizer state and runs the same
 # > update on it. What if each rank kept, and updated, only its own 1/N of it?**
 #
+# <details><summary>中文</summary>
+#
+# **DDP 的每个 rank 都为每个参数存着同样的 12 字节优化器状态，还在上面跑一模一样的更新。如果每个
+# rank 只保存、只更新属于自己的那 1/N 呢？**
+#
+# ZeRO（零冗余优化器）的 stage 1 把 fp32 主权重和 Adam 的一阶矩、二阶矩切成 N 片，每个 rank 一片。
+# 反向之后，一个 rank 只需要自己那片的求和梯度；它更新自己那片，再由一次 all-gather 把更新后的参数
+# 发给所有人。推理过程见 [中文版第 03 章](../tutorial/zh/03-zero1.md)；这个 notebook 在真实的 rank
+# 上运行并测量它。
+#
+# </details>
+#
 # Stage 1 of ZeRO (the *Zero Redundancy Optimizer*) cuts the fp32 master weights and Adam's two
 # moments into N slices, one per rank. After backward a rank needs the summed gradient of its
 # slice only; it updates its slice, and an all-gather hands the updated parameters to everyone.
@@ -28,6 +40,14 @@
 #
 # $$\text{memory per rank} = \underbrace{2\Psi + 2\Psi}_{\text{bf16 weights, grads: replicated}} + \underbrace{\frac{12\Psi}{N}}_{\text{master}+m+v\text{: sharded}},\qquad
 # \text{grads} \xrightarrow{\text{reduce-scatter}} \text{update my slice} \xrightarrow{\text{all-gather}} \text{params}.$$
+#
+# <details><summary>中文</summary>
+#
+# **一行"语法"**——Ψ 个参数，bf16 混合精度 AdamW（每参数 2 + 2 + 4 + 4 + 4 字节，见第 01 章），
+# N 个 rank 中的每一个：显存 = 2Ψ + 2Ψ（bf16 权重和梯度，每个 rank 一份完整拷贝）+ 12Ψ/N（主权重
+# + m + v，分片）。一步训练：梯度 →（reduce-scatter）→ 更新自己那片 →（all-gather）→ 参数。
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -173,8 +193,8 @@ rp = live.replay
 for i in rp.collectives:
     e = rp.events[i]
     if e["rank"] == 0 and e.get("step") == 1:
-        print(f"  {rp.phase[i]:<9} {e['op']:<15} {e['tag']:<8} {e['payload']:>9,} bytes ({e['dtype']})")
-ops = [(rp.phase[i], rp.events[i]["op"]) for i in rp.collectives
+        print(f"  {rp.phase(i):<9} {e['op']:<15} {e['tag']:<8} {e['payload']:>9,} bytes ({e['dtype']})")
+ops = [(rp.phase(i), rp.events[i]["op"]) for i in rp.collectives
        if rp.events[i]["rank"] == 0 and rp.events[i].get("step") == 1]
 assert ops == [("backward", "reduce_scatter"), ("optimizer", "all_gather")]
 
@@ -384,6 +404,17 @@ R4.close()
 # > which many texts and PyTorch's `ZeroRedundancyOptimizer` use, sends 1.5× that. Either way it
 # > trains the same model as one process.
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** ZeRO-1 把 fp32 主权重和 Adam 的两个矩——每参数 16 字节中的 12 字节——按 rank 各存
+# > 一片，这里实测恰好是 DDP 的 1/N；每个 rank 的显存是 4Ψ + 12Ψ/N。一步训练变成：reduce-scatter
+# > 梯度 → 更新自己那片 → all-gather 参数：正是 DDP 那次 all-reduce 的两半，中间插入优化器，所以
+# > reduce-scatter 版本发送的恰好是 DDP 的 2(N−1)/N · Ψ 个元素。很多资料和 PyTorch 的
+# > `ZeroRedundancyOptimizer` 用的 all-reduce 版本要发送 1.5 倍。无论哪种，训练出的模型都与单进程
+# > 相同。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. On 8 ranks, how many bytes per parameter does ZeRO-1 keep per rank in bf16-mixed AdamW, and
@@ -428,6 +459,19 @@ R4.close()
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch03.py`](../minishard/course/exercises/ch03.py)), then run the check. A
 # reference solution is in [`solutions/ch03.py`](../solutions/ch03.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：一个分片的 ZeRO-1 更新。** 写出一个 rank 上的一步 ZeRO-1：对自己那个 chunk 的梯度求平均
+# （一次 reduce-scatter），更新自己的分片，再 all-gather 所有更新后的 chunk。检查程序会在 1、2、4 个
+# 真实 rank 上跑三步 AdamW，与 minishard 的 `ZeroOptimizer(stage=1)` 在同样的模型和数据上对比参数，
+# 并检查你发送的是 DDP 的通信量——而不是 all-reduce 版本的 1.5×。函数以源码形式发送到各个 rank：
+# 请让它自包含（那边有 `torch`）。
+#
+# 在下面的单元格里写（或者编辑 [`minishard/course/exercises/ch03.py`](../minishard/course/exercises/ch03.py)
+# 里的桩函数），然后运行检查。参考答案在 [`solutions/ch03.py`](../solutions/ch03.py)：先自己试。
+#
+# </details>
 
 # %%
 def zero1_step(comm, flat_param, flat_grad, shard, optimizer):

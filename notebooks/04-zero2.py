@@ -17,6 +17,16 @@
 # > **Under ZeRO-1 each rank updates only its slice, yet it still stores the whole gradient.
 # > Why keep what it never reads?**
 #
+# <details><summary>中文</summary>
+#
+# **在 ZeRO-1 下，每个 rank 只更新自己那片，却仍然存着整份梯度。从来不读的东西，为什么还要留着？**
+#
+# Stage 2 在每个 rank 上只保留它要更新的那片求和梯度。反向不再往完整的梯度缓冲区里累积：每个梯度桶
+# 一填满就做 reduce-scatter，rank 留下自己那片求和结果，然后丢掉这个桶。推理过程见
+# [中文版第 04 章](../tutorial/zh/04-zero2.md)；这个 notebook 运行并测量它。
+#
+# </details>
+#
 # Stage 2 keeps, on each rank, only the summed gradient of the slice that rank updates. Backward
 # no longer accumulates into a full gradient buffer: as each bucket of gradients fills up, it is
 # reduce-scattered, the rank keeps its slice of the sum, and the bucket is dropped. The reasoning
@@ -26,6 +36,14 @@
 #
 # $$\text{memory per rank} = \underbrace{2\Psi}_{\text{bf16 weights: replicated}} + \underbrace{\frac{2\Psi + 12\Psi}{N}}_{\text{grads}+\text{master}+m+v\text{: sharded}} \;(+\ \text{the buckets in flight}),\qquad
 # \text{each rank sends } \frac{2(N-1)}{N}\,\Psi \text{ elements per step, as DDP.}$$
+#
+# <details><summary>中文</summary>
+#
+# **一行"语法"**——Ψ 个参数，bf16 混合精度 AdamW，N 个 rank：每个 rank 的显存 = 2Ψ（bf16 权重，
+# 每个 rank 一份完整拷贝）+ (2Ψ + 12Ψ)/N（梯度 + 主权重 + m + v，分片）（+ 在途的梯度桶）；每个
+# rank 每步发送 2(N−1)/N · Ψ 个元素，与 DDP 相同。
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -392,6 +410,16 @@ R4.close()
 # > micro-batch instead of once per step, and clipping needs one extra all-reduce of the squared
 # > norm. The replicated bf16 weights (2Ψ) are now the floor; stage 3 removes it.
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** ZeRO-2 在反向期间，每个梯度桶一填满就 reduce-scatter，只保留本 rank 要更新的那片
+# > 求和结果：每个 rank 的显存是 2Ψ + 14Ψ/N——N = 1…4 实测都在公式范围内——另加几个在途的桶
+# > （`comm_buffers`），上限由桶大小决定，与模型无关。它发送的与 DDP 完全相同，每步
+# > 2(N−1)/N · Ψ 个元素。两项代价：有梯度累积时每个微批次都要归约一次，而不是每步一次；裁剪需要多
+# > 一次对平方范数的 all-reduce。复制的 bf16 权重（2Ψ）成了新的地板；stage 3 会拿掉它。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. With 8 micro-batches per optimizer step on 64 ranks, how much gradient traffic does each rank
@@ -438,6 +466,19 @@ R4.close()
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch04.py`](../minishard/course/exercises/ch04.py)), then run the check. A
 # reference solution is in [`solutions/ch04.py`](../solutions/ch04.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：ZeRO-2 的梯度桶 hook。** 写出 ZeRO-2 在一个桶的每个参数上注册的 hook：把梯度拷进桶里，
+# 丢掉 `p.grad`；桶里最后一个梯度到齐时，对它做 reduce-scatter，只保留本 rank 那片平均后的结果。
+# 检查程序在 1、2、4 个真实 rank 上于反向期间运行你的 hook，把得到的分片与 all-reduce 后的梯度对比；
+# 它还检查没有留下完整梯度，并且每个桶都是在反向期间归约的。函数以源码形式发送到各个 rank：请让它
+# 自包含。
+#
+# 在下面的单元格里写（或者编辑 [`minishard/course/exercises/ch04.py`](../minishard/course/exercises/ch04.py)
+# 里的桩函数），然后运行检查。参考答案在 [`solutions/ch04.py`](../solutions/ch04.py)：先自己试。
+#
+# </details>
 
 # %%
 def make_bucket_hook(comm, params, offsets, chunk, out):

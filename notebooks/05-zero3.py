@@ -17,6 +17,16 @@
 # > **Stage 3 stores 1/N of everything. What does that cost — and if it saves the most memory,
 # > why not always use it?**
 #
+# <details><summary>中文</summary>
+#
+# **Stage 3 对所有东西都只存 1/N。代价是什么？既然它最省显存，为什么不一直用它？**
+#
+# ZeRO-1 切分了优化器状态，ZeRO-2 切分了梯度。Stage 3 切分最后一样与模型同等大小的东西——参数本身：
+# 不用的时候，一个 rank 只保留每个权重的 1/N；一层要计算之前，各 rank 先 all-gather 出它的完整权重，
+# 算完立刻释放。推理过程见 [中文版第 05 章](../tutorial/zh/05-zero3.md)；这个 notebook 测量它。
+#
+# </details>
+#
 # ZeRO-1 sharded the optimizer state, ZeRO-2 the gradients. Stage 3 shards the last
 # model-sized thing, the parameters themselves: between uses a rank keeps only its 1/N slice of
 # every weight; just before a layer computes, the ranks all-gather its full weights, and right
@@ -32,6 +42,17 @@
 #
 # (Traffic in parameter *elements*; in fp32 each is 4 bytes. In bytes the 3 : 2 holds only when
 # every pass moves the same dtype — §3 measures the mixed-precision case.)
+#
+# <details><summary>中文</summary>
+#
+# **一行"语法"**——Ψ 个参数，N 个 rank，fp32 AdamW（bf16 混合精度 AdamW 也是同样的 16 字节）：
+# 每个 rank 的显存 = 16Ψ/N + 一个单元的完整参数 + 激活值；每个 rank 每步发送
+# 3 · (N−1)/N · Ψ（前向收集、反向收集、reduce-scatter 各一遍），而 DDP 是 2 · (N−1)/N · Ψ。
+#
+# （通信量按参数*元素*计，fp32 下每个 4 字节。按字节计，3 : 2 只在每一遍传同一种 dtype 时成立——§3
+# 测量了混合精度的情况。）
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -432,6 +453,18 @@ R2.close()
 # > path: on a model that fits anyway, stage 3 is simply slower. Use it when memory, not time, is
 # > what you lack.
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** ZeRO-3 把参数也切开：不用的时候，一个 rank 只保留每个权重、梯度和优化器矩的 1/N——
+# > 16Ψ/N 字节，实测精确到字节——一个单元的完整参数只在它计算时存在（§2 里 `unsharded` 的台阶）。
+# > 代价是参数在网络上多走一遍：每个 rank 每步 3(N−1)/N·Ψ 个元素，每个单元收集两次时恰好是 DDP
+# > 的 1.5×，在 FSDP2 保持 root 收集的做法下，这个模型是 1.345×。按字节计，这假设线上只有一种
+# > dtype：用 FSDP2 常用的 bf16 收集加 fp32 reduce-scatter，ZeRO-3 发送的与 fp32 梯度的 DDP 完全
+# > 相同，是 bf16 梯度的 DDP 的两倍。再加上 20 次而不是 2 次集合通信，前向那些还在关键路径上：在一个
+# > 本来就放得下的模型上，stage 3 就是更慢。缺的是显存而不是时间时，才用它。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. With FSDP2's default, why is the root unit not freed after forward like the blocks?
@@ -476,6 +509,19 @@ R2.close()
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch05.py`](../minishard/course/exercises/ch05.py)), then run the check. A
 # reference solution is in [`solutions/ch05.py`](../solutions/ch05.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：从分片收集出一个参数。** 在 ZeRO-3 下，一个参数沿 dim 0 被切成 N 块，每块 ceil(rows / N)
+# 行，最后几块用零填充；rank r 保留第 r 块。写出一个参数的反分片（unshard）：all-gather 所有块，去掉
+# 填充，重建完整张量。检查程序在 1、2、3 个真实 rank 上对 nano GPT 分片，在每个分片上运行你的函数，
+# 并与 minishard 自己的收集（`fsdp.full_parameters`）以及 all-gather 的字节数对比。函数以源码形式
+# 发送到各个 rank：请让它自包含。
+#
+# 在下面的单元格里写（或者编辑 [`minishard/course/exercises/ch05.py`](../minishard/course/exercises/ch05.py)
+# 里的桩函数），然后运行检查。参考答案在 [`solutions/ch05.py`](../solutions/ch05.py)：先自己试。
+#
+# </details>
 
 # %%
 def unshard_param(comm, shard, shape):

@@ -17,6 +17,16 @@
 # > **What exactly happens to a wrapped module during one training step — and are ZeRO-3 and
 # > FSDP the same thing?**
 #
+# <details><summary>中文</summary>
+#
+# > **一个被包裹的模块，在一个训练 step 里究竟经历了什么？ZeRO-3 和 FSDP 是一回事吗？**
+#
+# 本 notebook 先手动走一遍 FSDP 单元的生命周期，再看 hook 如何自动走完它，最后调节包裹粒度、参数布局
+# （FSDP1 扁平化参数 / FSDP2 逐参数分片）和 `reshard_after_forward`。中文讲解见
+# [tutorial/zh/06-fsdp-units.md](../tutorial/zh/06-fsdp-units.md)。
+#
+# </details>
+#
 # Chapter 05 measured what stage 3 saves and costs. This chapter opens the mechanism PyTorch's
 # FSDP uses to do it: the model is cut into *units*, and every unit walks the same lifecycle each
 # step. We walk it by hand first, then watch the hooks walk it, then turn the knobs that decide
@@ -35,6 +45,15 @@
 #     fully_shard(block, comm=comm)          # one unit per transformer block
 # fully_shard(model, comm=comm)              # the root: everything left (embeddings, head)
 # ```
+#
+# <details><summary>中文</summary>
+#
+# **一行“语法”**——每个单元、每个 step 都走一遍：all-gather（`unshard`）→ 前向 → 释放（`reshard`）……
+# all-gather（`unshard`）→ 反向 → reduce-scatter（`reduce_scatter_grads`）→ 释放（`reshard`）。
+# 代码里每个 transformer block 包成一个单元，最后的 `fully_shard(model)` 生成 root 单元，接管剩下的部分
+# （embedding、head）。
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -447,6 +466,17 @@ R2.close()
 # > parameter. ZeRO-3 names what is sharded; FSDP is one framework that does it, among other
 # > things.
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** FSDP 单元每个 step 都走一遍 gather → 前向 → 释放 → gather → 反向 → reduce-scatter → 释放；
+# > `manual=True` 让你亲手发起每次调用，hook 发起的调用完全相同（同样的集合通信，同样的比特）。关键技巧：
+# > 在 autograd 仍持有张量时释放完整参数的*存储*，反向前再填回来。按 block 包裹：整个模型一个单元会聚合
+# > 全部参数（峰值时一点没省），每个 Linear 一个单元则让集合通信成倍增加。FSDP1 的扁平缓冲区和 FSDP2 的
+# > 逐参数分片训练结果完全一样，但只有逐参数分片能按参数保留名字、`requires_grad` 和 dtype。ZeRO-3 说的是
+# > 什么被分片；FSDP 是实现它的一种框架，能做的还不止这些。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. Why does `reshard()` free the storage of the full parameter instead of deleting the tensor?
@@ -492,6 +522,17 @@ R2.close()
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch06.py`](../minishard/course/exercises/ch06.py)), then run the check. A
 # reference solution is in [`solutions/ch06.py`](../solutions/ch06.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：手动走一遍生命周期。** 下面的单元用 `fully_shard(..., manual=True)` 创建：你不调用，就什么也不会
+# 聚合或释放。自己调用 `unshard()`、`reshard()` 和 `reduce_scatter_grads()`，写出一个训练 step。检查程序在
+# 1 个和 2 个真实 rank 上把它与 `minishard.course.ch06.manual_step` 并排运行，比较 loss 和每个梯度分片，
+# 统计集合通信次数，并检查前向到达最后的 norm 时每个 block 都已释放。函数以源码形式发到各 rank，所以要
+# 自包含。写在下面的 cell 里（或编辑 `minishard/course/exercises/ch06.py` 里的桩函数），再运行检查；参考
+# 答案在 `solutions/ch06.py`，先自己试。
+#
+# </details>
 
 # %%
 def manual_step(model, idx, targets):

@@ -17,6 +17,16 @@
 # > **Fully sharded, and it still does not fit. Can the state live somewhere else — and what does
 # > every step then pay to bring it back?**
 #
+# <details><summary>中文</summary>
+#
+# > **已经全分片了，还是放不下。状态能不能放到别处——那样的话，每个 step 又要付出什么代价把它搬回来？**
+#
+# 卸载（offload）把分片后的状态（参数、梯度、Adam 的矩）挪到主机内存或 NVMe 盘上的文件里，每次 gather
+# 前再把该单元的参数分片搬过来。本 notebook 把一个显存放不下的配置变成能训练的配置，并测量每个 step 在
+# 两层之间搬运了什么。中文讲解见 [tutorial/zh/08-offload.md](../tutorial/zh/08-offload.md)。
+#
+# </details>
+#
 # After FSDP a rank holds 16Ψ/N bytes of training state plus what one step needs on the spot:
 # activations and a few gathered units. Offload moves the first part — the parameter shards,
 # their gradients, Adam's moments — to a larger, slower tier: host memory, or files on an NVMe
@@ -39,6 +49,15 @@
 # train(rank, TrainConfig(strategy="fsdp_flat", offload="host"))                       # CPU memory
 # train(rank, TrainConfig(strategy="fsdp_flat", offload="disk", offload_dir="/nvme"))  # memory-mapped files
 # ```
+#
+# <details><summary>中文</summary>
+#
+# **一行“语法”**——fp32 分片，L 个 block 加一个 root 单元，N 个 rank：设备上只剩激活值、已聚合的单元和
+# 缓冲区，16Ψ/N 的状态放在主机（或磁盘）上；每个 step 搬入 (2L·block + root)·4/N 字节（block 聚合两次，
+# root 一次），搬出 (L·block + root)·4/N = 4Ψ/N 字节的梯度。`offload="host"` 用主机内存，
+# `offload="disk"` 用内存映射文件。
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -314,6 +333,17 @@ R2.close()
 # > problem. Use it to get a job running on scarce hardware, or for state that is touched rarely
 # > and read in long sequential sweeps; do not switch it on hoping for speed.
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** 卸载把分片后的状态——参数、梯度、优化器的矩，每个 rank 16Ψ/N 字节——挪到主机内存或内存
+# > 映射文件里；设备上只留激活值和正在聚合的单元。这里实测到：一个在 80 MiB 预算下会崩的运行，卸载后能在
+# > 预算内训练，结果逐位相同；每个 step 搬运的恰好是分片的字节：每个单元的参数每 gather 一次搬入一次，
+# > 梯度切片搬出一次。代价在这台 CPU 机器上只能建模、不能实测：这些字节要走 PCIe，比 HBM 慢一个数量级
+# > 以上，优化器 step 也跑在 CPU 上。容量问题变成了传输问题。用它让任务在紧缺的硬件上跑起来，或用于
+# > 很少访问、按长顺序扫描读取的状态；别指望靠它提速。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. §1's run died in the second step, not the first. Would it have fit with plain SGD (no
@@ -357,6 +387,15 @@ R2.close()
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch08.py`](../minishard/course/exercises/ch08.py)), then run the check. A
 # reference solution is in [`solutions/ch08.py`](../solutions/ch08.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：每个 step 搬运多少。** 根据一个 block 的分片大小、root 的分片大小和 block 数，写出卸载时每个
+# rank 每个 step 搬运的字节数。检查程序在 2 个和 3 个真实 rank 上把状态放在主机内存里训练 nano 模型，
+# 并与各 rank 实测的传输量对比。写在下面的 cell 里（或编辑 `minishard/course/exercises/ch08.py` 里的
+# 桩函数），再运行检查；参考答案在 `solutions/ch08.py`，先自己试。
+#
+# </details>
 
 # %%
 def offload_bytes(block_shard, root_shard, n_blocks):

@@ -24,6 +24,18 @@
 # file per layer). The reasoning is in [tutorial/09-checkpoints.md](../tutorial/09-checkpoints.md);
 # the code is [`minishard/checkpoint/`](../minishard/checkpoint/).
 #
+# <details><summary>中文</summary>
+#
+# > **已经没有哪个 rank 持有完整的模型了。训练怎么存档？怎么换一个 GPU 数量续训？
+# > 权重又怎么交给推理引擎？**
+#
+# 分片训练写的是分片 checkpoint：每个 rank 同时保存自己负责的那一片，这一步很容易。
+# 真正麻烦的是后面两个问题：checkpoint 能不能在*另一种*布局下加载（掉了一个节点，64 rank 的任务要在
+# 32 个 rank 上续训），以及发布的权重能不能导出成推理引擎要的格式（完整张量，每层一个文件）。
+# 中文讲解见 [tutorial/zh/09-checkpoints.md](../tutorial/zh/09-checkpoints.md)。
+#
+# </details>
+#
 # **The one-line "syntax"** — every tensor of the training state (each parameter, each Adam
 # moment) is a flat index space; what a rank holds is a set of *regions* of it:
 #
@@ -35,6 +47,15 @@
 # train(rank, TrainConfig(strategy="zero1", steps=3, resume_from="ckpt"))       # on any number of ranks
 # checkpoint.export("ckpt", "release/")                            # per-layer files + index.json
 # ```
+#
+# <details><summary>中文</summary>
+#
+# **一行"语法"**：训练状态中的每个张量（每个参数、每个 Adam 矩）都是一个扁平下标空间，一个 rank
+# 持有的是其中的一组*区段*：rank $r$ 保存它自己的区段，新 rank $r'$
+# 读取每个已保存片段与自己区段的交集。上面三行依次是：保存（`rank{r}.safetensors` +
+# `metadata.json`）、在任意数量的 rank 上恢复、导出逐层文件和 `index.json`。
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -354,6 +375,18 @@ shutil.rmtree(WORK)
 # > the export to complete per-layer weights (run it on an early checkpoint, load it strictly
 # > into the inference model, compare).
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** 分片 checkpoint 有多大用处，取决于它的描述。保存每个 rank
+# > 的那一片既简单又快——四个文件，每个恰好 12Ψ/4，并行写出，没有任何重复。
+# > 让它能在另一种布局上恢复的，是说明每个文件持有*哪个张量的哪些元素*的 metadata：有了它，
+# > 任何全局规模、任何策略都能算出自己该读什么（64 → 32 时，FSDP 下每个新 rank 读两个文件，ZeRO-1
+# > 下读全部 64 个），逐位一致地加载，然后接着训练。另外两条路要在用到之前规划好：
+# > resharding（趁训练正常时测试），以及导出完整的逐层权重（在早期 checkpoint 上跑一遍，
+# > 严格加载进推理模型并比对）。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. A ZeRO-1 run on 8 ranks saves with this format. How many bytes does each rank write, and
@@ -397,6 +430,19 @@ shutil.rmtree(WORK)
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch09.py`](../minishard/course/exercises/ch09.py)), then run the check. A
 # reference solution is in [`solutions/ch09.py`](../solutions/ch09.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：resharding 的读取计划。** 一个扁平张量由 N 个 rank 按 ceil(numel / N) 大小的块保存，再由 M
+# 个 rank 按 ceil(numel / M) 大小的块加载。为每个新 rank 写出它要从哪些原 rank
+# 的文件里读哪些元素区间。检查程序会在能整除和不能整除的情况下（包括 64 → 32）把你的计划与 minishard
+# 的读取器（`checkpoint.plan_reads`）比较。
+#
+# 在下面的单元格里写（或编辑
+# [`minishard/course/exercises/ch09.py`](../minishard/course/exercises/ch09.py) 里的桩函数），
+# 然后运行检查。参考答案在 [`solutions/ch09.py`](../solutions/ch09.py)：先自己试试。
+#
+# </details>
 
 # %%
 def read_plan(numel, saved_world_size, world_size):

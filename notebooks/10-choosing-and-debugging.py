@@ -25,6 +25,18 @@
 # classic pitfalls and the profiling checklist, and collects the course's answers. The reasoning
 # is in [tutorial/10-choosing-and-debugging.md](../tutorial/10-choosing-and-debugging.md).
 #
+# <details><summary>中文</summary>
+#
+# > **这个模型、这个集群，该用哪种策略？开了 FSDP 还是 OOM，先查什么？**
+#
+# 本课程的每种策略都是用通信换显存，没有哪一种是白白省显存。所以第一个问题从来不是"哪个最先进"，
+# 而是"**我缺的是显存，还是吞吐？**"；第二个问题是"我的网络扛得住更重的参数通信吗？"。
+# 本章先用规划器在真实的集群形态上回答这两个问题，再在真实的 rank 上排查一次 FSDP 的 OOM，对比 FSDP
+# 与张量并行，实测八个常见坑和 profiling 清单，最后汇总课程的答案。中文讲解见
+# [tutorial/zh/10-choosing-and-debugging.md](../tutorial/zh/10-choosing-and-debugging.md)。
+#
+# </details>
+#
 # **The one-line "syntax"** — per GPU, per step:
 #
 # $$\text{memory} = \frac{\text{sharded state}}{N_\text{shard}} + \text{replicated state} + \text{gathered units} + \text{activations},
@@ -33,6 +45,15 @@
 # and, when FSDP is on and it still OOMs, check **in this order**: wrap granularity (too coarse?)
 # → prefetch depth (too deep?) → activation recomputation (off?) → one large tensor (the
 # `[batch, seq, vocab]` logits).
+#
+# <details><summary>中文</summary>
+#
+# **一行"语法"**：每张 GPU、每一步，显存 = 分片状态 / $N_\text{shard}$ + 复制的状态 + 已收集的单元 +
+# 激活值；单步时间 = 计算时间 + 没藏住的通信时间。开了 FSDP 还是 OOM 时，**按这个顺序**查：
+# 包裹粒度（太粗？）→ 预取深度（太深？）→ 激活重计算（没开？）→ 某个大张量（`[batch, seq, vocab]` 的
+# logits）。
+#
+# </details>
 #
 # Terms, in English and Chinese: [glossary · 术语表](../tutorial/glossary.md).
 
@@ -565,6 +586,16 @@ R2.close()
 # > recomputation, the logits. And judge every change by step time, tokens/s, tail latency and
 # > scaling efficiency, not by "it runs".
 #
+# <details><summary>中文</summary>
+#
+# > **要点。** ZeRO 和 FSDP 都是用通信换显存，哪一样都不是白来的。先问自己缺的是显存还是吞吐，
+# > 选放得下的*最简单*策略（8 张 H100 上的 Llama-3-8B：ZeRO-1；32 张上的 70B：只有 FSDP）。
+# > 确认网络能藏住多出来的通信——如果网络只在节点内快，就只在节点内分片（混合分片）。FSDP 还是 OOM
+# > 时，在 OOM 那一刻读显存账本，按顺序过一遍清单：包裹粒度、预取、重计算、logits。
+# > 评判每一项改动都要看单步耗时、tokens/s、尾部抖动和扩展效率，而不是"能跑"。
+#
+# </details>
+#
 # **Questions**
 #
 # 1. A 13B model, bf16-mixed AdamW, on one node of 8 A100-80GB with NVLink. DDP, ZeRO-1 or FSDP?
@@ -613,6 +644,20 @@ R2.close()
 # Write it in the cell below (or edit the stub in
 # [`minishard/course/exercises/ch10.py`](../minishard/course/exercises/ch10.py)), then run the check. A
 # reference solution is in [`solutions/ch10.py`](../solutions/ch10.py): try first.
+#
+# <details><summary>中文</summary>
+#
+# **练习：张量并行 MLP 的前向。** 按 Megatron 的方式切分 MLP，写出它的前向：本 rank 持有第一个矩阵
+# A（Y = XA 中的 A）的若干列和第二个矩阵对应的行——换成 `nn.Linear` 的说法（它存的是 Aᵀ），就是第一个
+# Linear 权重的行、第二个 Linear 权重的列——然后对部分输出做一次 all-reduce。检查程序用 tiny GPT
+# 的第一个 MLP 在 1、2、4 个真实 rank 上运行它，与完整 MLP 和 `TensorParallelMLP` 比较，
+# 并确认线上只传了激活值、从未传过权重。这个函数会以源码形式发送给各 rank：请让它自成一体。
+#
+# 在下面的单元格里写（或编辑
+# [`minishard/course/exercises/ch10.py`](../minishard/course/exercises/ch10.py) 里的桩函数），
+# 然后运行检查。参考答案在 [`solutions/ch10.py`](../solutions/ch10.py)：先自己试试。
+#
+# </details>
 
 # %%
 def tp_mlp_forward(comm, x, fc_w, fc_b, proj_w, proj_b):

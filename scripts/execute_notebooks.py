@@ -12,9 +12,10 @@ Before committing, compare the result under another CPU kernel path (``make test
 a checked cell must print the same text there.
 
 ``--sources-only`` copies the cell sources into the executed notebook and keeps its outputs,
-for a change that renames things without changing any output (nbval re-runs the notebook and
-compares every checked cell, so a change that does alter an output still fails there). Cells
-must match one to one; re-execute otherwise.
+for a change that renames things or edits the text without changing any output (nbval re-runs
+the notebook and compares every checked cell, so a change that does alter an output still fails
+there). Markdown cells may be added or removed; code cells must match one to one (re-execute
+otherwise).
 """
 from __future__ import annotations
 
@@ -46,10 +47,24 @@ def execute(py: Path, timeout: int = 600) -> float:
 
 def update_sources(py: Path) -> None:
     nb, old = jupytext.read(py), nbformat.read(py.with_suffix(".ipynb"), as_version=4)
-    if [c.cell_type for c in nb.cells] != [c.cell_type for c in old.cells]:
-        raise SystemExit(f"{py.name}: cells were added or removed; execute the notebook instead")
-    for new, cell in zip(nb.cells, old.cells):
-        cell.source = new.source
+    code = [c for c in old.cells if c.cell_type == "code"]
+    if sum(c.cell_type == "code" for c in nb.cells) != len(code):
+        raise SystemExit(f"{py.name}: code cells were added or removed; execute the notebook instead")
+    ran = iter(code)
+    texts = {}                       # an unchanged markdown cell keeps its id (a quiet diff)
+    for c in old.cells:
+        if c.cell_type == "markdown":
+            texts.setdefault(c.source, []).append(c)
+    cells = []
+    for cell in nb.cells:            # markdown cells from the source; code cells keep their outputs
+        if cell.cell_type == "code":
+            kept = next(ran)
+            kept.source = cell.source
+            cell = kept
+        elif texts.get(cell.source):
+            cell = texts[cell.source].pop(0)
+        cells.append(cell)
+    old.cells = cells
     nbformat.write(old, py.with_suffix(".ipynb"))
 
 

@@ -36,7 +36,7 @@ from headless import ROOT, chromium, require_browser, screenshot_path
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
 RUN_IN_BROWSER = ("00", "01", "02")               # executed in the browser; the rest: stored outputs
-RUN_TIMEOUT_S = 900
+RUN_TIMEOUT_S = 240                                # a chapter runs in ~20-40 s; a hang must not eat the CI budget
 STEP = "step ▶"
 
 # Lab settings for a test run: no autosave, every cell in the DOM (no windowing), no news.

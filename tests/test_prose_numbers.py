@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "tutorial").glob("[0-9][0-9]-*.md"))
-MEASURED = re.compile(r"\[([^\[\]\n]*\d[^\[\]\n]*)\]\((?:\.\./)?notebooks/([0-9][0-9]-[\w-]+)\.ipynb(?:#[^)]*)?\)")
+MEASURED = re.compile(r"\[([^\[\]\n]*\d[^\[\]\n]*)\]\((?:\.\./)*notebooks/([0-9][0-9]-[\w-]+)\.ipynb(?:#[^)]*)?\)")
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 RUN_WORDS = re.compile(r"committed run|run committed|in one run|this run|our run", re.I)
 
