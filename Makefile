@@ -28,18 +28,24 @@ $(VENV)/.installed: pyproject.toml
 
 # The browser tests (tests/test_browser.py, tests/test_site.py) drive Debian's chromium through
 # Playwright's Python client (never `playwright install`: it would download browsers of its own).
-# Quick when both are there; installs what is missing (apt needs root or passwordless sudo).
+# The Chinese pages need a CJK font (a fresh Debian has none: Chinese shows as boxes): WenQuanYi
+# Micro Hei, 1.6 MB (fonts-noto-cjk, the font the site's CSS names first, is 57 MB).
+# Quick when all are there; installs what is missing (apt needs root or passwordless sudo).
 # Without them the browser tests skip and say why; .ci/run sets MINISHARD_REQUIRE_BROWSER=1,
 # which turns a failed install here, and a skip there, into an error.
 CHROMIUM ?= /usr/bin/chromium
+CJK_FONT ?= fonts-wqy-microhei
+has_cjk_font = command -v fc-list >/dev/null && fc-list :lang=zh | grep -q .
 browser-deps: setup
-	@test -x $(CHROMIUM) || { \
+	@PKGS=; test -x $(CHROMIUM) || PKGS=chromium; $(has_cjk_font) || PKGS="$$PKGS $(CJK_FONT)"; \
+	test -z "$$PKGS" || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
 	  else SUDO=none; fi; \
 	  if [ "$$SUDO" != none ] && command -v apt-get >/dev/null; then \
-	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$PKGS >/dev/null; \
 	  fi; \
-	  test -x $(CHROMIUM) || { echo "browser-deps: could not install chromium (apt-get install -y chromium as root)"; \
+	  { test -x $(CHROMIUM) && $(has_cjk_font); } || { \
+	    echo "browser-deps: could not install$$PKGS (apt-get install -y$$PKGS as root)"; \
 	    test "$$MINISHARD_REQUIRE_BROWSER" != 1; }; }
 	@$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/pip install -q -e ".[browser]"
 

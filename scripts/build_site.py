@@ -12,12 +12,18 @@ What it writes (``site/`` by default, git-ignored):
 * ``tutorial/*.md``, ``docs/*.md`` and the README rendered with Python-Markdown; math (``$…$``,
   ``$$…$$``) is typeset in the page by a vendored MathJax (the ``jupyter-server-mathjax``
   package), in the notebooks too.
+* ``tutorial/zh/*.html`` — the Chinese edition (``tutorial/zh/*.md``; contents: ``README``)
+  rendered the same way. Its headings get the ids of the English page's headings, in order (same
+  sections: ``tests/test_zh.py``), so ``#anchor`` is the same section in both; a page whose
+  heading count differs from its English page's stops the build.
 * ``index.html`` — the course's table of contents (``tutorial/README.md``) plus every page.
 * the source files the pages link to (``minishard/ledger.py``, ``scripts/…``), copied as text.
 
 Links between the files are rewritten to the pages they became (``../tutorial/02-ddp.md`` →
 ``../tutorial/02-ddp.html``, ``notebooks/x.ipynb`` → ``notebooks/x.html``). No page loads
-anything from the network: no CDN require.js, no CDN plotly.js, no CDN MathJax.
+anything from the network: no CDN require.js, no CDN plotly.js, no CDN MathJax. Every page's
+navigation bar has a language switch: "中文" to the Chinese page, "English" back; a page with no
+counterpart (a notebook, docs, the glossary) links to the other edition's table of contents.
 """
 from __future__ import annotations
 
@@ -45,16 +51,17 @@ MathJax.Hub.Config({
 
 STYLE = """
 body.minishard-page { max-width: 980px; margin: 0 auto; padding: 0 24px 48px;
-  font-family: -apple-system, "Segoe UI", Roboto, "Noto Sans", "Noto Sans CJK SC", sans-serif;
-  line-height: 1.55; color: #1f2328; }
+  font-family: -apple-system, "Segoe UI", Roboto, "Noto Sans", "Noto Sans CJK SC", "WenQuanYi Micro Hei",
+  sans-serif; line-height: 1.55; color: #1f2328; }
 body.minishard-page pre { background: #f6f8fa; padding: 10px 12px; overflow-x: auto; border-radius: 6px; }
 body.minishard-page code { font-family: "DejaVu Sans Mono", Menlo, monospace; font-size: 0.92em; }
 body.minishard-page table { border-collapse: collapse; margin: 12px 0; }
 body.minishard-page th, body.minishard-page td { border: 1px solid #d0d7de; padding: 4px 10px; vertical-align: top; }
 body.minishard-page blockquote { border-left: 4px solid #d0d7de; margin-left: 0; padding-left: 14px; color: #444; }
-nav.minishard-nav { font: 14px/1.4 sans-serif; padding: 10px 0; margin-bottom: 8px;
+nav.minishard-nav { font: 14px/1.4 "Noto Sans", "Noto Sans CJK SC", "WenQuanYi Micro Hei", sans-serif; padding: 10px 0; margin-bottom: 8px;
   border-bottom: 1px solid #d0d7de; display: flex; gap: 18px; flex-wrap: wrap; }
 nav.minishard-nav a { text-decoration: none; }
+nav.minishard-nav a.minishard-lang { margin-left: auto; }
 .minishard-widget { border: 1px dashed #9aa4ae; border-radius: 6px; padding: 8px 12px;
   color: #57606a; background: #f6f8fa; font: 13px/1.4 sans-serif; }
 """
@@ -79,12 +86,23 @@ def site_path(repo_rel: str) -> str | None:
     return None
 
 
+def resolve(target: str, source: str) -> str:
+    """The repository file a link in ``source`` names; a folder stands for its README or its
+    ``__init__.py`` (``minishard/checkpoint/`` → ``minishard/checkpoint/__init__.py``)."""
+    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(source), target))
+    if (ROOT / resolved).is_dir():
+        for name in ("README.md", "__init__.py"):
+            if (ROOT / resolved / name).is_file():
+                return f"{resolved}/{name}"
+    return resolved
+
+
 def rewrite_link(href: str, source: str, page: str) -> str:
     """``href`` as written in repository file ``source``, for the site page ``page``."""
     if re.match(r"^[a-z][a-z0-9+.-]*:", href, re.I) or href.startswith(("#", "/")):
         return href
     target, _, anchor = href.partition("#")
-    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(source), target))
+    resolved = resolve(target, source)
     mapped = site_path(resolved)
     if mapped is None:
         return href
@@ -102,7 +120,7 @@ def rewrite_links(html_text: str, source: str, page: str, copies: set[str]) -> s
                 and not (ROOT / posixpath.dirname(source) / target).exists()):
             return f'href="{html.escape(href, quote=True)}" data-missing-in-repo'
         new = rewrite_link(href, source, page)
-        resolved = posixpath.normpath(posixpath.join(posixpath.dirname(source), target)) if target else ""
+        resolved = resolve(target, source) if target else ""
         if resolved and site_path(resolved) == resolved:      # a source file: copy it as it is
             copies.add(resolved)
         return f'href="{html.escape(new, quote=True)}"'
@@ -144,28 +162,65 @@ def head_scripts(page: str, math: bool = True) -> str:
 
 # ====================================================================== navigation
 
+ZH = "tutorial/zh/"                          # the Chinese edition's folder, in the repo and the site
+
+
+class Editions:
+    """The site's pages in reading order, ``(page, title)``: the English edition (chapters and
+    notebooks, then the other pages) and the Chinese one (``tutorial/zh/``)."""
+
+    def __init__(self, en: list[tuple[str, str]], zh: list[tuple[str, str]]):
+        self.en, self.zh = en, zh
+
+    def zh_index(self) -> str | None:
+        """The Chinese table of contents (its first page while ``README.md`` is not written)."""
+        names = [p for p, _ in self.zh]
+        return ZH + "README.html" if ZH + "README.html" in names else (names[0] if names else None)
+
+
+def switch(page: str, ed: Editions) -> tuple[str, str, str] | None:
+    """The language switch of ``page``: (target page, text, language), ``None`` with no Chinese
+    edition. A page links to its counterpart (same file name), else to the other index."""
+    built = {p for p, _ in ed.en + ed.zh} | {"index.html"}
+    if page.startswith(ZH):
+        name = page[len(ZH):]
+        target = "tutorial/" + name if name != "README.html" else "index.html"
+        return (target if target in built else "index.html"), "English", "en"
+    name = page.split("/", 1)[1] if page.startswith("tutorial/") and page.count("/") == 1 else None
+    target = ZH + name if name and ZH + name in built else ed.zh_index()
+    return (target, "中文", "zh-CN") if target else None
+
+
 def label(page: str, title: str) -> str:
     """Short name of a page for the navigation bar: ``02 · notebook``, ``02 · written chapter``."""
     folder, name = posixpath.split(page)
-    if name[:2].isdigit() and folder in ("notebooks", "tutorial"):
-        return f"{name[:2]} · " + ("notebook" if folder == "notebooks" else "written chapter")
+    if name[:2].isdigit() and folder in ("notebooks", "tutorial", ZH.rstrip("/")):
+        kind = {"notebooks": "notebook", "tutorial": "written chapter"}.get(folder, "章节")
+        return f"{name[:2]} · {kind}"
     return title
 
 
-def nav(page: str, pages: list[tuple[str, str]]) -> str:
-    """Top bar: the index, and the previous/next page in reading order."""
-    root = up(page)
-    links = [f'<a href="{root}index.html">⌂ course index</a>']
+def nav(page: str, ed: Editions) -> str:
+    """Top bar: the edition's index, the previous/next page in reading order, the glossary and
+    the language switch."""
+    here = posixpath.dirname(page) or "."
+
+    def a(target, text, extra=""):
+        return f'<a href="{posixpath.relpath(target, here)}"{extra}>{html.escape(text)}</a>'
+
+    links = [a(ed.zh_index(), "⌂ 课程目录") if page.startswith(ZH) else a("index.html", "⌂ course index")]
+    pages = ed.zh if page.startswith(ZH) else ed.en
     names = [p for p, _ in pages]
     if page in names:
         i = names.index(page)
         if i > 0:
-            prev, title = pages[i - 1]
-            links.append(f'<a href="{posixpath.relpath(prev, posixpath.dirname(page) or ".")}">← {html.escape(label(prev, title))}</a>')
+            links.append(a(pages[i - 1][0], "← " + label(*pages[i - 1])))
         if i + 1 < len(pages):
-            nxt, title = pages[i + 1]
-            links.append(f'<a href="{posixpath.relpath(nxt, posixpath.dirname(page) or ".")}">{html.escape(label(nxt, title))} →</a>')
-    links.append(f'<a href="{root}tutorial/glossary.html">glossary 术语表</a>')
+            links.append(a(pages[i + 1][0], label(*pages[i + 1]) + " →"))
+    links.append(a("tutorial/glossary.html", "glossary 术语表"))
+    other = switch(page, ed)
+    if other:
+        links.append(a(other[0], other[1], f' class="minishard-lang" hreflang="{other[2]}" lang="{other[2]}"'))
     return '<nav class="minishard-nav">' + " ".join(links) + "</nav>"
 
 
@@ -209,7 +264,7 @@ def static_outputs(nb):
     return nb
 
 
-def notebook_page(nb_path: Path, page: str, pages: list[tuple[str, str]], copies: set[str]) -> str:
+def notebook_page(nb_path: Path, page: str, ed: Editions, copies: set[str]) -> str:
     import nbformat
     from nbconvert import HTMLExporter
 
@@ -217,7 +272,8 @@ def notebook_page(nb_path: Path, page: str, pages: list[tuple[str, str]], copies
     nb.metadata.pop("widgets", None)
     exporter = HTMLExporter(template_name="lab")
     exporter.exclude_input_prompt = exporter.exclude_output_prompt = True
-    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": nb_path.stem}})
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": nb_path.stem},
+                                                          "language_code": "en"})
     # no CDN: drop require.js and the CDN MathJax/mermaid loaders; add the vendored scripts
     body = re.sub(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/require\.js/[^"]*"></script>',
                   "", body)
@@ -226,7 +282,7 @@ def notebook_page(nb_path: Path, page: str, pages: list[tuple[str, str]], copies
                   "", body, flags=re.S)
     body = rewrite_links(body, f"notebooks/{nb_path.name}", page, copies)
     body = body.replace("</head>", head_scripts(page) + f"<style>{STYLE}</style>\n</head>", 1)
-    return re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav(page, pages), body, count=1)
+    return re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav(page, ed), body, count=1)
 
 
 # ====================================================================== markdown
@@ -235,10 +291,12 @@ MATH = re.compile(r"\$\$.+?\$\$|(?<![\\$\w])\$(?=\S)[^$\n]+?(?<=\S)\$(?![\w$])",
 CODE = re.compile(r"(^```.*?^```[^\n]*$|`[^`\n]+`)", re.S | re.M)
 
 
-def markdown_to_html(text: str) -> str:
+def markdown_to_html(text: str, unicode_ids: bool = False) -> str:
     """Python-Markdown (tables, fenced code, heading ids, ``<details>``) with math kept intact
-    for MathJax: ``$…$``/``$$…$$`` outside code are set aside before and put back after."""
+    for MathJax: ``$…$``/``$$…$$`` outside code are set aside before and put back after.
+    ``unicode_ids``: heading ids keep non-ASCII letters (Chinese headings get Chinese ids)."""
     import markdown
+    from markdown.extensions.toc import slugify, slugify_unicode
 
     stash: list[str] = []
 
@@ -249,18 +307,68 @@ def markdown_to_html(text: str) -> str:
     parts = CODE.split(text)
     text = "".join(p if i % 2 else MATH.sub(keep, p) for i, p in enumerate(parts))
     out = markdown.markdown(text, extensions=["tables", "fenced_code", "toc", "md_in_html", "sane_lists"],
-                            extension_configs={"toc": {"permalink": False}}, output_format="html")
+                            extension_configs={"toc": {"permalink": False,
+                                                       "slugify": slugify_unicode if unicode_ids else slugify}},
+                            output_format="html")
     return re.sub("\u0000MATH(\\d+)\u0000", lambda m: stash[int(m.group(1))], out)
 
 
-def markdown_page(md_path: Path, page: str, pages: list[tuple[str, str]], title: str,
+HEADING = re.compile(r"<h([1-6])((?:\s[^>]*)?)>")
+
+
+def heading_ids(html_text: str) -> list[str]:
+    """The ``id`` of every heading (``<h1>``…``<h6>``) of a page, in order."""
+    ids = (re.search(r'\sid="([^"]*)"', m.group(2)) for m in HEADING.finditer(html_text))
+    return [m.group(1) if m else "" for m in ids]
+
+
+def english_anchors(zh_html: str, en_md: Path, zh_name: str, strict: bool = True) -> str:
+    """``zh_html`` with each heading given the id of the English page's heading at the same
+    place: Chinese headings would get empty or Chinese slugs, and a link to ``#section`` must
+    land on the same section in both editions. A different number of headings stops the build
+    (``strict``) or leaves the page's own ids (not strict: the table of contents)."""
+    en = heading_ids(markdown_to_html(en_md.read_text(encoding="utf-8")))
+    n = len(HEADING.findall(zh_html))
+    if n != len(en):
+        if not strict:
+            return zh_html
+        raise SystemExit(f"build_site: {zh_name} has {n} headings but its English page "
+                         f"{en_md.relative_to(ROOT).as_posix()} has {len(en)}: the Chinese page "
+                         f"must have the same sections in the same order (tests/test_zh.py), "
+                         f"or its sections cannot get the English anchors")
+    ids = iter(en)
+
+    def one(m):
+        attrs = re.sub(r'\sid="[^"]*"', "", m.group(2))
+        return f'<h{m.group(1)} id="{html.escape(next(ids), quote=True)}"{attrs}>'
+    return HEADING.sub(one, zh_html)
+
+
+CJK_PUNCT, CJK_CHAR = "\u3000-\u303f\uff00-\uffef", "\u2014\u2018-\u201d\u2026\u3000-\u9fff\uff00-\uffef"
+CJK_BREAK = re.compile(rf"(?<=[{CJK_CHAR}])\n(?=[{CJK_CHAR}])|(?<=[{CJK_PUNCT}])\n|\n(?=[{CJK_PUNCT}])")
+
+
+def markdown_body(md_path: Path) -> str:
+    """The page's HTML. A Chinese page's headings get its English page's ids, and a line break
+    between two Chinese characters or next to Chinese punctuation goes (outside ``<pre>``)."""
+    rel = md_path.relative_to(ROOT).as_posix()
+    if not rel.startswith(ZH):
+        return markdown_to_html(md_path.read_text(encoding="utf-8"))
+    body = markdown_to_html(md_path.read_text(encoding="utf-8"), unicode_ids=True)
+    parts = re.split(r"(<pre\b.*?</pre>)", body, flags=re.S)
+    body = "".join(p if i % 2 else CJK_BREAK.sub("", p) for i, p in enumerate(parts))
+    en = ROOT / "tutorial" / md_path.name
+    return english_anchors(body, en, rel, strict=md_path.name != "README.md") if en.exists() else body
+
+
+def markdown_page(md_path: Path, page: str, ed: Editions, title: str,
                   copies: set[str], extra: str = "") -> str:
-    body = rewrite_links(markdown_to_html(md_path.read_text(encoding="utf-8")),
-                         md_path.relative_to(ROOT).as_posix(), page, copies)
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+    body = rewrite_links(markdown_body(md_path), md_path.relative_to(ROOT).as_posix(), page, copies)
+    lang = "zh-CN" if page.startswith(ZH) else "en"
+    return (f'<!DOCTYPE html>\n<html lang="{lang}"><head><meta charset="utf-8">\n'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
             f"<title>{html.escape(title)}</title>\n{head_scripts(page)}<style>{STYLE}</style>\n</head>\n"
-            f'<body class="minishard-page">{nav(page, pages)}\n{body}\n{extra}</body></html>\n')
+            f'<body class="minishard-page">{nav(page, ed)}\n{body}\n{extra}</body></html>\n')
 
 
 def title_of(path: Path) -> str:
@@ -277,8 +385,8 @@ def title_of(path: Path) -> str:
 # ====================================================================== the site
 
 def sources(only: set[str] | None = None) -> list[tuple[Path, str]]:
-    """Every page of the site in reading order: ``(repository file, site page)``. ``only``
-    keeps the chapters ``"NN"`` and pages ``"tutorial/glossary"`` it names."""
+    """Every English page of the site in reading order: ``(repository file, site page)``.
+    ``only`` keeps the chapters ``"NN"`` and pages ``"tutorial/glossary"`` it names."""
     out = []
     chapters = sorted({p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb")}
                       | {p.name[:2] for p in (ROOT / "tutorial").glob("[0-9][0-9]-*.md")})
@@ -289,19 +397,33 @@ def sources(only: set[str] | None = None) -> list[tuple[Path, str]]:
             out.append((md, f"tutorial/{md.stem}.html"))
         for nb in sorted((ROOT / "notebooks").glob(f"{ch}-*.ipynb")):
             out.append((nb, f"notebooks/{nb.stem}.html"))
-    extras = [ROOT / "tutorial" / "glossary.md", ROOT / "tutorial" / "README.md",
+    tutorial = ROOT / "tutorial"
+    others = sorted(p for p in tutorial.glob("*.md") if not p.name[:2].isdigit())
+    extras = [tutorial / "glossary.md", tutorial / "cheatsheet.md", *others, tutorial / "README.md",
               *sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md",
               *sorted((ROOT / "benchmarks").glob("*.md"))]
-    for md in extras:
-        rel = md.relative_to(ROOT).with_suffix("").as_posix()
-        if md.exists() and (only is None or rel in only):
-            out.append((md, site_path(md.relative_to(ROOT).as_posix())))
-    return out
+    return out + [(md, site_path(md.relative_to(ROOT).as_posix()))
+                  for md in dict.fromkeys(extras) if md.exists() and kept(md, only)]
 
 
-def build(out: Path, only: set[str] | None = None) -> list[Path]:
-    """Build the site into ``out`` (wiped first if an earlier build made it). Returns the pages."""
-    out = Path(out)
+def zh_sources(only: set[str] | None = None) -> list[tuple[Path, str]]:
+    """The Chinese edition (``tutorial/zh/*.md``) in reading order: the chapters, the cheat
+    sheet, any other page, its table of contents (``README.md``) last. ``only`` as above
+    (``"05"`` keeps ``tutorial/zh/05-*.md``; ``"tutorial/zh/README"`` the contents)."""
+    zh = ROOT / ZH
+    chapters = sorted(zh.glob("[0-9][0-9]-*.md"))
+    others = sorted(p for p in zh.glob("*.md") if not p.name[:2].isdigit() and p.name != "README.md")
+    return [(md, site_path(md.relative_to(ROOT).as_posix()))
+            for md in chapters + others + [zh / "README.md"] if md.exists() and kept(md, only)]
+
+
+def kept(md: Path, only: set[str] | None) -> bool:
+    rel = md.relative_to(ROOT).with_suffix("").as_posix()
+    return only is None or rel in only or (md.name[:2].isdigit() and md.name[:2] in only)
+
+
+def prepare(out: Path) -> None:
+    """Make ``out`` empty (wiped only if an earlier build made it), keeping ``vendor/``."""
     if out.exists():
         if not (out / MARKER).exists() and any(out.iterdir()):
             raise SystemExit(f"{out} exists and was not made by this script: refusing to wipe it")
@@ -310,30 +432,43 @@ def build(out: Path, only: set[str] | None = None) -> list[Path]:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("built by scripts/build_site.py; safe to delete\n")
+
+
+def index_extra(ed: Editions) -> str:
+    """What the index adds under the table of contents: every page of the site, both editions."""
+    def listing(pages):
+        return "\n".join(f'<li><a href="{page}">{html.escape(title)}</a> '
+                         f'<small>({page.split("/")[0]})</small></li>' for page, title in pages)
+    zh = (f'<h2 lang="zh-CN">中文版 · the Chinese edition</h2>\n<ul lang="zh-CN">\n{listing(ed.zh)}\n</ul>\n'
+          if ed.zh else "")
+    return (f"<h2>Every page of this site</h2>\n<ul>\n{listing(ed.en)}\n</ul>\n{zh}"
+            f"<p><small>Built offline from the repository by <code>make site</code>: no kernel, "
+            f"no network. Live widgets need JupyterLab (<code>make course</code>); the kernel-free "
+            f"figures play here.</small></p>\n")
+
+
+def build(out: Path, only: set[str] | None = None) -> list[Path]:
+    """Build the site into ``out`` (wiped first if an earlier build made it). Returns the pages."""
+    out = Path(out)
+    prepare(out)
     vendor(out)
 
-    todo = sources(only)
-    pages = [(page, title_of(src)) for src, page in todo]
+    en, zh = sources(only), zh_sources(only)
+    ed = Editions([(page, title_of(src)) for src, page in en], [(page, title_of(src)) for src, page in zh])
     written, copies = [], set()
-    for src, page in todo:
+    for src, page in en + zh:
         dst = out / page
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.suffix == ".ipynb":
-            text = notebook_page(src, page, pages, copies)
+            text = notebook_page(src, page, ed, copies)
         else:
-            text = markdown_page(src, page, pages, title_of(src), copies)
+            text = markdown_page(src, page, ed, title_of(src), copies)
         dst.write_text(text, encoding="utf-8")
         written.append(dst)
 
     # the index: the course's table of contents, then every page of this site
-    listing = "\n".join(f'<li><a href="{page}">{html.escape(title)}</a> '
-                        f'<small>({page.split("/")[0]})</small></li>' for page, title in pages)
-    extra = f"<h2>Every page of this site</h2>\n<ul>\n{listing}\n</ul>\n" \
-            f"<p><small>Built offline from the repository by <code>make site</code>: no kernel, " \
-            f"no network. Live widgets need JupyterLab (<code>make course</code>); the kernel-free " \
-            f"figures play here.</small></p>\n"
-    index = markdown_page(ROOT / "tutorial" / "README.md", "index.html", pages,
-                          "minishard — how training shards its state", copies, extra)
+    index = markdown_page(ROOT / "tutorial" / "README.md", "index.html", ed,
+                          "minishard — how training shards its state", copies, index_extra(ed))
     (out / "index.html").write_text(index, encoding="utf-8")
     written.append(out / "index.html")
     for rel in sorted(copies):                 # the sources the pages link to, as plain text
@@ -347,7 +482,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?", default=str(ROOT / "site"))
     ap.add_argument("--only", default=None,
-                    help="comma-separated chapters (00,01) and pages (tutorial/glossary) to build")
+                    help="comma-separated chapters (00,01: both editions) and pages (tutorial/glossary, "
+                         "tutorial/zh/README) to build")
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
     pages = build(Path(args.out), only)

@@ -8,12 +8,19 @@ written chapters (``scripts/build_site.py``), then checked twice:
 * in headless Chromium with the network cut off (every non-``file://`` request aborted, DNS
   disabled): each notebook page draws all its figures (``.js-plotly-plot``), moving a static
   player's slider moves its figure, math is typeset, and no page even tried the network.
+
+Both editions: the Chinese pages (``tutorial/zh/``) are built and linked like the English ones,
+carry their English page's heading ids, every page has a language switch that lands, and a
+Chinese page is drawn with a real CJK font. While ``tutorial/zh/`` has no page yet, these run on
+a stand-in repository whose Chinese pages are made from the English ones (``zh_fixture_root``).
 """
 from __future__ import annotations
 
 import html
 import importlib.util
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import nbformat
@@ -27,12 +34,54 @@ spec.loader.exec_module(build_site)
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
 TUTORIAL = sorted((ROOT / "tutorial").glob("*.md"))
+ZH_PAGES = sorted((ROOT / "tutorial" / "zh").glob("*.md"))
+CJK = re.compile(r"[\u4e00-\u9fff]")
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     build_site.build(out)
+    return out
+
+
+def zh_fixture_root(tmp: Path) -> Path:
+    """A stand-in repository (the real one linked in) whose ``tutorial/zh/`` holds 04-zero2,
+    05-zero3 and a README: each the English page with its headings and first line in Chinese."""
+    for entry in ROOT.iterdir():
+        if entry.name not in ("tutorial", "site", "artifacts", ".git"):
+            (tmp / entry.name).symlink_to(entry)
+    (tmp / "tutorial" / "zh").mkdir(parents=True)
+    for md in (ROOT / "tutorial").glob("*.md"):
+        (tmp / "tutorial" / md.name).symlink_to(md)
+    links = "另见[上一章](04-zero2.md)、[本章的笔记本](../../notebooks/05-zero3.ipynb)和[术语表](../glossary.md)。"
+    for name in ("04-zero2.md", "05-zero3.md", "README.md"):
+        out, fenced, n = [], False, 0
+        for line in (ROOT / "tutorial" / name).read_text(encoding="utf-8").splitlines():
+            fenced ^= line.startswith("```")
+            m = None if fenced else re.match(r"(#{1,6})\s+(.*)", line)
+            if m:
+                n += 1
+                number = re.search(r"\(§\d+\)", line)
+                out += [f"{m.group(1)} 第{n}节：分片的参数与显存{number.group(0) if number else ''}",
+                        "", "每个秩只保存模型状态的一部分，需要时再收集。" + (links if n == 1 else ""), ""]
+            else:
+                out.append(line.replace("](../", "](../../"))
+        (tmp / "tutorial" / "zh" / name).write_text("\n".join(out) + "\n", encoding="utf-8")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def zh_site(site, tmp_path_factory) -> Path:
+    """The built site with a Chinese edition: the real one once ``tutorial/zh/`` has pages."""
+    if ZH_PAGES:
+        return site
+    root, out = zh_fixture_root(tmp_path_factory.mktemp("repo")), tmp_path_factory.mktemp("zh-site")
+    real, build_site.ROOT = build_site.ROOT, root
+    try:
+        build_site.build(out)
+    finally:
+        build_site.ROOT = real
     return out
 
 
@@ -66,24 +115,123 @@ def test_no_page_loads_anything_from_the_network(site):
         assert "cdn.plot.ly" not in text and "unpkg.com" not in text, page
 
 
+def local_links(site: Path, page: Path) -> list[tuple[str, Path]]:
+    """Every local link of ``page`` and the file it lands on; links the builder marked
+    ``data-missing-in-repo`` (the source's own broken link) are left out."""
+    out = []
+    for href in re.findall(r'href="([^"]+)"(?! data-missing-in-repo)', page.read_text()):
+        href = html.unescape(href)
+        if not (re.match(r"^[a-z][a-z0-9+.-]*:", href, re.I) or href.startswith("#")):
+            out.append((href, (page.parent / href.split("#")[0]).resolve()))
+    return out
+
+
 def test_every_local_link_resolves(site):
     """Links between pages land on pages; a link whose target is missing from the repository
     itself is the source's bug (the builder marks it ``data-missing-in-repo``), reported here
     as a warning."""
     missing_in_repo = set()
     for page in pages(site):
-        text = page.read_text()
-        for href in re.findall(r'href="([^"]+)"(?! data-missing-in-repo)', text):
-            href = html.unescape(href)
-            if re.match(r"^[a-z][a-z0-9+.-]*:", href, re.I) or href.startswith("#"):
-                continue
-            target = (page.parent / href.split("#")[0]).resolve()
+        for href, target in local_links(site, page):
             assert target.exists(), f"{page.relative_to(site)}: broken link {href}"
         missing_in_repo |= {f"{page.relative_to(site)} -> {h}"
-                            for h in re.findall(r'href="([^"]+)" data-missing-in-repo', text)}
+                            for h in re.findall(r'href="([^"]+)" data-missing-in-repo', page.read_text())}
     if missing_in_repo:
         import warnings
         warnings.warn("links to files missing from the repository: " + ", ".join(sorted(missing_in_repo)))
+
+
+# ------------------------------------------------------------------ both editions
+def zh_pages(site: Path) -> list[Path]:
+    return sorted((site / "tutorial" / "zh").glob("*.html"))
+
+
+def lang_switch(page: Path) -> list[str]:
+    return [html.unescape(h) for h in re.findall(r'<a href="([^"]+)" class="minishard-lang"', page.read_text())]
+
+
+def test_every_chinese_page_is_built(site):
+    for md in ZH_PAGES:
+        assert (site / "tutorial" / "zh" / f"{md.stem}.html").exists(), f"tutorial/zh/{md.name}"
+    index = (site / "index.html").read_text()
+    for md in ZH_PAGES:                             # the index lists both editions
+        assert f"tutorial/zh/{md.stem}.html" in index, f"index.html does not link zh/{md.stem}"
+
+
+@pytest.mark.parametrize("which", ["site", "zh_site"])
+def test_every_page_has_a_language_switch_that_lands(request, which):
+    site = request.getfixturevalue(which)
+    if not zh_pages(site):
+        pytest.skip("no Chinese edition yet (tutorial/zh/ is empty): zh_site has one")
+    for page in pages(site):
+        rel = page.relative_to(site).as_posix()
+        zh = rel.startswith("tutorial/zh/")
+        switch = lang_switch(page)
+        assert len(switch) == 1, f"{rel}: {len(switch)} language switches"
+        target = (page.parent / switch[0]).resolve()
+        assert target.exists(), f"{rel}: language switch {switch[0]} lands nowhere"
+        assert f'<html lang="{"zh-CN" if zh else "en"}"' in page.read_text(), f"{rel}: wrong <html lang>"
+        twin = site / ("tutorial/" + page.name if zh else "tutorial/zh/" + page.name)
+        if rel.startswith("tutorial/") and page.name != "README.html" and twin.exists():
+            assert target == twin.resolve(), f"{rel}: the switch goes to {switch[0]}, not its other edition"
+    zh_index = site / "tutorial" / "zh" / "README.html"
+    if not zh_index.exists():                       # being written: the switch takes the first page
+        zh_index = (site / "tutorial" / "zh" / lang_switch(site / "index.html")[0].split("/")[-1])
+    for nb in NOTEBOOKS:                            # no counterpart: the other edition's index
+        page = site / "notebooks" / f"{nb.stem}.html"
+        assert (page.parent / lang_switch(page)[0]).resolve() == zh_index.resolve()
+    readme = site / "tutorial" / "zh" / "README.html"
+    if readme.exists():
+        assert (readme.parent / lang_switch(readme)[0]).resolve() == (site / "index.html").resolve()
+
+
+def heading_ids(page: Path) -> list[str]:
+    return build_site.heading_ids(page.read_text().split("</nav>", 1)[-1])
+
+
+def zh_chapter(site: Path) -> Path:
+    """tutorial/zh/05-zero3.html, or another Chinese page with an English twin."""
+    named = [p for p in zh_pages(site) if p.name != "README.html" and (site / "tutorial" / p.name).exists()]
+    assert named, "no Chinese chapter was built"
+    return next((p for p in named if p.stem == "05-zero3"), named[0])
+
+
+def test_chinese_headings_carry_the_english_ids(zh_site):
+    for zh in zh_pages(zh_site):
+        if zh.name == "README.html" or not (zh_site / "tutorial" / zh.name).exists():
+            continue
+        en_ids = heading_ids(zh_site / "tutorial" / zh.name)
+        assert en_ids and all(en_ids), zh.name
+        assert heading_ids(zh) == en_ids, f"zh/{zh.name}: its headings do not carry the English ids"
+    page = zh_chapter(zh_site)
+    assert CJK.search(re.search(r"<h1[^>]*>(.*?)</h1>", page.read_text(), re.S).group(1)), \
+        f"{page.name}: its title is not in Chinese"
+
+
+def test_chinese_lines_join_without_a_space(zh_site):
+    """A line break inside a Chinese sentence of the source is no space on the page."""
+    body = re.sub(r"<pre\b.*?</pre>", "", zh_chapter(zh_site).read_text(), flags=re.S)
+    assert not re.search(r"[\u4e00-\u9fff，。]\n[\u4e00-\u9fff，。]", body)
+
+
+def test_a_heading_count_that_differs_stops_the_build():
+    en = ROOT / "tutorial" / "glossary.md"
+    with pytest.raises(SystemExit, match=r"tutorial/zh/glossary\.md has 1 headings.*tutorial/glossary\.md"):
+        build_site.english_anchors('<h1 id="_1">术语表</h1>', en, "tutorial/zh/glossary.md")
+    assert build_site.english_anchors("<h1>目录</h1>", en, "tutorial/zh/README.md", strict=False) == "<h1>目录</h1>"
+
+
+def test_chinese_pages_link_to_chapters_and_notebooks(zh_site):
+    """A Chinese page's links land, one level deeper: to another Chinese chapter and to a notebook."""
+    seen = set()
+    for page in zh_pages(zh_site):
+        for href, target in local_links(zh_site, page):
+            assert target.exists(), f"zh/{page.name}: broken link {href}"
+            if target.parent == page.parent and target.name[:2].isdigit() and target != page:
+                seen.add("chapter")
+            if target.parent.name == "notebooks" and target.suffix == ".html":
+                seen.add("notebook")
+    assert seen == {"chapter", "notebook"}, f"no Chinese page links to a {({'chapter', 'notebook'} - seen)}"
 
 
 def test_figures_are_inlined_once_per_output(site):
@@ -164,6 +312,53 @@ def test_math_and_index_render_offline(site, offline_browser):
         page.wait_for_function("() => document.querySelectorAll('span.MathJax').length > 0",
                                timeout=60_000)         # MathJax typeset the chapter's formulas
         page.screenshot(path=screenshot_path("site-01-top.png"))
+        assert not errors and not offline_browser.blocked
+    finally:
+        page.close()
+
+
+def cjk_families() -> set[str]:
+    """The font families fontconfig says cover Chinese (every name a family goes by)."""
+    if shutil.which("fc-list") is None:
+        return set()
+    listed = subprocess.run(["fc-list", ":lang=zh", "family"], capture_output=True, text=True).stdout
+    return {name.strip() for line in listed.splitlines() for name in line.split(",") if name.strip()}
+
+
+PROBE = "中文字体显示正常吗"                          # 9 ideographs, each one em wide in a CJK font
+
+
+def test_chinese_page_is_drawn_with_a_cjk_font_offline(zh_site, offline_browser):
+    """Chinese text is drawn by a font that has its glyphs — not boxes, not zero width. The
+    renderer itself says which font drew the title (DevTools' ``CSS.getPlatformFontsForNode``),
+    and a line of ideographs in the page's font is as wide as that many ems.
+    (``document.fonts.check`` cannot tell: it answers true for a system font that is absent.)"""
+    families = cjk_families()
+    assert families, ("no CJK font: Chinese pages show boxes "
+                      "(`make browser-deps`, or apt-get install -y fonts-wqy-microhei)")
+    path = zh_chapter(zh_site)
+    page, errors = _open(offline_browser, path)
+    try:
+        page.screenshot(path=screenshot_path(f"site-zh-{path.stem}.png"))
+        cdp = offline_browser.new_cdp_session(page)
+        cdp.send("DOM.enable")
+        cdp.send("CSS.enable")
+        root = cdp.send("DOM.getDocument")["root"]["nodeId"]
+        h1 = cdp.send("DOM.querySelector", {"nodeId": root, "selector": "h1"})["nodeId"]
+        fonts = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": h1})["fonts"]
+        drawn = {f["familyName"]: f["glyphCount"] for f in fonts}
+        title = page.locator("h1").first.inner_text()
+        assert any(name in families for name in drawn), \
+            f"{path.name}: the title {title!r} is drawn with {drawn}, none of the CJK fonts {sorted(families)}"
+        assert sum(n for name, n in drawn.items() if name in families) >= len(CJK.findall(title))
+        width = page.evaluate("""text => {
+            const s = document.createElement('span');
+            s.textContent = text; s.style.fontSize = '20px'; s.style.whiteSpace = 'nowrap';
+            document.querySelector('body.minishard-page').appendChild(s);
+            const w = s.getBoundingClientRect().width; s.remove(); return w; }""", PROBE)
+        assert abs(width - 20 * len(PROBE)) <= 0.1 * 20 * len(PROBE), \
+            f"{len(PROBE)} ideographs at 20px are {width:.0f}px wide, not about {20 * len(PROBE)}px"
+        assert page.evaluate("document.documentElement.lang") == "zh-CN"
         assert not errors and not offline_browser.blocked
     finally:
         page.close()
