@@ -32,6 +32,7 @@ fp32 master weights of a unit that computes in bf16, without touching the unit's
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -166,7 +167,30 @@ class PerParamLayout:
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Rank q's block of parameter p goes to rows [q*c, (q+1)*c) of the full parameter."""
-        self._unpack_into(gathered, self.unsharded, raw=self.mixed)
+        if self.mixed or not all(self.inner):
+            self._unpack_into(gathered, self.unsharded, raw=self.mixed)
+        else:
+            self._split_into(gathered, self.unsharded)
+
+    def _split_into(self, gathered: torch.Tensor, into: list[torch.Tensor]) -> None:
+        """The copy-out as one operation for the whole unit (FSDP2 does the same): seen as N rows
+        of ``per_rank``, the gather's column block i holds parameter i's rank blocks in order,
+        which *is* parameter i when its rows divide by N. The others (the last blocks carry
+        padding) land in a scratch first and their real rows are copied on."""
+        outs, ragged = [], []
+        for p, c, inner in zip(into, self.rows, self.inner):
+            if p.numel() == self.N * c * inner:
+                outs.append(p.view(self.N, c * inner))
+            else:
+                outs.append(torch.empty(self.N, c * inner, dtype=p.dtype, device=p.device))
+                ragged.append((p, outs[-1]))
+        with torch.no_grad(), contextlib.ExitStack() as keep:
+            for p in into:                           # autograd saved these for backward
+                keep.enter_context(_preserve_version(p))
+            torch.split_with_sizes_copy(gathered.view(self.N, self.per_rank), self.sizes, dim=1,
+                                        out=outs)
+            for p, scratch in ragged:
+                p.view(-1).copy_(scratch.view(-1)[:p.numel()])
 
     def unpack(self, gathered: torch.Tensor) -> list[torch.Tensor]:
         """Fresh full tensors from a gather in one dtype (``all_gather_output(dtype)``)."""
@@ -212,6 +236,14 @@ class PerParamLayout:
     def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor:
         """Gradients packed rank-major like the all-gather (the copy-in); frozen and missing
         gradients contribute zeros."""
+        grads = [p.grad for p in self.unsharded]
+        if all(g is not None for g in grads) and all(self.inner):
+            # one operation, as FSDP2's chunk_cat: each gradient cut into N row blocks of c rows
+            # (the last padded with zeros), the blocks laid rank-major, cast on the way
+            packed = torch.empty(self.N, self.per_rank, dtype=dtype, device=self.device)
+            torch._chunk_cat([g.reshape(-1, inner) for g, inner in zip(grads, self.inner)], dim=0,
+                             num_chunks=self.N, out=packed)
+            return packed.view(-1)
         packed = torch.zeros(self.N, self.per_rank, dtype=dtype, device=self.device)
         offset = 0
         for p, c, inner, size in zip(self.unsharded, self.rows, self.inner, self.sizes):
