@@ -20,10 +20,18 @@ gloo has no ring reduce-scatter: its ``reduce_scatter_tensor`` runs a full all-r
 ``all_to_all`` (each rank receives the N slices meant for it, (N-1)/N * S on the wire) followed
 by a local sum in rank order — the ring volume, and the same sum on every rank. NCCL gets its
 native reduce-scatter.
+
+gloo's all-gather is slow: on the course's 2-core machine it took 34–75 ms to gather 28 MB on 2
+ranks where an ``all_to_all`` of the same size took 14–19 ms and a gloo ``all_reduce``, which
+moves twice the bytes, 27–38 ms (``benchmarks/RESULTS.md``). On gloo, :meth:`Comm.all_gather`
+therefore sends this rank's block straight to every other rank and receives theirs into place
+(N-1 ``isend``/``irecv`` pairs, :class:`PairwiseGather`): the same (N-1)/N * S on the wire, no
+buffer beyond the output. NCCL gets its native all-gather.
 """
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.distributed as dist
@@ -85,6 +93,47 @@ class Work:
         self._comm._record(self._event)
 
 
+class PairwiseGather:
+    """An all-gather as N-1 point-to-point exchanges (gloo; see the module docstring): rank r
+    sends its block to r+k and receives r-k's into place, k = 1 .. N-1. Every collective gets
+    its own tag, so that two gathers in flight at once (prefetch) never pair up wrongly: ranks
+    issue collectives in the same order, so the k-th gather has the same tag everywhere."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, comm: "Comm", tag: int):
+        N, r = comm.world_size, comm.rank
+        blocks = output.view(N, -1)
+        self._works, self._lock, self._done = [], threading.Lock(), False
+        for k in range(1, N):
+            self._works.append(dist.isend(input, group=comm.group, group_dst=(r + k) % N, tag=tag))
+            self._works.append(dist.irecv(blocks[(r - k) % N], group=comm.group,
+                                          group_src=(r - k) % N, tag=tag))
+        if blocks[r].data_ptr() != input.data_ptr():
+            blocks[r].copy_(input.view_as(blocks[r]))
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        # a gloo point-to-point work may be waited for once only (a second wait blocks for a
+        # completion that never comes), and the future's thread waits too
+        with self._lock:
+            if not self._done:
+                for w in self._works:
+                    w.wait()
+                self._done = True
+
+    def get_future(self) -> torch.futures.Future:
+        """gloo's point-to-point works have no futures: a helper thread waits and completes one
+        (only when a trace wants the completion time)."""
+        fut = torch.futures.Future()
+
+        def complete():
+            self.wait()
+            fut.set_result(None)
+        threading.Thread(target=complete, daemon=True).start()
+        return fut
+
+
 class Comm:
     """Instrumented collectives for one rank (and one process group).
 
@@ -100,6 +149,7 @@ class Comm:
         self.backend = dist.get_backend(group) if self.initialized else "none"
         self.totals = {"payload": 0, "wire": 0, "calls": 0}
         self.by_op: dict[str, dict[str, int]] = {}
+        self._gathers = 0                      # tags for PairwiseGather
 
     # ---- bookkeeping
     def _begin(self, op: str, tensor: torch.Tensor, nbytes: int, tag: str, **extra) -> dict:
@@ -128,7 +178,7 @@ class Comm:
 
     def _run(self, ev: dict, launch, async_op: bool, finish=None) -> Work | None:
         handle = launch() if self.world_size > 1 else None
-        if handle is not None and async_op and self.tracer is not None:
+        if handle is not None and async_op and self.tracer is not None and self.tracer.enabled:
             # the end time is when the collective completed, not when someone waited for it
             tracer = self.tracer
             handle.get_future().add_done_callback(lambda _: ev.__setitem__("t_done", tracer.now()))
@@ -153,6 +203,10 @@ class Comm:
         ev = self._begin("all_gather", output, output.numel() * output.element_size(), tag)
         if self.world_size == 1:
             output.copy_(input.view_as(output))
+        if self.backend == "gloo":
+            self._gathers += 1
+            tag = self._gathers % (1 << 24)
+            return self._run(ev, lambda: PairwiseGather(output, input, self, tag), async_op)
         return self._run(ev, lambda: dist.all_gather_single(
             output, input, group=self.group, async_op=True), async_op)
 

@@ -246,11 +246,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.master is not None:
                 mine.copy_(s)                   # round the updated master to the working dtype
                 s.grad = None
-            # gather into the region; our own chunk goes in as a copy (gloo wants no aliasing).
-            # All buckets' gathers are started before waiting on any: they travel together.
+            # gather into the region, in place: our chunk already sits where it belongs (NCCL
+            # gathers in place; on gloo, Comm sends it from there). All buckets' gathers are
+            # started before waiting on any: they travel together.
             region = self.flat_params[b.start:b.start + b.chunk * self.comm.world_size]
-            works.append(self.comm.all_gather(region, mine.clone(), async_op=True,
-                                              tag=f"params{b.index}"))
+            works.append(self.comm.all_gather(region, mine, async_op=True, tag=f"params{b.index}"))
         for w in works:
             w.wait()
 
