@@ -6,7 +6,8 @@
 Times, interleaved round by round on one warm pool per world size, the collectives a step of
 ZeRO or FSDP issues, on a buffer of ``--mb`` MB: gloo's ``all_reduce``, its ``all_to_all`` (what
 minishard's gloo reduce-scatter is), gloo's own ``all_gather_into_tensor`` and minishard's
-``Comm.all_gather`` (N-1 ``isend``/``irecv`` pairs on gloo, ``PairwiseGather``). Median over the
+``Comm.all_gather`` (N-1 ``isend``/``irecv`` pairs on gloo, ``PairwiseGather``), and the same
+pairwise idea for an all_to_all (no faster than gloo's, so the reduce-scatter keeps gloo's). Median over the
 rounds of the slowest rank's time; a barrier before each call.
 """
 from __future__ import annotations
@@ -22,6 +23,17 @@ from minishard.comm import Comm
 from minishard.launch import Ranks
 
 
+def _pairwise_all_to_all(recv, send, N):
+    r = dist.get_rank()
+    ins, outs, works = send.view(N, -1), recv.view(N, -1), []
+    for k in range(1, N):
+        works.append(dist.isend(ins[(r + k) % N], (r + k) % N, tag=99))
+        works.append(dist.irecv(outs[(r - k) % N], (r - k) % N, tag=99))
+    outs[r].copy_(ins[r])
+    for w in works:
+        w.wait()
+
+
 def time_collectives(rank, numel: int, rounds: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     N, comm = dist.get_world_size(), Comm()
@@ -32,6 +44,7 @@ def time_collectives(rank, numel: int, rounds: int) -> dict[str, list[float]]:
         "gloo all_to_all ((N-1)/N S)": lambda: dist.all_to_all_single(recv, full),
         "gloo all_gather_into_tensor": lambda: dist.all_gather_into_tensor(full, part),
         "minishard all_gather (pairwise)": lambda: comm.all_gather(full, part),
+        "pairwise all_to_all (not used)": lambda: _pairwise_all_to_all(recv, full, N),
     }
     out: dict[str, list[float]] = {k: [] for k in ops}
     for _ in range(rounds):
