@@ -1,22 +1,37 @@
-"""Checkpoint throughput: save and load MB/s per rank, against a plain copy of the same bytes.
+"""Checkpoint throughput: minishard against PyTorch DCP and a plain copy of the same bytes.
 
-    python benchmarks/bench_checkpoint.py                       # tiny GPT, FSDP, 2 and 4 ranks
-    python benchmarks/bench_checkpoint.py --world-sizes 4 --repeats 5 --dir /mnt/nvme/scratch
+    python benchmarks/bench_checkpoint.py                       # small + large state, 2 and 4 ranks
+    python benchmarks/bench_checkpoint.py --states small --rounds 5 --dir /mnt/nvme/scratch
 
-For each world size one warm pool of ranks trains a step and saves (warm-up, not timed), then
-``--repeats`` times resumes from that checkpoint, trains one step and saves it again
-(``train(None, TrainConfig(resume_from=..., save_to=...))``), which times one load and one save per round.
+For each state — ``small``, the tiny GPT (6.9 M parameters: 82 MB of fp32 parameters + AdamW
+moments), and ``large``, the tiny GPT widened to d_model 768 and deepened to 10 blocks (45.8 M
+parameters, 549 MB) — and each world size, one warm pool of ranks builds the model twice: under
+minishard's FSDP (per-parameter) and under PyTorch's FSDP2 ``fully_shard`` (a unit per block +
+the root, as benchmarks/bench.py builds it), each with its AdamW state, then runs interleaved
+rounds (the order rotates every round) of:
 
-* save MB/s: bytes the rank wrote / seconds of its whole ``checkpoint.save`` — describing,
-  hashing, writing, fsync, the ranks' agreement, rank 0's metadata and the renames;
-* write MB/s: the same bytes / seconds spent on the rank's own file (hash + write + fsync);
-* load MB/s: bytes the rank read / seconds of its whole ``checkpoint.load`` — plan, read,
-  verify, agree, copy into the live tensors;
-* copy MB/s: the same rank files copied with ``shutil.copyfile`` + fsync, on the same disk, all
-  files at once (one thread each, as the ranks write at once) and one at a time.
+* minishard save: ``checkpoint.save`` — describe, hash (XXH3-64 per 64 KiB block), write, fsync,
+  agree, metadata, renames ("its own file": the same bytes / the seconds of the rank's own file:
+  hash, write, fsync);
+* minishard load: ``checkpoint.load`` of that checkpoint — plan, read, verify every block, agree,
+  copy into the live tensors;
+* minishard load N→M: the same, of the checkpoint saved by the other world size (resharding);
+* DCP save: ``get_state_dict`` + ``torch.distributed.checkpoint.save`` (FileSystemWriter
+  defaults: one file per rank, fsync'd) of the same model + optimizer state;
+* DCP load: ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``; and N→M, as above;
+* copy: every rank copies its minishard rank file (``shutil.copyfile`` + fsync) to a new file,
+  all ranks at once — the disk's speed for the same bytes.
 
-Medians over the rounds. Loads read files the save has just written, so they come from the page
-cache, as a restart on the same machine would; copies likewise.
+Every operation is timed from a barrier to a barrier: from a common start until the last rank
+has finished (a checkpoint, like a parallel copy, is done when its last file is). MB/s per rank
+= the rank's share of the state (12Ψ/N bytes, the same figure for every contender, so MB/s
+ratios are time ratios) / those seconds; "its own file" is the exception, each rank's own
+seconds. Each round's figure is the median over the ranks; the table gives
+the median over the rounds and the min–max, and each ratio is the median of the per-round
+ratios. Checksums are on for minishard (always: a save computes them, a load verifies them);
+DCP and the copy verify nothing. Every save writes a fresh directory (as a run saving each step
+does); loads read files just written, so from the page cache, as a restart on the same machine
+would, and so does the copy.
 """
 from __future__ import annotations
 
@@ -27,74 +42,183 @@ import shutil
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from minishard.launch import Ranks
-from minishard.train import TrainConfig, train
+STATES = {"small": {}, "large": {"d_model": 768, "n_layer": 10}}
+OPS = ("minishard save", "  its own file", "minishard load", "minishard load N→M",
+       "DCP save", "DCP load", "DCP load N→M", "copy")
+OWN_FILE = OPS[1]
+_HELD: dict = {}            # in each rank process: the built models, kept across rounds
 
 
-def copy_rate(src: Path, dst: Path) -> float:
-    """MB/s of one plain copy of ``src`` (fsync'd, like the checkpoint's files)."""
+def _timed(fn) -> float:
+    """Seconds from a common start until every rank has finished: a checkpoint (or a parallel
+    copy) is done when its last file is."""
+    import torch.distributed as dist
+    dist.barrier()
     t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def setup(rank, root: str, state: str) -> int:
+    """Build both models with their AdamW state, save both reference checkpoints (the other
+    world size loads them: N→M), warm every path once. Returns this rank's state bytes.
+
+    No training step: the optimizer state is made as the first step would make it (minishard's
+    ``ensure_optimizer_state``, which ``describe`` calls; DCP's ``get_state_dict``, which steps
+    once with zero gradients) — the bytes are the same, and no all-gather runs."""
+    from minishard import checkpoint
+    from minishard.comm import Comm
+    from minishard.model import GPT, config
+    from minishard.train import TrainConfig, build
+    _HELD.clear()
+    cfg = config("tiny", **STATES[state])
+    comm = Comm(rank.tracer)
+    held = {"comm": comm}
+    for kind in ("fsdp", "torch_fsdp"):
+        config_ = TrainConfig(kind, model="tiny", model_overrides=STATES[state])
+        held[kind] = build(GPT(cfg, seed=0), config_, comm)
+    _HELD.update(held)
+    N = rank.world_size
+    ref = Path(root) / f"ref-n{N}"
+    ms, dcp = ref / "minishard", ref / "dcp"
+    checkpoint.save(held["fsdp"].model, held["fsdp"].optimizer, ms, comm=comm, step=1)
+    checkpoint.load(held["fsdp"].model, held["fsdp"].optimizer, ms, comm=comm)
+    _dcp_save(held["torch_fsdp"], dcp)
+    _dcp_load(held["torch_fsdp"], dcp)
+    return 12 * GPT(cfg, device="meta").num_params() // N
+
+
+def _dcp_save(built, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(built.model, built.optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+
+
+def _dcp_load(built, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(built.model, built.optimizer)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(path))
+    set_state_dict(built.model, built.optimizer, model_state_dict=sd["model"],
+                   optim_state_dict=sd["optim"])
+
+
+def _copy(src: Path, dst: Path) -> None:
     shutil.copyfile(src, dst)
     with open(dst, "rb+") as f:
         os.fsync(f.fileno())
-    return src.stat().st_size / (time.perf_counter() - t0) / 1e6
 
 
-def copies(ck: Path, scratch: Path) -> tuple[list[float], list[float]]:
-    """Per-file MB/s copying every rank file at once, then one at a time."""
-    files = sorted(ck.glob("rank*.safetensors"))
-    scratch.mkdir(exist_ok=True)
-    with ThreadPoolExecutor(len(files)) as pool:
-        together = list(pool.map(lambda f: copy_rate(f, scratch / f"par-{f.name}"), files))
-    alone = [copy_rate(f, scratch / f"seq-{f.name}") for f in files]
-    shutil.rmtree(scratch)
-    return together, alone
+def one_round(rank, root: str, k: int, other: int | None) -> dict[str, float]:
+    """One interleaved round on this rank: seconds per operation (the order rotates with k)."""
+    import torch.distributed as dist
+    from minishard import checkpoint
+    ms, tf, comm = _HELD["fsdp"], _HELD["torch_fsdp"], _HELD["comm"]
+    N, here = rank.world_size, Path(root) / f"round{k}-n{rank.world_size}"
+    mine = Path(root) / f"ref-n{N}" / "minishard" / f"rank{rank.rank}.safetensors"
+    t: dict[str, float] = {}
+
+    def save():
+        t[OWN_FILE] = checkpoint.save(ms.model, ms.optimizer, here / "minishard", comm=comm,
+                                      step=1)["write_seconds"]
+
+    def load(path: Path):
+        return lambda: checkpoint.load(ms.model, ms.optimizer, path, comm=comm)
+
+    units = [[("minishard save", save), ("minishard load", load(here / "minishard"))],
+             [("DCP save", lambda: _dcp_save(tf, here / "dcp")),
+              ("DCP load", lambda: _dcp_load(tf, here / "dcp"))],
+             [("copy", lambda: _copy(mine, here / f"copy-rank{rank.rank}"))]]
+    if other is not None:
+        src = Path(root) / f"ref-n{other}"
+        units += [[("minishard load N→M", load(src / "minishard"))],
+                  [("DCP load N→M", lambda: _dcp_load(tf, src / "dcp"))]]
+    if rank.rank == 0:
+        here.mkdir(parents=True)
+    dist.barrier()
+    for unit in units[k % len(units):] + units[:k % len(units)]:
+        for name, fn in unit:
+            t[name] = _timed(fn)
+    dist.barrier()
+    if rank.rank == 0:
+        shutil.rmtree(here)
+    return t
+
+
+def _row(name: str, rates: list[float], ratios: dict[str, list[float]]) -> str:
+    cells = [f"{statistics.median(rates):>7.0f}", f"{min(rates):>6.0f}–{max(rates):<6.0f}"]
+    cells += [f"{statistics.median(v):>9.2f}" if v else f"{'':>9}" for v in ratios.values()]
+    return f"{name:<22}" + "".join(cells)
+
+
+def report(state: str, N: int, other: int | None, nbytes: int, rounds: list[list[dict]]) -> dict:
+    """Print one table; return the medians of the ratios the goal is about."""
+    # per round: the median over ranks of each operation's MB/s
+    per = [{op: statistics.median(nbytes / r[op] / 1e6 for r in ranks) for op in ranks[0]}
+           for ranks in rounds]
+    print(f"\n{state} state, {N} ranks ({nbytes / 1e6:.1f} MB per rank, {len(rounds)} rounds"
+          f"{f'; N→M: from {other} ranks' if other else ''})")
+    print(f"{'':<22}{'MB/s':>7}{'min–max':>13}{'vs copy':>9}{'vs DCP':>9}")
+    goal = {}
+    for op in [o for o in OPS if o in per[0]]:
+        base = ("DCP " + op.split(" ", 1)[1] if op.startswith("minishard") else
+                "DCP save" if op == OWN_FILE else None)         # the DCP operation it faces
+        ratios = {"copy": [p[op] / p["copy"] for p in per] if op != "copy" else [],
+                  "dcp": [p[op] / p[base] for p in per] if base in per[0] else []}
+        print(_row(op, [p[op] for p in per], ratios))
+        if op.startswith("minishard"):
+            goal[op] = {k: statistics.median(v) for k, v in ratios.items() if v}
+    return goal
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--strategy", default="fsdp")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--states", nargs="+", default=list(STATES), choices=list(STATES))
+    ap.add_argument("--rounds", type=int, default=7, help="rounds for the small state")
+    ap.add_argument("--large-rounds", type=int, default=5, help="rounds for the large state")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()
+    import bench_checkpoint as me                     # rank processes import the tasks by name
+    from minishard.launch import Ranks
+    started = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; model {args.model}, "
-          f"strategy {args.strategy}; files in {root}")
-    kw = dict(strategy=args.strategy, model=args.model, micro_batch=2, track_activations=False,
-              trace=False)
+    print(f"# checkpoint benchmark, {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; files in {root}")
+    sizes, goals = args.world_sizes, {}
     try:
-        for N in args.world_sizes:
-            ck = root / f"n{N}"
-            rows = {k: [[] for _ in range(N)] for k in ("save", "write", "load", "par", "seq")}
-            with Ranks(N) as ranks:
-                ranks.run(train, TrainConfig(steps=1, save_to=str(ck), **kw))           # warm-up
-                for _ in range(args.repeats):
-                    out = ranks.run(train, TrainConfig(steps=1, resume_from=str(ck), save_to=str(ck), **kw))
-                    together, alone = copies(ck, root / "copy")
-                    for r, o in enumerate(out):
-                        s, ld = o["checkpoint"]["save"], o["checkpoint"]["load"]
-                        rows["save"][r].append(s["bytes_written"] / s["seconds"] / 1e6)
-                        rows["write"][r].append(s["bytes_written"] / s["write_seconds"] / 1e6)
-                        rows["load"][r].append(ld["bytes_read"] / ld["seconds"] / 1e6)
-                        rows["par"][r].append(together[r])
-                        rows["seq"][r].append(alone[r])
-            mb = out[0]["checkpoint"]["save"]["bytes_written"] / 1e6
-            print(f"\n{N} ranks, {mb:.1f} MB per rank file (median MB/s per rank over {args.repeats} rounds)")
-            print(f"{'rank':>4}{'save':>9}{'write':>9}{'load':>9}{'copy, all at once':>19}{'copy, alone':>13}")
-            for r in range(N):
-                m = {k: statistics.median(v[r]) for k, v in rows.items()}
-                print(f"{r:>4}{m['save']:>9.0f}{m['write']:>9.0f}{m['load']:>9.0f}{m['par']:>19.0f}{m['seq']:>13.0f}")
-            med = {k: statistics.median(x for v in rows[k] for x in v) for k in rows}
-            print(f"{'all':>4}{med['save']:>9.0f}{med['write']:>9.0f}{med['load']:>9.0f}{med['par']:>19.0f}"
-                  f"{med['seq']:>13.0f}   save/copy {med['save'] / med['par']:.2f}, "
-                  f"load/copy {med['load'] / med['par']:.2f}")
+        for state in args.states:
+            rounds = args.rounds if state == "small" else args.large_rounds
+            pools = {N: Ranks(N) for N in sizes}
+            try:
+                nbytes = {N: pools[N].run(me.setup, str(root), state)[0] for N in sizes}
+                other = {N: sizes[(i + 1) % len(sizes)] if len(sizes) > 1 else None
+                         for i, N in enumerate(sizes)}
+                done: dict[int, list] = {N: [] for N in sizes}
+                for k in range(rounds):
+                    for N in sizes:                     # the world sizes interleaved too
+                        done[N].append(pools[N].run(me.one_round, str(root), k, other[N]))
+            finally:
+                for p in pools.values():
+                    p.close()
+            for N in sizes:
+                goals[state, N] = report(state, N, other[N], nbytes[N], done[N])
+            for N in sizes:
+                shutil.rmtree(root / f"ref-n{N}", ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    print("\nGoal: minishard save and load >= 0.70 x copy and >= 1.5 x DCP (medians of per-round ratios)")
+    for (state, N), g in goals.items():
+        for op, r in g.items():
+            ok = r["copy"] >= 0.7 and r.get("dcp", 0) >= 1.5
+            print(f"  {state:<6}{N} ranks  {op:<20} {r['copy']:.2f} x copy, "
+                  f"{r.get('dcp', float('nan')):.2f} x DCP  {'met' if ok else 'NOT met'}")
+    print(f"\n({time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -154,12 +154,12 @@ def test_plan_is_what_load_reads_and_needs_no_ranks(pools, saved):
             read = sum((hi - lo) * size for _, _, lo, hi, size in r["file_reads"])
             assert needed <= read <= needed + 2 * block_bytes * pieces
         assert all(r >= n for r, n in zip(p.bytes_read(), p.needed_bytes))
-    # the metadata a save would write, computed from the layout math, is the real one (less hashes)
+    # the metadata a save would write, computed from the layout math, is the real one (less checksums)
     imagined = checkpoint.layout_metadata("zero2", 3, NANO, step=2)
     real = checkpoint.read_metadata(root / "n3_zero2")
     assert imagined["files"] == real["files"]
     for name, t in real["tensors"].items():
-        assert [{k: v for k, v in p.items() if k != "sha256"} for p in t["pieces"]] == \
+        assert [{k: v for k, v in p.items() if k != "checksums"} for p in t["pieces"]] == \
             imagined["tensors"][name]["pieces"], name
 
 
@@ -250,6 +250,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert reloaded["checkpoint"]["load"]["saved_world_size"] == 2
     assert checkpoint.read_metadata(ck)["step"] == 3
     assert not (tmp_path / ".run.saving").exists() and _digest(ck) != before
+    # the dead save's leftovers (rank 1's partial file) did not move in with the new checkpoint
+    assert sorted(f.name for f in ck.iterdir()) == ["metadata.json", "rank0.safetensors"]
 
 
 def test_export_equals_single_process_weights(pools, tmp_path):
@@ -327,14 +329,14 @@ def test_bad_input_is_named_and_changes_nothing(tmp_path, monkeypatch):
 
     def bump_version(d):
         m = json.loads((d / "metadata.json").read_text())
-        m["version"] = 2
+        m["version"] = checkpoint.VERSION + 1
         (d / "metadata.json").write_text(json.dumps(m))
 
     cases = [
         (lambda d: (d / "rank0.safetensors").unlink(), r"missing shard file \S*rank0.safetensors: it holds param/"),
         (flip, r"rank0.safetensors: checksum mismatch in \w+/[\w.]+, elements \[\d+, \d+\)"),
         (lambda d: os.truncate(d / "rank0.safetensors", 5000), r"rank0.safetensors is 5,000 bytes.*truncated.*param/"),
-        (bump_version, r"metadata.json has format version 2"),
+        (bump_version, rf"metadata.json has format version {checkpoint.VERSION + 1}; this minishard reads versions 1, 2"),
     ]
     for k, (how, message) in enumerate(cases):
         with pytest.raises(CheckpointError, match=message):

@@ -50,10 +50,10 @@ def test_the_engine_imports_no_course_or_widget_code():
                         f"code lives in minishard/course, widgets in minishard/viz)"
 
 
-def test_the_engines_dependencies_are_torch_numpy_and_safetensors():
+def test_the_engines_dependencies_are_torch_numpy_safetensors_and_xxhash():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}
-    assert names == {"torch", "numpy", "safetensors"}
+    assert names == {"torch", "numpy", "safetensors", "xxhash"}
     assert {"jupyterlab", "plotly", "ipywidgets"} <= {
         d.split(">")[0].strip() for d in project["optional-dependencies"]["course"]}
 

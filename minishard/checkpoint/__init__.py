@@ -7,7 +7,8 @@ in the order chapter 9 tells it:
 * :mod:`.regions` — what a rank holds, as regions of global tensors; the one protocol a strategy
   answers (``checkpoint_regions(holdings)``: ``ZeroOptimizer``, ``fsdp.ShardedOptimizer`` and
   ``strategies.MasterWeights`` do); :func:`describe`.
-* :mod:`.format` — the files: safetensors written by hand, SHA-256 per block, metadata.json.
+* :mod:`.format` — the files: safetensors written by hand, an XXH3-64 checksum per block,
+  metadata.json.
 * :mod:`.saving` — :func:`save`: every rank its own file, atomically.
 * :mod:`.reads` — which checksum blocks deliver what a rank needs, read verified.
 * :mod:`.loading` — :func:`load`: under any world size and strategy; read and verify, agree,
@@ -18,7 +19,8 @@ in the order chapter 9 tells it:
 No pickle on any load path: loading runs no code from the files.
 """
 from .exporting import export, load_exported
-from .format import BLOCK_BYTES, FORMAT, METADATA, STATE_KINDS, VERSION, CheckpointError, read_metadata
+from .format import (BLOCK_BYTES, CHECKSUM, FORMAT, METADATA, READABLE_VERSIONS, STATE_KINDS, VERSION,
+                     CheckpointError, read_metadata)
 from .loading import load
 from .reads import Read, plan_reads, read_full
 from .regions import CheckpointRegions, Holdings, Region, ShardedState, describe, local_state
@@ -28,4 +30,4 @@ from .saving import save
 __all__ = ["CheckpointError", "CheckpointRegions", "Holdings", "Region", "ShardedState", "describe",
            "local_state", "save", "load", "read_metadata", "read_full", "Read", "plan_reads",
            "ReshardPlan", "plan", "layout", "layout_metadata", "export", "load_exported",
-           "FORMAT", "VERSION", "METADATA", "BLOCK_BYTES", "STATE_KINDS"]
+           "FORMAT", "VERSION", "READABLE_VERSIONS", "METADATA", "BLOCK_BYTES", "CHECKSUM", "STATE_KINDS"]

@@ -3,7 +3,15 @@
 ``path/rank{r}.safetensors`` holds rank r's pieces, one 1-D tensor each (plain little-endian
 bytes behind a JSON header: no pickle, so loading runs no code from the file);
 ``path/metadata.json`` lists every tensor's shape and dtype and every piece's file, key, first
-element, byte offset and SHA-256 per 64 KiB block. Its presence marks a complete checkpoint.
+element, byte offset and checksum per 64 KiB block. Its presence marks a complete checkpoint.
+
+The checksum is XXH3-64 (the ``xxhash`` package: ~20 GB/s per core on the course's machine,
+against 1.7 GB/s for SHA-256, so a save is not held up by it). It catches what goes wrong by
+accident — flipped bits, a block of zeros, a torn or truncated write, a file from another
+save — missing such damage with a chance of about 2^-64 per block. It is not cryptographic:
+whoever can edit the files can also make the checksums match, so it does not detect
+deliberate tampering (sign the files for that). Version 1 checkpoints, which carry SHA-256 per
+block, are still read and verified with SHA-256.
 
 The header is written by hand, not by the safetensors library, so that every byte offset is
 known before any data exists: the planner computes them for saves that never ran, and the
@@ -20,16 +28,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
+import torch.distributed as dist
+import xxhash
 
 if TYPE_CHECKING:
+    from ..comm import Comm
     from .regions import Region, ShardedState
 
-FORMAT, VERSION = "minishard-checkpoint", 1
+# version 2: XXH3-64 checksums (version 1: SHA-256, ~11x the CPU per byte; still readable)
+FORMAT, VERSION, READABLE_VERSIONS = "minishard-checkpoint", 2, (1, 2)
 METADATA = "metadata.json"
-# One SHA-256 per 64 KiB block: a rank reads whole blocks, so that what it reads can be verified
+# One checksum per 64 KiB block: a rank reads whole blocks, so that what it reads can be verified
 # without reading whole pieces. Smaller blocks: less read beyond the need, a longer metadata file
 # (a real 8B run would pick MiBs).
 BLOCK_BYTES = 64 << 10
+CHECKSUM = "xxh3_64"
+HASHES = {"xxh3_64": xxhash.xxh3_64_hexdigest, "sha256": lambda b: hashlib.sha256(b).hexdigest()}
 # the per-element optimizer states the format knows (the step count is global: metadata)
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
@@ -46,7 +60,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def element_size(name: str) -> int:
     """Bytes per element of a dtype as metadata.json names it (``"float32"`` -> 4)."""
-    return torch.empty((), dtype=DTYPES[name]).element_size()
+    return DTYPES[name].itemsize
 
 
 def raise_if_any(errors: list) -> None:
@@ -54,6 +68,18 @@ def raise_if_any(errors: list) -> None:
     for e in errors:
         if e:
             raise CheckpointError(e)
+
+
+def agree(comm: Comm, error: str | None) -> None:
+    """Did every rank succeed? One 4-byte all-reduce answers it; only if some rank failed are
+    the messages gathered (a larger exchange), and every rank raises the first."""
+    if comm.world_size > 1:
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=comm.group)
+        if failed.item():
+            raise_if_any(comm.all_gather_object(error))
+    elif error:
+        raise CheckpointError(error)
 
 
 # ====================================================================== safetensors, by hand
@@ -71,36 +97,45 @@ def safetensors_header(entries: list[tuple[str, str, list[int], int]]) -> bytes:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    """The tensor's memory as bytes, without a copy (unless it is not contiguous). Called once
+    per piece on every save and load: the shortest path through torch (2.4 µs, not 6.8)."""
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:                   # numpy has no bfloat16
+        t = t.view(torch.uint8)
+    return memoryview(t.numpy()).cast("B")
+
+
+def block_checksums(data: memoryview, block_bytes: int, algorithm: str = CHECKSUM) -> list[str]:
+    """The checksum of every ``block_bytes`` block of ``data`` (the last one may be shorter)."""
+    h = HASHES[algorithm]
+    return [h(data[i:i + block_bytes]) for i in range(0, len(data), block_bytes)]
 
 
 def write_safetensors(file: Path, entries: list, tensors: Iterable[torch.Tensor],
                       hash_bytes: int | None = None) -> tuple[int, list[list[str]]]:
     """Write a safetensors file: 8-byte little-endian header length, the header, then each
-    tensor's bytes as ``tensors`` yields them (one at a time). With ``hash_bytes``, also the
-    SHA-256 of every block of that many bytes of each tensor, computed as the block is written
-    (one pass over the data while it is in cache: ~15% faster than hashing first). fsync'd;
-    returns the file's size and the hashes per tensor."""
+    tensor's bytes as ``tensors`` yields them (one at a time), straight from the tensor's memory
+    (no copy in Python). With ``hash_bytes``, also the checksum of every block of that many bytes
+    of each tensor. fsync'd; returns the file's size and the checksums per tensor."""
     header = safetensors_header(entries)
     hashes = []
+    # ~1 MiB segments of whole blocks: each is hashed while in cache, then written, and the kernel
+    # copies a segment for less CPU than one multi-MB write (measured: 4 ms vs 9 ms for 20 MB)
+    segment = max(1, (1 << 20) // hash_bytes) * hash_bytes if hash_bytes else 1 << 20
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for t in tensors:
-            data = tensor_bytes(t)
-            if hash_bytes is None:
-                f.write(data)
-                continue
-            hs = []
-            for i in range(0, len(data), 16 * hash_bytes):    # write 16 blocks at a time
-                seg = data[i:i + 16 * hash_bytes]
-                hs += [hashlib.sha256(seg[j:j + hash_bytes]).hexdigest()
-                       for j in range(0, len(seg), hash_bytes)]
+            data, sums = tensor_bytes(t), []
+            for i in range(0, len(data), segment):
+                seg = data[i:i + segment]
+                if hash_bytes:
+                    sums += block_checksums(seg, hash_bytes)
                 f.write(seg)
-            hashes.append(hs)
+            hashes.append(sums)
         f.flush()
         os.fsync(f.fileno())
-    return 8 + len(header) + sum(e[3] for e in entries), hashes
+    return 8 + len(header) + sum(e[3] for e in entries), (hashes if hash_bytes else [])
 
 
 def fsync_dir(d: Path) -> None:
@@ -157,7 +192,7 @@ def build_metadata(states_info: list[dict], *, step: int | None, block_bytes: in
             raise CheckpointError(f"{name}: pieces cover {at} of {math.prod(t['shape'])} elements")
     return {"format": FORMAT, "version": VERSION, "step": step, "strategy": first["strategy"],
             "world_size": len(states_info), "model": first["model"], "optimizer": first["optimizer"],
-            "block_bytes": block_bytes, "tensors": tensors, "files": files}
+            "block_bytes": block_bytes, "checksum": CHECKSUM, "tensors": tensors, "files": files}
 
 
 def resolve(path: Path) -> Path:
@@ -179,7 +214,15 @@ def read_metadata(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{file} cannot be read as JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not a {FORMAT} metadata file")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{file} has format version {meta.get('version')!r}; this minishard "
-                              f"reads version {VERSION}")
+                              f"reads versions {', '.join(map(str, READABLE_VERSIONS))}")
+    if meta["version"] == 1:                # SHA-256 under its own name: as version 2 names it
+        meta["checksum"] = "sha256"
+        for t in meta["tensors"].values():
+            for p in t["pieces"]:
+                p["checksums"] = p.pop("sha256", None)
+    if meta.get("checksum") not in HASHES:
+        raise CheckpointError(f"{file}: unknown checksum {meta.get('checksum')!r}; this minishard "
+                              f"knows {sorted(HASHES)}")
     return meta

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
-from .format import METADATA, CheckpointError, dtype_name, raise_if_any, read_metadata, resolve
+from .format import METADATA, CheckpointError, agree, dtype_name, read_metadata, resolve
 from .reads import plan_reads, read_verified
 from .regions import Region, ShardedState, describe
 
@@ -38,7 +38,7 @@ def load(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm) ->
         staged = list(read_verified(root, meta, reads))
     except (CheckpointError, OSError) as e:
         error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-    raise_if_any(comm.all_gather_object(error))      # 2. every rank succeeded: commit
+    agree(comm, error)                                # 2. every rank succeeded: commit
     _copy_in(targets, staged)
     opt = meta.get("optimizer")
     if optimizer is not None and opt:

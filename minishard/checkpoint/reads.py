@@ -1,13 +1,13 @@
 """Reading a checkpoint: which bytes deliver the elements a rank needs, and reading them verified.
 
 A loader reads only the checksum blocks that overlap what it needs (:func:`plan_reads`), checks
-each file's size and each block's SHA-256, and only then hands the values on
-(:func:`read_verified`). The same reads serve :func:`.loading.load` (this rank's regions),
-:func:`.resharding.plan` (from metadata alone), :func:`read_full` and the export.
+each file's size and each block's checksum (XXH3-64; SHA-256 in a version 1 checkpoint), and
+only then hands the values on (:func:`read_verified`). The same reads serve
+:func:`.loading.load` (this rank's regions), :func:`.resharding.plan` (from metadata alone),
+:func:`read_full` and the export.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -16,7 +16,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .format import CODES, DTYPES, METADATA, CheckpointError, element_size, read_metadata, resolve, tensor_bytes
+from .format import (CODES, DTYPES, HASHES, METADATA, CheckpointError, element_size, read_metadata, resolve,
+                     tensor_bytes)
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Read:
     nbytes: int
     piece_lo: int               # first element read, within the piece
     block: int                  # elements per checksum block
-    sha256: tuple | None        # expected hash of each block read (None: an imagined save)
+    checksums: tuple | None     # expected checksum of each block read (None: an imagined save)
 
 
 def plan_reads(meta: dict, needs: Iterable[tuple[str, int, int]]) -> list[Read]:
@@ -51,28 +52,29 @@ def plan_reads(meta: dict, needs: Iterable[tuple[str, int, int]]) -> list[Read]:
         block = meta["block_bytes"] // size
         for p in t["pieces"]:
             ps, pe = p["start"], p["start"] + p["numel"]
-            blocks = set()
-            for a, b in wanted[name]:
-                lo, hi = max(a, ps), min(b, pe)
-                if lo < hi:
-                    blocks.update(range((lo - ps) // block, (hi - ps - 1) // block + 1))
-            for first, last in _runs(sorted(blocks)):
+            spans = [((max(a, ps) - ps) // block, (min(b, pe) - ps - 1) // block)
+                     for a, b in wanted[name] if a < pe and ps < b]
+            for first, last in _runs(sorted(spans) if len(spans) > 1 else spans):
                 lo, hi = first * block, min((last + 1) * block, p["numel"])
-                sha = tuple(p["sha256"][first:last + 1]) if p.get("sha256") else None
+                sums = tuple(p["checksums"][first:last + 1]) if p.get("checksums") else None
                 reads.append(Read(p["file"], p["key"], name, ps + lo, hi - lo,
-                                  p["offset"] + lo * size, (hi - lo) * size, lo, block, sha))
+                                  p["offset"] + lo * size, (hi - lo) * size, lo, block, sums))
     return reads
 
 
-def _runs(xs: list[int]) -> Iterator[tuple[int, int]]:
-    """[0, 1, 2, 5, 6] -> (0, 2), (5, 6)"""
-    i = 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        yield xs[i], xs[j]
-        i = j + 1
+def _runs(spans: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """Sorted block ranges (first, last), merged where they overlap or touch:
+    [(0, 1), (1, 2), (5, 5), (6, 6)] -> (0, 2), (5, 6)"""
+    run = None
+    for first, last in spans:
+        if run is not None and first <= run[1] + 1:
+            run = (run[0], max(run[1], last))
+            continue
+        if run is not None:
+            yield run
+        run = (first, last)
+    if run is not None:
+        yield run
 
 
 def read_verified(root: Path, meta: dict, reads: list[Read], meter=None
@@ -98,7 +100,7 @@ def read_verified(root: Path, meta: dict, reads: list[Read], meter=None
                     values = sl[rd.piece_lo:rd.piece_lo + rd.numel]
                     if meter is not None:
                         meter.alloc(values)
-                    _verify(file, root, rd, values)
+                    _verify(file, root, meta, rd, values)
                     yield rd, values
         except SafetensorError as e:
             raise CheckpointError(f"{file} is not a readable safetensors file ({e}); it holds {what}") from None
@@ -118,12 +120,13 @@ def _check_size(root: Path, meta: dict, fname: str, what: str) -> None:
                               f"the file is truncated or was replaced (it holds {what})")
 
 
-def _verify(file: Path, root: Path, rd: Read, values: torch.Tensor) -> None:
-    """Every checksum block read has the SHA-256 the metadata recorded."""
-    if rd.sha256 is None:
+def _verify(file: Path, root: Path, meta: dict, rd: Read, values: torch.Tensor) -> None:
+    """Every checksum block read has the checksum the metadata recorded."""
+    if rd.checksums is None:
         raise CheckpointError(f"{root / METADATA} has no checksums for {rd.tensor}")
-    for k, want in enumerate(rd.sha256):
-        got = hashlib.sha256(tensor_bytes(values[k * rd.block:(k + 1) * rd.block])).hexdigest()
+    data, size, h = tensor_bytes(values), values.element_size(), HASHES[meta["checksum"]]
+    for k, want in enumerate(rd.checksums):
+        got = h(data[k * rd.block * size:(k + 1) * rd.block * size])
         if got != want:
             a = rd.start + k * rd.block
             raise CheckpointError(

@@ -1,15 +1,18 @@
 """Saving: every rank writes the part it holds, all ranks in parallel, and the result is atomic.
 
 A sharded run has no rank that holds the whole training state, so the state is saved the way
-it is held (:func:`.regions.describe`). The ranks write into a sibling temporary directory;
-files and directories are fsync'd; only then is it renamed into place (an existing checkpoint
-is renamed aside first and deleted last). A save killed at any point leaves the previous
-checkpoint loadable. Every step ends with the ranks agreeing: if any rank failed, every rank
-raises the same error.
+it is held (:func:`.regions.describe`). Each rank checks the target and writes its file into a
+sibling temporary directory on its own — no communication before the bytes are on disk — and
+fsyncs it; then the ranks exchange their descriptions and checksums once, rank 0 writes the
+metadata, fsyncs it and the directory, and renames the directory into place (an existing
+checkpoint is renamed aside first and deleted last); a last agreement tells every rank how that
+went. A save killed at any point leaves the previous checkpoint loadable; if any rank failed,
+every rank raises the same error and the half-written directory is removed.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -19,9 +22,9 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
-from .format import (BLOCK_BYTES, METADATA, CheckpointError, build_metadata, dtype_name, file_layout,
+from .format import (BLOCK_BYTES, METADATA, CheckpointError, agree, build_metadata, dtype_name, file_layout,
                      fsync_dir, raise_if_any, write_safetensors)
-from .regions import describe
+from .regions import ShardedState, describe
 
 
 def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm, step: int,
@@ -33,52 +36,61 @@ def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm, st
     t0 = time.perf_counter()
     path = Path(path)
     tmp = path.parent / f".{path.name}.saving"
-    file = tmp / f"rank{comm.rank}.safetensors"
 
-    # 1. what this rank holds and where each piece will sit in its file; rank 0 checks the target
-    entries, pieces, size, infos = _describe_everywhere(model, optimizer, comm)
-    error = _on_rank0(comm, lambda: _prepare_target(path, tmp, sum(i["bytes"] for i in infos)))
-    raise_if_any(comm.all_gather_object(error))     # (also: nobody writes before tmp exists)
-
-    # 2. every rank writes its own file, in parallel; checksums per block go to the metadata
-    t1 = time.perf_counter()
-    error, hashes = _write_own_file(file, entries, pieces, size, block_bytes)
-    write_s = time.perf_counter() - t1
-    results = comm.all_gather_object((error, hashes))
-    _clean_up_if_any(comm, tmp, [e for e, _ in results])
-    for i, (_, hs) in zip(infos, results):
-        for rec, h in zip(i["records"], hs):
-            rec["sha256"] = h
-
-    # 3. rank 0: the metadata last (its presence marks a complete checkpoint), then the renames
-    meta = build_metadata(infos, step=step, block_bytes=block_bytes) if comm.rank == 0 else None
-    error = _on_rank0(comm, lambda: _commit(meta, tmp, path))
-    _clean_up_if_any(comm, tmp, comm.all_gather_object(error))
-    return {"path": str(path), "step": step, "rank": comm.rank, "bytes_written": size,
-            "seconds": time.perf_counter() - t0, "write_seconds": write_s, "metadata": meta}
-
-
-def _describe_everywhere(model: nn.Module, optimizer, comm: Comm) -> tuple[list, list, int, list[dict]]:
-    """This rank's file (entries, pieces, size) and every rank's description of its file, the
-    ranks agreeing on one optimizer step."""
-    error, info, entries, pieces, size = None, None, None, None, None
+    # 1. on its own, every rank: what it holds, where each piece sits in its file, the target
+    #    checked (before any byte is written), its file written with a checksum per block
+    error, info, sums, size, write_s = None, None, [], 0, 0.0
     try:
         state = describe(model, optimizer, comm)
         entries, pieces, records, size = file_layout(state)
         info = {"rank": comm.rank, "bytes": size, "records": records, "strategy": state.strategy,
                 "model": state.model_config, "optimizer": _optimizer_info(state.optimizer),
                 "tensors": {n: (list(s), dtype_name(d)) for n, (s, d) in state.tensors.items()}}
+        _check_target(path, tmp, _checkpoint_bytes(state))
+        t1 = time.perf_counter()
+        sums = _write_own_file(tmp / f"rank{comm.rank}.safetensors", entries, pieces, size, block_bytes)
+        write_s = time.perf_counter() - t1
     except CheckpointError as e:
         error = str(e)
-    infos = comm.all_gather_object((error, info))
-    raise_if_any([e for e, _ in infos])
-    infos = [i for _, i in infos]
+
+    # 2. one exchange: every rank's description and checksums, or its error
+    results = comm.all_gather_object((error, info, sums))
+    _clean_up_if_any(comm, tmp, [e for e, _, _ in results])
+
+    # 3. rank 0: the metadata last (its presence marks a complete checkpoint), then the renames;
+    #    every rank learns how that went
+    meta, error = None, None
+    if comm.rank == 0:
+        try:
+            meta = build_metadata(_one_step(results), step=step, block_bytes=block_bytes)
+            _commit(meta, tmp, path)
+        except (OSError, CheckpointError) as e:
+            error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    _clean_up_if_any(comm, tmp, [error], agreed=False)
+    return {"path": str(path), "step": step, "rank": comm.rank, "bytes_written": size,
+            "seconds": time.perf_counter() - t0, "write_seconds": write_s, "metadata": meta}
+
+
+def _checkpoint_bytes(state: ShardedState) -> int:
+    """The tensor data of the whole checkpoint (every element saved once), from the global
+    shapes alone: what the disk must hold, known to every rank without asking the others."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in state.tensors.values())
+
+
+def _one_step(results: list) -> list[dict]:
+    """The ranks' descriptions, after checking that they took the same number of optimizer
+    steps (the format keeps one)."""
+    infos = []
+    for _, info, sums in results:
+        for rec, h in zip(info["records"], sums):
+            rec["checksums"] = h
+        infos.append(info)
     steps = {i["optimizer"]["step"] for i in infos if i["optimizer"]} - {None}
     if len(steps) > 1:
         raise CheckpointError(f"ranks disagree on the optimizer step: {sorted(steps)}")
     if infos[0]["optimizer"]:
         infos[0]["optimizer"]["step"] = steps.pop() if steps else None
-    return entries, pieces, size, infos
+    return infos
 
 
 def _optimizer_info(inner) -> dict | None:
@@ -99,63 +111,59 @@ def _optimizer_info(inner) -> dict | None:
             "param_groups": groups}
 
 
-def _write_own_file(file: Path, entries: list, pieces: list, size: int,
-                    block_bytes: int) -> tuple[str | None, list]:
-    """This rank's file, with a SHA-256 per block of each piece; a failure becomes a message."""
+def _write_own_file(file: Path, entries: list, pieces: list, size: int, block_bytes: int) -> list:
+    """This rank's file, with a checksum per block of each piece; a failure names the file."""
     try:
-        written, hashes = write_safetensors(file, entries, (g.view for g in pieces), block_bytes)
+        written, sums = write_safetensors(file, entries, (g.view for g in pieces), block_bytes)
         if written != size:
             raise OSError(f"wrote {written} bytes, expected {size}")
-        return None, hashes
+        return sums
     except OSError as e:
         what = f"pieces of {pieces[0].name} ..." if pieces else "no pieces"
-        return f"cannot write {file} ({what}): {type(e).__name__}: {e}", []
+        raise CheckpointError(f"cannot write {file} ({what}): {type(e).__name__}: {e}") from None
 
 
-def _clean_up_if_any(comm: Comm, tmp: Path, errors: list) -> None:
-    """If any rank failed, rank 0 removes the half-written checkpoint and every rank raises."""
-    if any(errors) and comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    raise_if_any(errors)
-
-
-def _on_rank0(comm: Comm, fn) -> str | None:
-    """Run ``fn`` on rank 0 only; its failure becomes a message every rank will raise."""
-    if comm.rank != 0:
-        return None
+def _clean_up_if_any(comm: Comm, tmp: Path, errors: list, agreed: bool = True) -> None:
+    """If any rank failed, rank 0 removes the half-written checkpoint and every rank raises the
+    same error. ``agreed=False``: ``errors`` is this rank's own; the ranks agree first."""
     try:
-        return fn()
-    except (OSError, CheckpointError) as e:
-        return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+        raise_if_any(errors) if agreed else agree(comm, errors[0])
+    except CheckpointError:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
-def _prepare_target(path: Path, tmp: Path, nbytes: int) -> None:
-    """Checks before any byte is written: the parent exists or can be made, ``path`` is ours to
-    replace, the disk has room; leftovers of an interrupted save are cleaned up."""
+def _check_target(path: Path, tmp: Path, nbytes: int) -> None:
+    """Checks before any byte is written — the parent exists or can be made, ``path`` is ours to
+    replace, the disk has room — and the temporary directory made. Every rank checks for itself
+    (they see the same directory), so that none waits for another before writing."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot create the checkpoint directory {path.parent}: {e}") from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise CheckpointError(f"the checkpoint directory {path.parent} is not writable")
-    old = path.parent / f".{path.name}.old"
-    if not path.exists() and (old / METADATA).exists():
-        os.rename(old, path)             # a save died between its two renames: put it back
     if path.exists() and not (path.is_dir() and (path / METADATA).exists()):
         raise CheckpointError(f"{path} exists and is not a minishard checkpoint; not replacing it")
     free = shutil.disk_usage(path.parent).free
     if nbytes > free:
         raise CheckpointError(f"the checkpoint directory {path.parent} has {free / 2**20:.1f} MiB "
                               f"free; the checkpoint needs {nbytes / 2**20:.1f} MiB")
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(tmp, ignore_errors=True)          # an interrupted save's half-written files
-    tmp.mkdir()
+    try:
+        tmp.mkdir(exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {tmp}: {e}") from None
 
 
 def _commit(meta: dict, tmp: Path, path: Path) -> None:
-    """The metadata, fsync'd, then the new checkpoint renamed into place."""
+    """The leftovers of an interrupted save removed, the metadata written and fsync'd, then the
+    new checkpoint renamed into place."""
+    for f in tmp.iterdir():
+        if f.name not in meta["files"]:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
     with open(tmp / METADATA, "w") as f:
-        json.dump(meta, f, indent=1)
+        f.write(json.dumps(meta, separators=(",", ":")))     # one line: json's C encoder, 20x faster
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
@@ -164,9 +172,11 @@ def _commit(meta: dict, tmp: Path, path: Path) -> None:
 
 def _swap_in(tmp: Path, path: Path) -> None:
     """Rename the complete new checkpoint into place. The old one is renamed aside first and
-    deleted last, so at every instant a complete checkpoint exists under ``path`` or aside."""
+    deleted last, so at every instant a complete checkpoint exists under ``path`` or aside
+    (where :func:`.format.resolve` finds it)."""
     old = path.parent / f".{path.name}.old"
     if path.exists():
+        shutil.rmtree(old, ignore_errors=True)   # aside from a save that died after its renames
         os.rename(path, old)
     os.rename(tmp, path)
     fsync_dir(path.parent)

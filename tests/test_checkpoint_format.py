@@ -1,0 +1,123 @@
+"""The checkpoint format's checksums: every 64 KiB block of every piece carries the XXH3-64 of
+exactly its bytes; a damaged block anywhere is named on load by file, tensor and element range;
+version 1 checkpoints (SHA-256 per block) still load, verified."""
+import hashlib
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+from minishard import checkpoint
+from minishard.checkpoint import CheckpointError
+from minishard.comm import Comm
+from minishard.model import GPT, batch, config
+
+
+def _trained(seed: int = 0):
+    cfg = config("nano")
+    net = GPT(cfg, seed=seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = batch(cfg, 0, 2)
+    net(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return net, opt
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A one-process checkpoint of the nano GPT + AdamW, and the model that saved it."""
+    net, opt = _trained()
+    path = tmp_path_factory.mktemp("fmt") / "good"
+    checkpoint.save(net, opt, path, comm=Comm(), step=1)
+    return path, net
+
+
+def _pieces(meta: dict):
+    for name, t in meta["tensors"].items():
+        for p in t["pieces"]:
+            yield name, p, p["numel"] * checkpoint.format.element_size(t["dtype"])
+
+
+def test_each_block_carries_the_xxh3_of_exactly_its_bytes(good):
+    path, _ = good
+    meta = checkpoint.read_metadata(path)
+    assert (meta["version"], meta["checksum"], meta["block_bytes"]) == (2, "xxh3_64", 64 << 10)
+    B = meta["block_bytes"]
+    blocks = 0
+    for _, p, nbytes in _pieces(meta):
+        data = (path / p["file"]).read_bytes()[p["offset"]:p["offset"] + nbytes]
+        assert len(p["checksums"]) == math.ceil(nbytes / B)
+        assert p["checksums"] == [xxhash.xxh3_64_hexdigest(data[i:i + B]) for i in range(0, nbytes, B)]
+        blocks += len(p["checksums"])
+    assert blocks > len(meta["tensors"])             # some pieces span several blocks
+
+
+def _damage(src: Path, dst: Path, at: int, how: str) -> None:
+    shutil.copytree(src, dst)
+    f = dst / "rank0.safetensors"
+    b = bytearray(f.read_bytes())
+    if how == "bit":
+        b[at] ^= 0x01                                 # one bit: the smallest corruption
+    else:                                             # a torn write: 4 KiB of zeros
+        b[at:at + 4096] = bytes(min(4096, len(b) - at))
+    f.write_bytes(bytes(b))
+
+
+def test_a_damaged_block_anywhere_is_named_by_file_tensor_and_elements(good, tmp_path):
+    path, _ = good
+    meta = checkpoint.read_metadata(path)
+    pieces = sorted(_pieces(meta), key=lambda x: x[1]["offset"])
+    big = max(pieces, key=lambda x: x[2])
+    where = [(pieces[0], 0, "bit"),                       # the file's first data byte
+             (pieces[-1], pieces[-1][2] - 1, "bit"),      # its last byte
+             (big, big[2] // 2 + 3, "bit"),               # inside a block of the largest tensor
+             (big, (big[2] // 2) // 4096 * 4096, "zeros")]
+    for k, ((name, p, nbytes), off, how) in enumerate(where):
+        net, opt = _trained(seed=3)
+        before = [t.clone() for t in net.parameters()]
+        _damage(path, tmp_path / f"bad{k}", p["offset"] + off, how)
+        with pytest.raises(CheckpointError) as e:
+            checkpoint.load(net, opt, tmp_path / f"bad{k}", comm=Comm())
+        m = re.search(r"rank0.safetensors: checksum mismatch in (\S+), elements \[(\d+), (\d+)\)", str(e.value))
+        assert m, e.value
+        tensor, a, b = m.groups()
+        element = p["start"] + off // 4
+        assert tensor == name and int(a) <= element < int(b), (e.value, name, element)
+        assert all(torch.equal(x, y) for x, y in zip(before, net.parameters()))    # nothing changed
+
+
+def _as_version_1(src: Path, dst: Path) -> None:
+    """The same files with the metadata a version 1 save wrote: SHA-256 per block, no
+    ``checksum`` field."""
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / "metadata.json").read_text())
+    B = meta["block_bytes"]
+    for name, p, nbytes in _pieces(meta):
+        data = (dst / p["file"]).read_bytes()[p["offset"]:p["offset"] + nbytes]
+        p["sha256"] = [hashlib.sha256(data[i:i + B]).hexdigest() for i in range(0, nbytes, B)]
+        del p["checksums"]
+    meta["version"] = 1
+    del meta["checksum"]
+    (dst / "metadata.json").write_text(json.dumps(meta, indent=1))
+
+
+def test_a_version_1_checkpoint_still_loads_and_is_verified_with_sha256(good, tmp_path):
+    path, saved = good
+    _as_version_1(path, tmp_path / "v1")
+    net, opt = _trained(seed=5)
+    info = checkpoint.load(net, opt, tmp_path / "v1", comm=Comm())
+    assert info["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), saved.parameters()))
+    full = checkpoint.read_full(tmp_path / "v1")
+    assert all(torch.equal(full[f"param/{n}"], p.detach()) for n, p in saved.named_parameters())
+    meta = checkpoint.read_metadata(tmp_path / "v1")
+    name, p, nbytes = max(_pieces(meta), key=lambda x: x[2])
+    _damage(tmp_path / "v1", tmp_path / "v1bad", p["offset"] + nbytes // 3, "bit")
+    with pytest.raises(CheckpointError, match=rf"rank0.safetensors: checksum mismatch in {name}, elements"):
+        checkpoint.load(net, opt, tmp_path / "v1bad", comm=Comm())
