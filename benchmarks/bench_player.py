@@ -5,11 +5,19 @@ gradient buckets allocated up front, per step a forward that saves activations, 
 frees them while bucketed all-reduces run (each collective spans many events, so the ring view
 animates), AdamW state allocated on the first optimizer step — then times random jumps.
 
+``--offline`` times the player without a kernel instead (``minishard view``'s HTML file) in
+headless Chromium (Debian's ``/usr/bin/chromium`` through Playwright, as the browser tests):
+writing the file, opening it, a jump to a random event (the script's work with style and layout,
+and until the next frame is painted; target <= 30 ms), and playing (events drawn per second at
+each speed, one event per frame at most; target >= 30 events/s).
+
     .venv/bin/python benchmarks/bench_player.py [--events 10000] [--ranks 4] [--jumps 200]
+    .venv/bin/python benchmarks/bench_player.py --offline [--events 10000] [--trace DIR]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -72,14 +80,94 @@ def synthetic_ddp_trace(world_size: int = 4, target_events: int = 10_000, seed: 
     return trace.merge(events)
 
 
+# In the page: random jumps, each timed to the end of its style and layout (forced), then until
+# the frame that shows it is painted (a message posted from that frame's animation callback
+# runs after its paint; the wait for the display's next frame, up to 16.7 ms, is included).
+JUMPS_JS = """async ([count, seed]) => {
+    const p = MinishardReplay.players[0], root = p.root;
+    let x = seed; const rand = () => (x = (x * 48271) % 2147483647) / 2147483647;
+    const frame = () => new Promise(r => requestAnimationFrame(() => {
+        const c = new MessageChannel(); c.port1.onmessage = r; c.port2.postMessage(0); }));
+    const sync = [], painted = [];
+    for (let k = 0; k < count; k++) {
+        const i = Math.floor(rand() * p.n), t0 = performance.now();
+        p.show(i); root.getBoundingClientRect();
+        sync.push(performance.now() - t0);
+        await frame();
+        painted.push(performance.now() - t0);
+    }
+    return {sync, painted};
+}"""
+# Play for ``seconds`` at ``speed`` events/s: how many distinct events were drawn per second.
+PLAY_JS = """async ([speed, seconds]) => {
+    const p = MinishardReplay.players[0];
+    p.stop(); p.show(0); p.speed = speed;
+    let drawn = 0; const show = p.show.bind(p);
+    p.show = i => { drawn++; show(i); };
+    const t0 = performance.now(); p.play();
+    await new Promise(r => setTimeout(r, seconds * 1000));
+    p.stop(); p.show = show;
+    const s = (performance.now() - t0) / 1000;
+    return {drawn: drawn / s, advanced: p.index / s};
+}"""
+
+
+def stats(ms: list[float]) -> str:
+    ms = sorted(ms)
+    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+    return f"median {statistics.median(ms):.2f} ms, p99 {p99:.2f} ms, max {ms[-1]:.2f} ms"
+
+
+def offline(events: list[dict], jumps: int) -> None:
+    """The offline player in headless Chromium (network off)."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from minishard import offline_player
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from headless import chromium, missing
+
+    if missing():
+        raise SystemExit(f"bench_player --offline: {missing()}")
+    t0 = time.perf_counter()
+    data = offline_player.encode(events, title="bench")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = offline_player.write(Path(tmp) / "player.html", data)
+        write_s, size = time.perf_counter() - t0, path.stat().st_size
+        with chromium(offline=True) as ctx:
+            page = ctx.new_page()
+            t0 = time.perf_counter()
+            page.goto(path.as_uri())
+            page.wait_for_function("() => (window.MinishardReplay || {players: []}).players.length === 1")
+            open_s = time.perf_counter() - t0
+            page.evaluate(JUMPS_JS, [20, 7])                        # warm-up
+            got = page.evaluate(JUMPS_JS, [jumps, 12345])
+            plays = {speed: page.evaluate(PLAY_JS, [speed, 4]) for speed in (30, 60, 1000)}
+            engine = page.evaluate("navigator.userAgent")
+    print(f"offline player: {len(events):,} events, {len(data['ranks'])} ranks; encoded and written in "
+          f"{write_s:.2f} s, {size / 1e3:.0f} kB; opened (inflated, keyframes, first draw) in {open_s:.2f} s")
+    print(f"  jump to a random event ({jumps}): script + style + layout {stats(got['sync'])}")
+    print(f"  jump to a random event, until the frame showing it is painted: {stats(got['painted'])}")
+    for speed, r in plays.items():
+        print(f"  play at {speed}/s: {r['drawn']:.1f} events drawn per second, "
+              f"{r['advanced']:.1f} events advanced per second")
+    print(f"  ({engine.split(') ')[-1]}, headless, {os.cpu_count()} CPUs)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=10_000)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--jumps", type=int, default=200)
+    ap.add_argument("--offline", action="store_true", help="time minishard view's HTML player in headless Chromium")
+    ap.add_argument("--trace", default=None, help="a recorded trace directory instead of the synthetic trace")
     args = ap.parse_args()
 
-    events = synthetic_ddp_trace(args.ranks, args.events)
+    events = trace.load(args.trace) if args.trace else synthetic_ddp_trace(args.ranks, args.events)
+    if args.offline:
+        offline(events, args.jumps)
+        return
     t0 = time.perf_counter()
     p = Player(events)
     build_s = time.perf_counter() - t0

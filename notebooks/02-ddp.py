@@ -201,6 +201,15 @@ p4.ring_round = None
 ring_figure(4, coll, round=1).show()
 
 # %% [markdown]
+# The same 4-rank run in the offline player: no kernel (it plays on the course's static site and
+# in any browser), every event, opening at the same all-reduce. Step through its rounds on the
+# ring, or press play; "jump to collective" walks from one bucket's all-reduce to the next.
+
+# %%
+from minishard.viz import replay_html
+replay_html(p4.replay, title="DDP, 4 ranks, tiny model, 2 steps (offline player)", start=p4.index)
+
+# %% [markdown]
 # ## 4. Bytes per step, measured two ways, for N = 2, 3, 4
 # `wire` is what comm recorded for each collective (the ring formula for the op that really ran);
 # `wchar` is the operating system's count of bytes each rank process wrote, read from

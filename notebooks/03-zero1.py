@@ -60,7 +60,7 @@ from IPython.display import display
 from minishard import GPT, Ranks, estimate
 from minishard.parity import bitwise_equal, drift, params_of, max_diff
 from minishard.train import TrainConfig, train
-from minishard.viz import Player, ring_schedule, static_player_figure
+from minishard.viz import Player, replay_html, ring_schedule
 from minishard.viz.figures import category_order, color
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -158,10 +158,14 @@ side_by_side({"DDP": before, "ZeRO-1": after},
              "after the first AdamW step, nano model, bf16 mixed, 4 ranks (MB per rank)").show()
 
 # %% [markdown]
-# And the whole ZeRO-1 run as an animation that plays without a kernel (every few events):
+# And the whole ZeRO-1 run in the offline player, which needs no kernel: every event, the
+# reduce-scatter and the all-gather on the ring, the timeline. It opens where the tables above
+# read the ledgers, at the end of rank 0's first optimizer step:
 
 # %%
-static_player_figure(zero_events, max_frames=60).show()
+replay_html(zero_events, title="ZeRO-1, 4 ranks, nano model, bf16 mixed, 2 steps (offline player)",
+            start=next(i for i, e in enumerate(zero_events) if e["kind"] == "phase" and e["rank"] == 0
+                       and e["name"] == "optimizer" and e["edge"] == "end" and e.get("step") == 0))
 
 # %% [markdown]
 # ## 2. The update: reduce-scatter, my slice, all-gather

@@ -80,6 +80,14 @@ events = R2.last_events
 n_buckets = len(run[0]["layout"]["buckets"])
 
 # %% [markdown]
+# The same run in the offline player (no kernel: it plays on the static site too). "Jump to
+# collective" → `reduce_scatter` walks through the buckets' reduce-scatters during backward.
+
+# %%
+from minishard.viz import replay_html
+replay_html(events, title="ZeRO-2, 2 ranks, tiny model, 2 steps, 4 MiB buckets (offline player)")
+
+# %% [markdown]
 # In the timeline the reduce-scatters (purple) sit under backward: each starts as soon as its
 # bucket's last gradient arrives, while earlier layers are still being differentiated. The
 # parameter all-gathers follow in the optimizer phase.

@@ -154,6 +154,14 @@ live.flush()
 events = R2.last_events
 
 # %% [markdown]
+# The same run in the offline player (no kernel: it plays on the static site too), with the units'
+# states under the bars; "jump to collective" → `all_gather` goes from one unit's gather to the next.
+
+# %%
+from minishard.viz import replay_html
+replay_html(events, title="ZeRO-3 (fsdp), 2 ranks, tiny model, 2 steps (offline player)")
+
+# %% [markdown]
 # The ledger of rank 0, read at each of its unit state changes in step 1. The root is gathered
 # first and kept until backward ends (it is needed again at once: the head is the first thing
 # backward computes); each block is gathered, used and freed.

@@ -149,6 +149,15 @@ player.flush()
 events = R2.last_events
 
 # %% [markdown]
+# The same run in the offline player (no kernel: it plays on the static site too). Its unit table
+# follows every state change as you step: `unsharding` while a unit's all-gather is in flight,
+# `unsharded` while it computes, `reduce_scattering` while its gradients are reduced, `sharded`.
+
+# %%
+from minishard.viz import replay_html
+replay_html(events, title="FSDP, 2 ranks, nano model (3 blocks), 2 steps (offline player)")
+
+# %% [markdown]
 # The order of rank 0's unit state changes and collectives in step 1, as recorded:
 
 # %%

@@ -243,6 +243,17 @@ ag = [e for e in player.replay.events if e["kind"] == "collective" and e["op"] =
 assert len(ag) == 1 + 2 * len(TINY.blocks)               # the root once, every block twice
 
 # %% [markdown]
+# The same trace in the offline player (no kernel: it plays on the static site too), opening at
+# the same event. Its timeline shows each all-gather on the comm lane running ahead of the block
+# that needs it; click the timeline to jump to a moment, and "jump to phase" → `wait_unshard`
+# finds the waits that remain.
+
+# %%
+from minishard.viz import replay_html
+replay_html(player.replay, title="FSDP (flat), prefetch depth 1, 2 ranks, tiny model (offline player)",
+            start=player.index)
+
+# %% [markdown]
 # ## 4. Exposed communication and step time against depth
 # Timing on this machine is noisy: two CPU cores shared with other work. To compare depths
 # fairly, [`prefetch_race`](../minishard/course/ch07.py) builds one model per depth (0, 1

@@ -209,6 +209,19 @@ for i in range(L):
 assert table["h2d", "root"][:2] == table["d2h", "root"][:2] == [1, ROOT_SHARD]
 
 # %% [markdown]
+# The host-tier run in the offline player (no kernel: it plays on the static site too): the
+# transfers sit on each rank's comm lane next to the collectives, and "jump to collective" →
+# `transfer h2d` / `transfer d2h` steps from one crossing to the next. (Its bars, like the live
+# player's, count every byte of the ledger by category wherever it lives, the tier's state
+# included; §2 split them by device.) It opens at rank 0's first transfer of the last step:
+
+# %%
+from minishard.viz import replay_html
+replay_html(host_events, title="FSDP, offload='host', 2 ranks (offline player)",
+            start=next(i for i, e in enumerate(host_events)
+                       if e["kind"] == "transfer" and e["rank"] == 0 and e.get("step") == 1))
+
+# %% [markdown]
 # The optimizer step itself moves nothing: it runs where the state lives (here, the CPU).
 #
 # ## 4. How long the transfers take — measured here, modelled for a GPU

@@ -8,7 +8,9 @@ What it writes (``site/`` by default, git-ignored):
   re-run) converted with nbconvert. Every plotly output becomes a plain plotly.js figure drawn by
   the one vendored copy of plotly.js (``vendor/plotly.min.js``, from the plotly package), so the
   kernel-free players (``static_player_figure``: frames, a Play button, a slider) play in the
-  page. Live widgets (the Player, the calculator) need a kernel: their place says so.
+  page. The offline step-through players (``replay_html``: every event, ledger, ring, units,
+  timeline) load their one shared script, ``vendor/minishard-replay.js``, instead of the copy
+  each output carries. Live widgets (the Player, the calculator) need a kernel: their place says so.
 * ``tutorial/*.md``, ``docs/*.md`` and the README rendered with Python-Markdown; math (``$…$``,
   ``$$…$$``) is typeset in the page by a vendored MathJax (the ``jupyter-server-mathjax``
   package), in the notebooks too.
@@ -39,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = ".minishard-site"                    # a directory we may wipe and rebuild
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
+REPLAY_JS = "minishard-replay.js"             # the offline player's script (minishard/offline_player.js)
+REPLAY_LIB = re.compile(r"<script data-minishard-replay-lib=\"\d+\">.*?</script>", re.S)
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 MATHJAX_CONFIG = """<script type="text/x-mathjax-config">
 MathJax.Hub.Config({
@@ -141,6 +145,7 @@ def vendor(out: Path) -> None:
     dst = out / "vendor"
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", dst / "plotly.min.js")
+    shutil.copy(ROOT / "minishard" / "offline_player.js", dst / REPLAY_JS)
     try:
         import jupyter_server_mathjax
     except ImportError:
@@ -150,6 +155,14 @@ def vendor(out: Path) -> None:
     src = Path(jupyter_server_mathjax.__file__).parent / "static"
     if not (dst / "mathjax" / "MathJax.js").exists():
         shutil.copytree(src, dst / "mathjax", dirs_exist_ok=True)
+
+
+def shared_replay_script(body: str, page: str) -> str:
+    """Every offline player in a notebook output carries its script inline (so that the notebook
+    plays on its own); on the site the page loads the one shared copy instead, once."""
+    tag = f'<script src="{up(page)}vendor/{REPLAY_JS}"></script>'
+    parts = REPLAY_LIB.split(body)
+    return parts[0] + "".join((tag if i == 0 else "") + rest for i, rest in enumerate(parts[1:]))
 
 
 def head_scripts(page: str, math: bool = True) -> str:
@@ -280,7 +293,7 @@ def notebook_page(nb_path: Path, page: str, ed: Editions, copies: set[str]) -> s
     body = re.sub(r'<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->', "", body, flags=re.S)
     body = re.sub(r'<script type="module">\s*document\.addEventListener\("DOMContentLoaded".*?</script>',
                   "", body, flags=re.S)
-    body = rewrite_links(body, f"notebooks/{nb_path.name}", page, copies)
+    body = shared_replay_script(rewrite_links(body, f"notebooks/{nb_path.name}", page, copies), page)
     body = body.replace("</head>", head_scripts(page) + f"<style>{STYLE}</style>\n</head>", 1)
     return re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav(page, ed), body, count=1)
 

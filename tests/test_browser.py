@@ -5,7 +5,8 @@ works: that the widgets' front ends load, that the player draws, and that its bu
 
 * Chapters 00–02 are **run** in the browser ("Run All Cells", a real kernel, real ranks). Then,
   in the page: the plotly charts exist; clicking a player's "step ▶" button changes its memory
-  bars; stepping through a collective advances the ring animation (chapter 02); moving the
+  bars; stepping through a collective advances the ring animation (chapter 02), and the offline
+  player next to it (``replay_html``, its output's script run by Lab) steps too; moving the
   slider of a kernel-free ``static_player_figure`` moves its figure (chapter 00).
 * Every other chapter is **opened** with its stored outputs (executing them all would take many
   minutes on two cores; nbval executes them anyway): every stored plotly output renders as a
@@ -184,7 +185,7 @@ def errors_on(page) -> list[str]:
 def players(page):
     """The step-through players on the page: (the widget, its memory figure, its ring figure)."""
     out = []
-    for button in page.locator(".jp-OutputArea button", has_text=STEP).all():
+    for button in page.locator(".jp-OutputArea button.widget-button", has_text=STEP).all():
         box = button.locator("xpath=ancestor::div[contains(@class,'widget-vbox')][1]")
         plots = box.locator(".js-plotly-plot")
         out.append((box, plots.nth(0), plots.nth(1)))
@@ -301,6 +302,14 @@ def test_chapter_runs_in_the_browser_and_its_player_answers(lab, browser, nb):
             assert after["marks"] != before["marks"], "the collective animation did not advance"
             assert "all_reduce" in before["title"] + after["title"]
             box.screenshot(path=screenshot_path(f"{nb.stem}-ring.png"))
+            # the offline player next to it (replay_html): its output's script ran in Lab too
+            replay = page.locator(".jp-OutputArea .msr").first
+            replay.scroll_into_view_if_needed(timeout=30_000)
+            at = int(replay.get_attribute("data-event"))
+            assert "all_reduce" in replay.locator(".msr-ringtitle").inner_text()   # it opens there
+            replay.locator(".msr-forward").click()
+            assert int(replay.get_attribute("data-event")) == at + 1
+            replay.screenshot(path=screenshot_path(f"{nb.stem}-offline-player.png"))
 
         if nb.name.startswith("00"):
             fig, before, after = move_static_slider(page)

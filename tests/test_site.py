@@ -7,7 +7,11 @@ written chapters (``scripts/build_site.py``), then checked twice:
   network (no CDN plotly.js, require.js or MathJax);
 * in headless Chromium with the network cut off (every non-``file://`` request aborted, DNS
   disabled): each notebook page draws all its figures (``.js-plotly-plot``), moving a static
-  player's slider moves its figure, math is typeset, and no page even tried the network.
+  player's slider moves its figure, math is typeset, and no page even tried the network;
+* the offline step-through player: ``minishard view``'s file for a 4-rank FSDP trace shows, at
+  every event it is moved to (slider, "step ▶", the jump menus), the bars, unit states and ring
+  of the live ``Player`` at that event; chapters 02–09 carry one in their outputs, which the
+  site loads from one shared script, and each plays.
 
 Both editions: the Chinese pages (``tutorial/zh/``) are built and linked like the English ones,
 carry their English page's heading ids, every page has a language switch that lands, and a
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import html
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -360,5 +365,161 @@ def test_chinese_page_is_drawn_with_a_cjk_font_offline(zh_site, offline_browser)
             f"{len(PROBE)} ideographs at 20px are {width:.0f}px wide, not about {20 * len(PROBE)}px"
         assert page.evaluate("document.documentElement.lang") == "zh-CN"
         assert not errors and not offline_browser.blocked
+    finally:
+        page.close()
+
+
+# ------------------------------------------------------------------ the offline player
+# What an offline player (minishard/offline_player.js) draws: the event, its title, every bar's
+# bytes (and height), every unit's state, the ring's caption and chunks.
+REPLAY_STATE = """root => {
+    const bars = {}, heights = {}, units = {};
+    root.querySelectorAll('rect[data-cat]').forEach(r => {
+        (bars[r.dataset.rank] = bars[r.dataset.rank] || {})[r.dataset.cat] = +r.dataset.bytes;
+        (heights[r.dataset.rank] = heights[r.dataset.rank] || {})[r.dataset.cat] = +r.getAttribute('height');
+    });
+    root.querySelectorAll('.msr-units tr[data-rank]').forEach(tr => {
+        units[tr.dataset.rank] = {};
+        tr.querySelectorAll('td').forEach(td => { units[tr.dataset.rank][td.dataset.unit] = td.textContent; });
+    });
+    const chunks = [...root.querySelectorAll('.msr-chunk')];
+    return {event: +root.dataset.event, title: root.querySelector('.msr-title').textContent,
+            bars, heights, units, ring: root.querySelector('.msr-ringtitle').dataset.title,
+            chunks: chunks.map(g => g.textContent), xy: chunks.map(g => g.dataset.x.split(',').map(Number))};
+}"""
+
+
+@pytest.fixture(scope="module")
+def fsdp4_view(pools, tmp_path_factory):
+    """``minishard view`` of a recorded 4-rank FSDP trace, and the trace's events."""
+    from minishard import trace
+    from minishard.cli import main
+    from test_view import record_fsdp4
+
+    directory = tmp_path_factory.mktemp("fsdp4-view")
+    trace.write_dir(record_fsdp4(pools), directory)
+    assert main(["view", str(directory)]) == 0
+    return directory / "player.html", trace.load(directory)
+
+
+def replay_state(page) -> dict:
+    return page.locator(".msr").first.evaluate(REPLAY_STATE)
+
+
+def assert_same_as_live(state: dict, live) -> None:
+    """The page at ``state["event"]`` shows what the live ``Player`` shows there."""
+    from minishard.viz.ring import ring_view
+
+    i, rp = state["event"], live.replay
+    live.jump(i)
+    assert state["title"] == live.memory_figure.layout.title.text, i
+    want = live.snapshot()
+    assert {int(r): b for r, b in state["bars"].items()} == {
+        r: {c: want[r].get(c, 0) for c in rp.categories} for r in want}, f"ledger differs at event {i}"
+    assert all(set(b) == set(rp.categories) for b in state["bars"].values())
+    px = [state["heights"][r][c] / b for r in state["bars"] for c, b in state["bars"][r].items() if b > 0]
+    assert not px or max(px) - min(px) <= 1e-6 * max(px), f"bar heights not proportional to bytes at event {i}"
+    assert {int(r): u for r, u in state["units"].items()} == live.unit_states(), i
+    view = ring_view(4, live.current_collective(), None, rp.t[i])
+    assert state["ring"] == view.title == live.ring_figure.layout.title.text, i
+    assert state["chunks"] == list(view.chunks_text), i
+    for (x, y), wx, wy in zip(state["xy"], view.chunks_x, view.chunks_y):
+        assert abs(x - wx) <= 0.01 and abs(y - wy) <= 0.01, i
+
+
+def slide_to(page, i: int) -> None:
+    page.locator(".msr-slider").evaluate(
+        "(el, i) => { el.value = i; el.dispatchEvent(new Event('input', {bubbles: true})); }", i)
+
+
+def test_view_steps_like_the_live_player_offline(offline_browser, fsdp4_view):
+    """``minishard view``'s file, opened with the network off: at events spread over the trace
+    (inside all-gathers and reduce-scatters too), after "step ▶", after "jump to phase" and "jump
+    to collective", the bars, the unit table and the ring are the live player's at that event —
+    and they change from one event to the next as the live player's do."""
+    from minishard.viz import Player
+
+    path, events = fsdp4_view
+    live = Player(events)
+    rp = live.replay
+    inside = {rp.collective_at(rp.t[i])["op"]: i for i in range(rp.n) if rp.collective_at(rp.t[i])}
+    page, errors = _open(offline_browser, path)
+    try:
+        page.wait_for_selector(".msr-title", timeout=30_000)
+        seen = []
+        for i in sorted({0, rp.n // 5, rp.n // 2, 3 * rp.n // 4, rp.n - 1, *inside.values()}):
+            slide_to(page, i)
+            state = replay_state(page)
+            assert state["event"] == i
+            assert_same_as_live(state, live)
+            seen.append(state)
+        assert {"all_gather", "reduce_scatter"} <= set(inside)
+        for part in ("bars", "units", "ring"):          # the views move, as the live player's do
+            assert len({json.dumps(s[part], sort_keys=True) for s in seen}) >= 3, part
+        forward = page.get_by_role("button", name="step ▶")
+        for _ in range(3):
+            forward.click()
+        state = replay_state(page)
+        assert state["event"] == rp.n - 1               # the last event: stepping stops there
+        slide_to(page, inside["all_gather"])
+        for _ in range(3):
+            forward.click()
+        state = replay_state(page)
+        assert state["event"] == inside["all_gather"] + 3
+        assert_same_as_live(state, live)
+        page.locator(".msr-jump-phase").select_option("backward")
+        state = replay_state(page)
+        live.jump(inside["all_gather"] + 3)
+        assert state["event"] == live.jump_to_phase("backward")
+        assert_same_as_live(state, live)
+        page.locator(".msr-jump-collective").select_option("reduce_scatter")
+        state = replay_state(page)
+        after = [j for j in rp.collectives if j > live.index and rp.events[j]["rank"] == 0
+                 and rp.events[j]["op"] == "reduce_scatter"]
+        assert state["event"] == after[0] and "reduce_scatter" in state["ring"]
+        assert_same_as_live(state, live)
+        page.locator(".msr").first.screenshot(path=screenshot_path("view-fsdp4.png"))
+        assert not errors, errors[:3]
+        assert not offline_browser.blocked, offline_browser.blocked[:3]
+    finally:
+        page.close()
+
+
+REPLAY_CHAPTERS = [nb for nb in NOTEBOOKS if "02" <= nb.name[:2] <= "09"]
+
+
+def replays_in(nb_path: Path) -> int:
+    nb = nbformat.read(nb_path, as_version=4)
+    return sum("MinishardReplay.mount(" in "".join(o.get("data", {}).get("text/html", ""))
+               for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+@pytest.mark.parametrize("nb", REPLAY_CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_replays_play_offline(site, offline_browser, nb):
+    """Chapters 02–09 carry the offline player in their executed outputs; on the site each loads
+    the one shared script and plays with the network off."""
+    want = replays_in(nb)
+    assert want >= 1, f"{nb.name} has no offline player in its outputs (replay_html)"
+    path = site / "notebooks" / f"{nb.stem}.html"
+    text = path.read_text()
+    assert text.count(f'src="../vendor/{build_site.REPLAY_JS}"') == 1 and "data-minishard-replay-lib" not in text
+    page, errors = _open(offline_browser, path)
+    try:
+        page.wait_for_function("n => (window.MinishardReplay || {players: []}).players.length === n",
+                               arg=want, timeout=60_000)
+        for k in range(want):
+            root = page.locator(".msr").nth(k)
+            root.scroll_into_view_if_needed()
+            start = int(root.get_attribute("data-event"))
+            root.locator(".msr-speed").select_option("100")
+            root.locator(".msr-play").click()
+            end = int(root.locator(".msr-slider").get_attribute("max"))
+            page.wait_for_function("([el, s]) => +el.dataset.event >= s", timeout=20_000,
+                                   arg=[root.element_handle(), min(start + 5, end) if start < end else 5])
+            root.locator(".msr-play").click()
+            assert int(root.get_attribute("data-event")) != start
+        page.locator(".msr").first.screenshot(path=screenshot_path(f"site-{nb.stem}-replay.png"))
+        assert not errors, f"{nb.name}: script errors in the page: {errors[:3]}"
+        assert not offline_browser.blocked
     finally:
         page.close()

@@ -5,10 +5,12 @@
     python -m minishard ledger --config configs/llama3-8b.json --world-size 8 --strategy zero3
     python -m minishard plan --config configs/qwen2-7b.json --gpus-per-node 8 --nodes 2
     python -m minishard perfetto DIR out.json
+    python -m minishard view DIR                 # DIR/player.html: step through it offline
 
 ``demo`` trains (every knob a chapter teaches is a flag) and prints, per rank, the ledger by
 category, the peak against the formula, the bytes sent per step and the time compute waited on
-communication; ``ledger`` and ``plan`` answer for real model configs without training anything.
+communication; ``ledger`` and ``plan`` answer for real model configs without training anything;
+``view`` writes a trace's step-through player as one HTML file (no kernel, no network).
 Bad input stops with one line naming the problem, before any rank starts.
 """
 from __future__ import annotations
@@ -16,14 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo, plan
+from . import demo, plan, view
 
 __all__ = ["main"]
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minishard", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ledger,plan,perfetto}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ledger,plan,perfetto,view}")
     demo.add_arguments(sub.add_parser(
         "demo", help="train on N ranks: per-step progress, the ledger per rank, bytes, a trace",
         description="Train the course's GPT under a strategy, on the ranks torchrun started (or "
@@ -41,6 +43,11 @@ def parser() -> argparse.ArgumentParser:
                                     "Chrome/Perfetto JSON file (open it in ui.perfetto.dev).")
     pp.add_argument("trace_dir", help="a directory with rank*.jsonl (demo --trace DIR)")
     pp.add_argument("out", help="the .json file to write")
+    view.add_arguments(sub.add_parser(
+        "view", help="a trace as one HTML file that steps through it (no kernel, no network)",
+        description="Write the step-through player of a trace (DIR/rank*.jsonl, e.g. from "
+                    "torchrun ... demo --trace DIR) as one self-contained HTML file: every rank's "
+                    "ledger, the collective on the ring, the FSDP units, the timeline."))
     return p
 
 
@@ -53,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             return plan.ledger(args)
         if args.cmd == "plan":
             return plan.plan(args)
+        if args.cmd == "view":
+            return view.run(args)
         from ..trace import load, write_chrome
         write_chrome(load(args.trace_dir), args.out)
         print(f"wrote {args.out}")

@@ -27,8 +27,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from .. import trace
-from .figures import (MB, UNIT_STATE_COLORS, category_order, describe, lane_spans, ledger_bars,
-                      spans_figure)
+from ..playback import event_title
+from .figures import MB, UNIT_STATE_COLORS, category_order, lane_spans, ledger_bars, spans_figure
 from .ring import ring_figure, ring_view
 from .live_figure import LiveFigure
 
@@ -40,10 +40,7 @@ class Replay(trace.Replay):
 
     def title(self, i: int) -> str:
         """``step 1 · backward · rank 0 all_reduce bucket0 · event 412/813`` (slider value/max)."""
-        ev = self.events[i]
-        parts = [f'step {ev["step"]}' if ev.get("step") is not None else "", self.phase(i),
-                 describe(ev), f"event {i}/{self.n - 1}"]
-        return " · ".join(p for p in parts if p)
+        return event_title(self.events[i], self.phase(i), i, self.n)
 
 
 class Player:

@@ -1,19 +1,11 @@
 """The collective in flight, drawn on a ring: who sends which chunk to whom, round by round.
 
-A ring collective on N ranks splits the buffer of S bytes into N chunks of S/N. In every round
-each rank sends one chunk to its right neighbour (rank r -> r+1 mod N) and receives one from its
-left, so all N links are busy at once and no rank ever sends more than S/N per round:
-
-    reduce_scatter   N-1 rounds; in round k rank r sends (its partial sum of) chunk r-k. After
-                     the last round rank r holds the fully reduced chunk r+1.
-    all_gather       N-1 rounds; in round k rank r forwards chunk r-k, which it already has.
-    all_reduce       a reduce-scatter, then an all-gather of the reduced chunks: 2(N-1) rounds,
-                     2(N-1)/N * S bytes sent per rank.
-    broadcast        not a ring: a binomial tree from the root. In round k every rank that has
-                     the data (relative rank r < 2^k) sends the whole buffer to r + 2^k.
-
+The rounds themselves (:func:`ring_schedule`: which rank sends which chunk in each round of a
+reduce-scatter, all-gather, all-reduce or tree broadcast), the round a moment falls in
+(:func:`round_at`) and the words of the title live in :mod:`minishard.playback`, which the
+offline player (``python -m minishard view``) reads too; this module draws them with plotly.
 The trace records only when a collective started and ended on each rank, not its rounds, so the
-player *derives* the round from how far the current time is between ``t`` and ``t_end``. That is a
+player *derives* the round from how far the current time is between ``t`` and ``t_end``: a
 teaching picture of what the algorithm does, not a measurement of when each round happened.
 """
 from __future__ import annotations
@@ -23,57 +15,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from .figures import fmt_bytes
-
-RING_OPS = ("reduce_scatter", "all_gather", "all_reduce")
-
-
-@dataclass(frozen=True)
-class Round:
-    """One round of a collective: ``sends`` holds ``(src, dst, chunk)`` for every message."""
-    label: str
-    sends: tuple[tuple[int, int, str], ...]
-    along_ring: bool = True          # neighbours on the ring (True) or tree edges (False)
-
-
-def ring_schedule(op: str, world_size: int, src: int = 0) -> list[Round]:
-    """The rounds the algorithm runs for ``op`` on ``world_size`` ranks (empty for one rank)."""
-    N = world_size
-    if N <= 1:
-        return []
-    if op == "broadcast":
-        n_rounds = math.ceil(math.log2(N))
-        return [Round(f"broadcast (tree from rank {src}) round {k + 1}/{n_rounds}",
-                      tuple(((r + src) % N, (r + 2 ** k + src) % N, "all")
-                            for r in range(2 ** k) if r + 2 ** k < N),
-                      along_ring=False)
-                for k in range(n_rounds)]
-    if op not in RING_OPS:
-        return []                    # an op we have no picture for: the ring stays idle
-
-    def reduce_scatter(k):           # chunk r-k: a partial sum that grows one rank per round
-        return Round(f"reduce-scatter round {k + 1}/{N - 1}",
-                     tuple((r, (r + 1) % N, f"Σc{(r - k) % N}") for r in range(N)))
-
-    def all_gather(k, owned):        # rank r starts owning chunk r + owned, forwards one per round
-        return Round(f"all-gather round {k + 1}/{N - 1}",
-                     tuple((r, (r + 1) % N, f"c{(r + owned - k) % N}") for r in range(N)))
-
-    if op == "reduce_scatter":
-        return [reduce_scatter(k) for k in range(N - 1)]
-    if op == "all_gather":
-        return [all_gather(k, owned=0) for k in range(N - 1)]
-    # all_reduce: after the reduce-scatter rank r owns the reduced chunk r+1
-    return [reduce_scatter(k) for k in range(N - 1)] + [all_gather(k, owned=1) for k in range(N - 1)]
-
-
-def round_at(collective: dict, t: float, n_rounds: int) -> tuple[int, float]:
-    """``(round, fraction of that round done)`` at time ``t``, spreading the rounds evenly over
-    the collective's ``[t, t_end]``."""
-    span = collective["t_end"] - collective["t"]
-    progress = 1.0 if span <= 0 else min(max((t - collective["t"]) / span, 0.0), 1.0)
-    k = min(int(progress * n_rounds), n_rounds - 1)
-    return k, min(progress * n_rounds - k, 1.0)
+from ..playback import RING_OPS, Round, idle_ring_title, ring_caption, ring_schedule, round_at  # noqa: F401
 
 
 # --------------------------------------------------------------------------- geometry
@@ -121,15 +63,11 @@ def ring_view(world_size: int, collective: dict | None = None, round: int | None
     ``t``; with neither, the first round is shown. Chunk markers sit ``fraction`` of the way
     along their link, so stepping through time moves them."""
     if collective is None:
-        return RingView(world_size, f"{world_size} ranks · no collective in flight", [], [], [], [], [])
-    N = collective.get("group") or world_size
-    rounds = ring_schedule(collective["op"], N, collective.get("src", 0))
-    what = f'{collective["op"]} {collective.get("tag", "")}'.strip()
-    head = (f'{what} · payload {fmt_bytes(collective["payload"])} · '
-            f'wire {fmt_bytes(collective["wire"])} sent by rank {collective["rank"]}')
+        return RingView(world_size, idle_ring_title(world_size), [], [], [], [], [])
+    cap = ring_caption(collective, world_size)
+    N, rounds = cap.world_size, cap.rounds
     if not rounds:
-        why = "one rank: nothing to send" if N <= 1 else f'no picture of the {collective["op"]} algorithm'
-        return RingView(N, f"{head}<br>({why})", [], [], [], [], [])
+        return RingView(N, cap.title(None), [], [], [], [], [])
     if round is not None:
         k, frac = min(max(int(round), 0), len(rounds) - 1), 0.5
     elif t is not None:
@@ -137,7 +75,6 @@ def ring_view(world_size: int, collective: dict | None = None, round: int | None
     else:
         k, frac = 0, 0.5
     rnd = rounds[k]
-    chunk = collective["payload"] if not rnd.along_ring else collective["payload"] // N
     sx, sy, cx, cy, text = [], [], [], [], []
     for src, dst, name in rnd.sends:
         path = _path(src, dst, N, rnd.along_ring)
@@ -145,8 +82,7 @@ def ring_view(world_size: int, collective: dict | None = None, round: int | None
         sy += [p[1] for p in path] + [None]
         x, y = _path(src, dst, N, rnd.along_ring, upto=frac, points=1)[-1]
         cx.append(x), cy.append(y), text.append(name)
-    title = f"{head}<br>{rnd.label} · each sender sends {fmt_bytes(chunk)}"
-    return RingView(N, title, sx, sy, cx, cy, text, k)
+    return RingView(N, cap.title(k), sx, sy, cx, cy, text, k)
 
 
 def ring_figure(world_size: int, collective_event: dict | None = None, round: int | None = None,
