@@ -141,9 +141,11 @@ class Comm:
     collective needs (gloo's reduce-scatter receive buffer) as ``comm_buffers``.
     """
 
-    def __init__(self, tracer: Tracer | None = None, group=None, ledger=None):
+    def __init__(self, tracer: Tracer | None = None, group=None, ledger=None, *, alone: bool = False):
+        """``alone``: a world of one even inside a process group (one rank training by itself,
+        e.g. the no-communication reference a benchmark measures on every rank at once)."""
         self.tracer, self.group, self.ledger = tracer, group, ledger
-        self.initialized = dist.is_available() and dist.is_initialized()
+        self.initialized = not alone and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.initialized else 0
         self.world_size = dist.get_world_size(group) if self.initialized else 1
         self.backend = dist.get_backend(group) if self.initialized else "none"

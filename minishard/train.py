@@ -72,14 +72,15 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train(rank, config) takes a TrainConfig, got {type(config).__name__}: "
                         f"train(rank, TrainConfig(strategy='ddp', steps=3))")
-    if rank is None:                                   # plain single process, no launcher
+    alone = rank is None
+    if alone:                                  # plain single process: no launcher, no group
         rank = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
     tracer = rank.tracer
     tracer.enabled = config.trace
     strategy = strategies.get(config.strategy)
     cfg = model_mod.config(config.model, **config.model_overrides)
     ledger = LiveLedger(tracer, budget=config.device_budget) if strategy.instrumented else None
-    comm = Comm(tracer, ledger=ledger)
+    comm = Comm(tracer, ledger=ledger, alone=alone)
     built = build(_model(config, cfg, rank.device), config, comm, ledger)
     first_step, ckpt = 0, {}
     if config.resume_from is not None:

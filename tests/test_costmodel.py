@@ -205,3 +205,11 @@ def test_the_logits_the_loss_keeps():
     from minishard.costmodel import logits_bytes
     from minishard.model import config
     assert logits_bytes(config("tiny"), 4, 128, 4) == 4 * 128 * 4096 * 4     # chapter 10's 8 MiB
+
+
+def test_the_no_communication_reference_runs_on_every_rank_of_a_pool(pools):
+    """bench.py and bench_planner.py time single-process training on every rank at once
+    (``measure_compute``): inside a process group, ``train(None, ...)`` is a world of one."""
+    from minishard.course.ch10 import measure_compute
+    times = pools(2).run(measure_compute, steps=2, model="nano", micro_batch=2)
+    assert [len(t) for t in times] == [2, 2] and all(s > 0 for t in times for s in t)
