@@ -21,9 +21,10 @@ gloo has no ring reduce-scatter: its ``reduce_scatter_tensor`` runs a full all-r
 by a local sum in rank order — the ring volume, and the same sum on every rank. NCCL gets its
 native reduce-scatter.
 
-gloo's all-gather is slow: on the course's 2-core machine it took 34–75 ms to gather 28 MB on 2
-ranks where an ``all_to_all`` of the same size took 14–19 ms and a gloo ``all_reduce``, which
-moves twice the bytes, 27–38 ms (``benchmarks/RESULTS.md``). On gloo, :meth:`Comm.all_gather`
+gloo's all-gather is slow: on the course's 2-core machine, quiet, gathering 27.5 MB took 14.9 ms
+on 2 ranks and 32.9 ms on 4, where an ``all_to_all`` of the same size took 10.5 and 20.4 ms
+(under load the gap widened to 34–75 ms against 14–19; ``benchmarks/bench_collectives.py``,
+``benchmarks/RESULTS.md``). On gloo, :meth:`Comm.all_gather`
 therefore sends this rank's block straight to every other rank and receives theirs into place
 (N-1 ``isend``/``irecv`` pairs, :class:`PairwiseGather`): the same (N-1)/N * S on the wire, no
 buffer beyond the output. NCCL gets its native all-gather.

@@ -72,9 +72,8 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train(rank, config) takes a TrainConfig, got {type(config).__name__}: "
                         f"train(rank, TrainConfig(strategy='ddp', steps=3))")
-    alone = rank is None
-    if alone:                                  # plain single process: no launcher, no group
-        rank = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
+    alone = rank is None                       # plain single process: no launcher, no group
+    rank = RankContext(0, 1, torch.device("cpu"), Tracer(), "none") if alone else rank
     tracer = rank.tracer
     tracer.enabled = config.trace
     strategy = strategies.get(config.strategy)
