@@ -15,6 +15,19 @@ MODEL = "nano"
 MICRO_BATCH = 2
 
 
+def one_process_model(seed: int = 0, **overrides):
+    """A nano GPT and its AdamW in this process (no ranks), after one step: what the one-process
+    checkpoint tests save, corrupt and load."""
+    cfg = config(MODEL, **overrides)
+    net = GPT(cfg, seed=seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = batch(cfg, 0, MICRO_BATCH)
+    net(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return net, opt
+
+
 def _trained(rank, strategy: str, precision: str, steps: int = 2, seed: int = 0):
     """A nano model and its optimizer under ``strategy``, after ``steps`` AdamW steps."""
     comm = Comm(rank.tracer)

@@ -17,7 +17,7 @@ from minishard import checkpoint
 from minishard.checkpoint import CheckpointError
 from minishard.comm import Comm
 from minishard.launch import RankError, Ranks
-from minishard.model import GPT, batch, config
+from minishard.model import GPT, config
 from minishard.train import TrainConfig, train
 from minishard.viz import reshard_figure
 
@@ -286,15 +286,7 @@ def test_export_equals_single_process_weights(pools, tmp_path):
 
 # ---------------------------------------------------------------------- bad input, one process
 
-def _model(seed=0, **overrides):
-    cfg = config("nano", **overrides)
-    net = GPT(cfg, seed=seed)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    x, y = batch(cfg, 0, 2)
-    net(x, y).backward()
-    opt.step()
-    opt.zero_grad()
-    return net, opt
+_model = checkpoint_tasks.one_process_model
 
 
 def _fingerprint(net, opt) -> str:

@@ -15,18 +15,11 @@ import xxhash
 from minishard import checkpoint
 from minishard.checkpoint import CheckpointError
 from minishard.comm import Comm
-from minishard.model import GPT, batch, config
+
+import checkpoint_tasks
 
 
-def _trained(seed: int = 0):
-    cfg = config("nano")
-    net = GPT(cfg, seed=seed)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    x, y = batch(cfg, 0, 2)
-    net(x, y).backward()
-    opt.step()
-    opt.zero_grad()
-    return net, opt
+_trained = checkpoint_tasks.one_process_model
 
 
 @pytest.fixture(scope="module")
