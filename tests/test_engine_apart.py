@@ -77,11 +77,20 @@ TASK = textwrap.dedent('''
 ''')
 
 
+def _checked(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """A failed command fails the test with what it printed (the ranks' tracebacks), not just
+    its exit status."""
+    if done.returncode:
+        pytest.fail(f"{' '.join(map(str, done.args))} exited with {done.returncode}:\n"
+                    f"{done.stdout[-2000:]}\n{done.stderr[-6000:]}")
+    return done
+
+
 def test_a_fresh_environment_with_only_the_engine_trains_and_reshards(tmp_path):
     venv = tmp_path / "venv"
     py = venv / "bin" / "python"
-    run = lambda *cmd, **kw: subprocess.run(cmd, check=True, capture_output=True, text=True,  # noqa: E731
-                                            timeout=600, **kw)
+    run = lambda *cmd, **kw: _checked(subprocess.run(cmd, capture_output=True, text=True,  # noqa: E731
+                                                     timeout=600, **kw))
     run(sys.executable, "-m", "venv", str(venv))
     torch_version = torch.__version__.split("+")[0]
     run(str(py), "-m", "pip", "install", "-q", f"torch=={torch_version}")   # the build this machine has
