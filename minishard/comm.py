@@ -73,11 +73,29 @@ def bytes_written() -> int | None:
 
 
 class Work:
-    """An in-flight collective. ``wait()`` blocks until it is done and records the event."""
+    """An in-flight collective. ``wait()`` blocks until it is done and records the event.
 
-    def __init__(self, comm: "Comm", handle, event: dict, finish=None):
+    ``stamp``: a trace wants the time the collective *completed*, not when someone waited for
+    it, so a helper thread waits for it and notes the time. The helper is an ordinary (not
+    daemon) Python thread that ``wait()`` joins: no thread outside Python ever runs Python code
+    for us (a completion callback runs in gloo's own thread), and none is left running Python
+    when the interpreter shuts down — a thread that reaches for the interpreter while it is
+    being torn down aborts the process ("terminate called without an active exception")."""
+
+    def __init__(self, comm: "Comm", handle, event: dict, finish=None, *, stamp: bool = False):
         self._comm, self._handle, self._event, self._finish = comm, handle, event, finish
         self.done = False
+        self._stamper, self._error = None, None
+        if stamp and handle is not None:
+            self._stamper = threading.Thread(target=self._stamp, name="minishard-stamp")
+            self._stamper.start()
+
+    def _stamp(self) -> None:
+        try:
+            self._handle.wait()
+        except BaseException as e:           # handed to whoever waits, in their thread
+            self._error = e
+        self._event["t_done"] = self._comm.tracer.now()
 
     def is_completed(self) -> bool:
         """Finished on the wire (wait() would not block)."""
@@ -86,7 +104,11 @@ class Work:
     def wait(self) -> None:
         if self.done:
             return
-        if self._handle is not None:
+        if self._stamper is not None:
+            self._stamper.join()
+            if self._error is not None:
+                raise self._error
+        elif self._handle is not None:
             self._handle.wait()
         if self._finish is not None:
             self._finish()
@@ -116,23 +138,12 @@ class PairwiseGather:
 
     def wait(self) -> None:
         # a gloo point-to-point work may be waited for once only (a second wait blocks for a
-        # completion that never comes), and the future's thread waits too
+        # completion that never comes), and a Work's stamping thread may wait too
         with self._lock:
             if not self._done:
                 for w in self._works:
                     w.wait()
                 self._done = True
-
-    def get_future(self) -> torch.futures.Future:
-        """gloo's point-to-point works have no futures: a helper thread waits and completes one
-        (only when a trace wants the completion time)."""
-        fut = torch.futures.Future()
-
-        def complete():
-            self.wait()
-            fut.set_result(None)
-        threading.Thread(target=complete, daemon=True).start()
-        return fut
 
 
 class Comm:
@@ -181,11 +192,8 @@ class Comm:
 
     def _run(self, ev: dict, launch, async_op: bool, finish=None) -> Work | None:
         handle = launch() if self.world_size > 1 else None
-        if handle is not None and async_op and self.tracer is not None and self.tracer.enabled:
-            # the end time is when the collective completed, not when someone waited for it
-            tracer = self.tracer
-            handle.get_future().add_done_callback(lambda _: ev.__setitem__("t_done", tracer.now()))
-        work = Work(self, handle, ev, finish)
+        stamp = async_op and self.tracer is not None and self.tracer.enabled
+        work = Work(self, handle, ev, finish, stamp=stamp)
         if async_op:
             return work
         work.wait()

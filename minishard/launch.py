@@ -49,6 +49,20 @@ from .trace import Tracer
 INIT_TIMEOUT_S = 60.0
 
 
+def init_group(backend: str, **kwargs) -> None:
+    """``dist.init_process_group``, so that ``dist.destroy_process_group`` really ends the group.
+
+    torch.optim imports ``torch._dynamo`` the first time an optimizer is built, and that import,
+    made while a process group exists, keeps references to it: ``destroy_process_group`` then
+    frees nothing, and gloo's worker threads live on. When the interpreter shuts down, a worker
+    still releasing the tensors of the last collectives needs it, and the process aborts
+    ("terminate called without an active exception" — about one ``torchrun`` run in 80 here).
+    Imported before the group exists, it takes no references, and destroying the group joins
+    its threads (``tests/test_engine_apart.py`` checks that no thread outlives the group)."""
+    import torch._dynamo  # noqa: F401
+    dist.init_process_group(backend, **kwargs)
+
+
 class RankError(RuntimeError):
     """A rank raised; carries the rank, its exception text and its own traceback."""
 
@@ -97,8 +111,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, s
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=INIT_TIMEOUT_S))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=INIT_TIMEOUT_S))
+        init_group(backend, store=store, rank=rank, world_size=world_size,
+                   timeout=timedelta(seconds=INIT_TIMEOUT_S))
         device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" \
             else torch.device("cpu")
         if device.type == "cuda":
@@ -145,7 +159,8 @@ class Ranks:
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # the forkserver imports these once; every rank forked from it starts warm
-            ctx.set_forkserver_preload(["torch", "torch.distributed", "minishard"])
+            # (torch._dynamo: init_group imports it before the group exists)
+            ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "minishard"])
         self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
                                     wait_for_workers=False, timeout=timedelta(seconds=INIT_TIMEOUT_S))
         self._results = ctx.Queue()
@@ -304,7 +319,7 @@ def context_from_env(trace_sink=None) -> RankContext:
     """Inside ``torchrun``: join the process group from the environment and build the context."""
     backend = default_backend()
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=INIT_TIMEOUT_S))
+        init_group(backend, timeout=timedelta(seconds=INIT_TIMEOUT_S))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")

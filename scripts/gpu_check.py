@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minishard.launch import RankContext
+from minishard.launch import RankContext, init_group
 from minishard.trace import Tracer
 from minishard.train import TrainConfig, train
 
@@ -71,8 +71,8 @@ def main() -> int:
 
     # ---- 2./3. one-rank FSDP steps, state on the device and offloaded
     store = dist.HashStore()
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
-                            timeout=timedelta(seconds=120))
+    init_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+               timeout=timedelta(seconds=120))
     model = "tinyllama-1.1b" if cuda else "nano"
     overrides = {"seq_len": 1024} if cuda else {}
     for offload in (None, "host"):

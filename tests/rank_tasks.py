@@ -48,6 +48,23 @@ def collective_results(rank, numel: int, async_op: bool = False):
     return {"rs": rs_out, "ag": ag_out, "ar": ar}
 
 
+def completion_stamps(rank, numel: int = 4096, pause: float = 0.5):
+    """Async collectives under a tracer, waited for only after a pause: each event's end time is
+    when the collective completed (before the wait), and waiting leaves no helper thread alive."""
+    import threading
+    comm = Comm(rank.tracer)
+    N = comm.world_size
+    works = [comm.all_gather(torch.empty(numel * N), torch.ones(numel), async_op=True),
+             comm.all_reduce(torch.ones(numel), async_op=True),
+             comm.reduce_scatter(torch.empty(numel), torch.ones(numel * N), async_op=True)]
+    time.sleep(pause)
+    waited_at = rank.tracer.now()
+    for w in works:
+        w.wait()
+    return {"waited_at": waited_at,
+            "helpers": [t.name for t in threading.enumerate() if t.name.startswith("minishard")]}
+
+
 def raise_on(rank, bad_rank: int, delay: float = 0.0):
     """Rank ``bad_rank`` raises; the others block in a collective, as in a real failure."""
     comm = Comm(rank.tracer)

@@ -59,3 +59,15 @@ def test_collective_events_carry_op_bytes_and_times(pools):
     for e in evs:
         assert e["op"] == "all_gather" and e["payload"] == 2 * 4096 * 4
         assert e["wire"] == 4096 * 4 and e["t_end"] >= e["t"] and e["dtype"] == "float32"
+
+
+def test_async_events_end_when_the_collective_completed_and_no_helper_outlives_wait(pools):
+    """A trace stamps when an async collective *completed*, not when someone waited for it; the
+    helper thread that stamps it is joined by ``wait()``, so none is left running."""
+    pool = pools(2)
+    res = pool.run(rank_tasks.completion_stamps)
+    evs = [e for e in pool.last_events if e["kind"] == "collective"]
+    assert sorted(e["op"] for e in evs) == sorted(["all_gather", "all_reduce", "reduce_scatter"] * 2)
+    for e in evs:
+        assert e["t"] <= e["t_end"] < res[e["rank"]]["waited_at"]
+    assert [r["helpers"] for r in res] == [[], []]

@@ -6,7 +6,8 @@ trains on a cluster node without JupyterLab, plotly or ipywidgets.
 * For real: a fresh virtual environment gets torch and ``pip install`` of the engine — the
   package without ``course/`` and ``viz/``, so that an engine module importing them would fail —
   with its dependencies only (nothing else is installed); there, under ``torchrun``, two ranks
-  train DDP, ZeRO-2 and FSDP and save a checkpoint that three ranks then load under ZeRO-1.
+  train DDP, ZeRO-2 and FSDP and save a checkpoint that three ranks then load under ZeRO-1;
+  ``destroy_process_group`` then leaves each rank with the threads it had before the group.
 """
 import ast
 import os
@@ -62,6 +63,8 @@ TASK = textwrap.dedent('''
     import os, sys, torch.distributed as dist
     from minishard.launch import context_from_env
     from minishard.train import TrainConfig, train
+    threads = lambda: len(os.listdir("/proc/self/task"))
+    before = threads()
     ctx = context_from_env()
     out_dir, phase = sys.argv[1], sys.argv[2]
     kw = dict(model="nano", micro_batch=1, track_activations=False)
@@ -74,6 +77,7 @@ TASK = textwrap.dedent('''
         r = train(ctx, TrainConfig("zero1", steps=1, resume_from=os.path.join(out_dir, "ck"), **kw))
         print(f"rank {ctx.rank} resumed at step {r['checkpoint']['load']['step']}", flush=True)
     dist.destroy_process_group()
+    print(f"rank {ctx.rank} threads: {before} before the group, {threads()} after it", flush=True)
 ''')
 
 
@@ -114,3 +118,7 @@ def test_a_fresh_environment_with_only_the_engine_trains_and_reshards(tmp_path):
         else:
             assert sorted(re.findall(r"rank \d resumed at step \d+", out)) == \
                 [f"rank {r} resumed at step 2" for r in range(3)], out
+        # destroy_process_group ended the group: none of gloo's threads is left to run into
+        # the interpreter's shutdown (minishard.launch.init_group)
+        left = re.findall(r"rank \d threads: (\d+) before the group, (\d+) after it", out)
+        assert len(left) == n and all(a == b for a, b in left), out
