@@ -59,7 +59,7 @@ def init_group(backend: str, **kwargs) -> None:
     ("terminate called without an active exception" — about one ``torchrun`` run in 80 here).
     Imported before the group exists, it takes no references, and destroying the group joins
     its threads (``tests/test_engine_apart.py`` checks that no thread outlives the group)."""
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")
     dist.init_process_group(backend, **kwargs)
 
 
