@@ -48,12 +48,13 @@ def collective_results(rank, numel: int, async_op: bool = False):
     return {"rs": rs_out, "ag": ag_out, "ar": ar}
 
 
-def completion_stamps(rank, numel: int = 4096, pause: float = 0.5):
+def completion_stamps(rank, numel: int = 4096, pause: float = 1.0):
     """Async collectives under a tracer, waited for only after a pause: each event's end time is
     when the collective completed (before the wait), and waiting leaves no helper thread alive."""
     import threading
     comm = Comm(rank.tracer)
     N = comm.world_size
+    comm.barrier()                # both ranks issue the collectives at about the same moment
     works = [comm.all_gather(torch.empty(numel * N), torch.ones(numel), async_op=True),
              comm.all_reduce(torch.ones(numel), async_op=True),
              comm.reduce_scatter(torch.empty(numel), torch.ones(numel * N), async_op=True)]
