@@ -56,7 +56,7 @@ def init_group(backend: str, **kwargs) -> None:
     made while a process group exists, keeps references to it: ``destroy_process_group`` then
     frees nothing, and gloo's worker threads live on. When the interpreter shuts down, a worker
     still releasing the tensors of the last collectives needs it, and the process aborts
-    ("terminate called without an active exception" — about one ``torchrun`` run in 80 here).
+    ("terminate called without an active exception" — about one ``torchrun`` run in 40 here).
     Imported before the group exists, it takes no references, and destroying the group joins
     its threads (``tests/test_engine_apart.py`` checks that no thread outlives the group)."""
     importlib.import_module("torch._dynamo")
