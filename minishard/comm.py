@@ -125,7 +125,7 @@ class PairwiseGather:
     def __init__(self, output: torch.Tensor, input: torch.Tensor, comm: "Comm", tag: int):
         N, r = comm.world_size, comm.rank
         blocks = output.view(N, -1)
-        self._works, self._lock, self._done = [], threading.Lock(), False
+        self._works, self._done = [], False
         for k in range(1, N):
             self._works.append(dist.isend(input, group=comm.group, group_dst=(r + k) % N, tag=tag))
             self._works.append(dist.irecv(blocks[(r - k) % N], group=comm.group,
@@ -138,12 +138,11 @@ class PairwiseGather:
 
     def wait(self) -> None:
         # a gloo point-to-point work may be waited for once only (a second wait blocks for a
-        # completion that never comes), and a Work's stamping thread may wait too
-        with self._lock:
-            if not self._done:
-                for w in self._works:
-                    w.wait()
-                self._done = True
+        # completion that never comes); its Work waits once, in one thread (see Work.wait)
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            self._done = True
 
 
 class Comm:
@@ -310,6 +309,15 @@ class Comm:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def anyone(self, flag: bool) -> bool:
+        """Is ``flag`` true on any rank? One 4-byte all-reduce (e.g. "did any rank fail?");
+        not traced as training traffic."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -158,6 +158,41 @@ def save_then_die(rank, path: str, die_rank: int) -> None:
     train(rank, TrainConfig(steps=1, resume_from=path, save_to=path, **kw))
 
 
+def one_rank_fails(rank, path: str, bad_rank: int) -> dict:
+    """Save on every rank, then make rank ``bad_rank`` alone fail once inside the save and once
+    inside the load: what each rank raised, and whether its model changed."""
+    model, opt, comm = _trained(rank, "zero1", "fp32")
+    checkpoint.save(model, opt, path, comm=comm, step=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)                        # what a failed load must leave as it is
+    changed = [p.detach().clone() for p in model.parameters()]
+    out = {}
+    for what, module, name in (("save", checkpoint.saving, "write_safetensors"),
+                               ("load", checkpoint.loading, "read_verified")):
+        real = getattr(module, name)
+
+        def failing(*args, real=real, **kwargs):
+            if rank.rank == bad_rank:
+                raise checkpoint.CheckpointError(f"planted failure on rank {bad_rank}")
+            return real(*args, **kwargs)
+
+        setattr(module, name, failing)
+        try:
+            if what == "save":
+                checkpoint.save(model, opt, path + "_again", comm=comm, step=3)
+            else:
+                checkpoint.load(model, opt, path, comm=comm)
+            out[what] = None
+        except checkpoint.CheckpointError as e:
+            out[what] = str(e)
+        finally:
+            setattr(module, name, real)
+    out["unchanged"] = all(torch.equal(p, c) for p, c in zip(model.parameters(), changed))
+    out["again_exists"] = os.path.exists(path + "_again")
+    return out
+
+
 def refusals(rank) -> dict:
     """What ``describe`` says of PyTorch's own sharded states: ZeroRedundancyOptimizer's
     partition and fully_shard's DTensor parameters (None: it described them)."""

@@ -254,6 +254,16 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert sorted(f.name for f in ck.iterdir()) == ["metadata.json", "rank0.safetensors"]
 
 
+def test_when_one_rank_fails_every_rank_raises_its_error_and_nothing_changes(pools, tmp_path):
+    """Saves and loads agree: a failure on rank 1 alone makes rank 0 raise the same error, the
+    failed save leaves no checkpoint behind, the failed load leaves every model as it was."""
+    res = pools(2).run(checkpoint_tasks.one_rank_fails, str(tmp_path / "ck"), 1)
+    for r in res:
+        assert r["save"] is not None and "planted failure on rank 1" in r["save"]
+        assert r["load"] is not None and "planted failure on rank 1" in r["load"]
+        assert r["unchanged"] and not r["again_exists"]
+
+
 def test_export_equals_single_process_weights(pools, tmp_path):
     kw = dict(model="nano", steps=2, track_activations=False, return_params=True)
     single = train(None, TrainConfig(strategy="single", micro_batch=4, save_to=str(tmp_path / "one"), **kw))

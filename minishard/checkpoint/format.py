@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
-import torch.distributed as dist
 import xxhash
 
 if TYPE_CHECKING:
@@ -73,13 +72,8 @@ def raise_if_any(errors: list) -> None:
 def agree(comm: Comm, error: str | None) -> None:
     """Did every rank succeed? One 4-byte all-reduce answers it; only if some rank failed are
     the messages gathered (a larger exchange), and every rank raises the first."""
-    if comm.world_size > 1:
-        failed = torch.tensor([error is not None], dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=comm.group)
-        if failed.item():
-            raise_if_any(comm.all_gather_object(error))
-    elif error:
-        raise CheckpointError(error)
+    if comm.anyone(error is not None):
+        raise_if_any(comm.all_gather_object(error))
 
 
 # ====================================================================== safetensors, by hand

@@ -128,14 +128,15 @@ def _under_torchrun(config, args):
     ctx = context_from_env()
     out = train(ctx, config, on_step=None if (args.quiet or args.json) else progress)
     out.pop("params", None)
-    results = Comm().gather_object(out)
+    comm = Comm()
+    results = comm.gather_object(out)
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
         ctx.tracer.write_jsonl(Path(args.trace) / f"rank{ctx.rank}.jsonl")
-    dist.barrier()
+    comm.barrier()
     if ctx.rank == 0:
         _finish(args, results, None)
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
     return results, None
 
