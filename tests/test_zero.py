@@ -161,3 +161,23 @@ def test_bad_input_is_named():
     zopt = ZeroOptimizer(GPT("nano").parameters(), stage=1, comm=Comm())
     with pytest.raises(NotImplementedError, match="pass every parameter group to the constructor"):
         zopt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_the_inner_optimizer_takes_the_multi_tensor_path_unless_told_otherwise():
+    """torch's CPU default is a per-tensor loop whose full-size temporaries, on a chunk of
+    millions of elements, fault back in every step: ZeroOptimizer asks for ``foreach`` (the same
+    update) and leaves an explicit choice alone."""
+    def one_step(**kw):
+        opt = ZeroOptimizer(GPT("nano").parameters(), torch.optim.AdamW, stage=1, comm=Comm(),
+                            lr=1e-2, **kw)
+        opt.flat_grads.copy_(torch.randn(opt.flat_grads.shape, generator=torch.Generator().manual_seed(0)))
+        opt.step()
+        return opt.optimizer.defaults, opt.flat_params.clone()
+
+    default, updated = one_step()
+    loop, by_loop = one_step(foreach=False)
+    fused, by_fused = one_step(fused=True)
+    assert default["foreach"] is True
+    assert loop["foreach"] is False and fused["fused"] is True and not fused["foreach"]
+    assert torch.allclose(updated, by_loop, rtol=0, atol=1e-6)
+    assert torch.allclose(updated, by_fused, rtol=0, atol=1e-6)

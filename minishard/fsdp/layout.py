@@ -145,15 +145,17 @@ class PerParamLayout:
         return torch.uint8 if self.mixed else (self.param_dtype or self.slots[0].dtype)
 
     # ---- 2. the all-gather
-    def all_gather_input(self, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def all_gather_input(self, device: torch.device, dtype: torch.dtype | None = None,
+                         into: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's blocks, packed on the compute device and cast to the compute dtype (or to
-        ``dtype``: a gather for reading, see ``unpack``)."""
+        ``dtype``: a gather for reading, see ``unpack``). ``into``: pack them there — this
+        rank's block of the all-gather's output, so the gather itself copies nothing locally."""
         if self.mixed and dtype is None:
-            return torch.cat([p.detach().reshape(-1).view(torch.uint8).to(device)
-                              for p in self.sharded])
-        # copy to the device first, cast there: what crosses is the shard as stored
-        return torch.cat([p.detach().reshape(-1).to(device).to(dtype or self.gather_dtype)
-                          for p in self.sharded])
+            blocks = [p.detach().reshape(-1).view(torch.uint8).to(device) for p in self.sharded]
+        else:   # copy to the device first, cast there: what crosses is the shard as stored
+            blocks = [p.detach().reshape(-1).to(device).to(dtype or self.gather_dtype)
+                      for p in self.sharded]
+        return torch.cat(blocks) if into is None else torch.cat(blocks, out=into)
 
     def all_gather_output(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         if dtype is not None:
@@ -341,7 +343,10 @@ class FlatLayout:
     def gather_dtype(self) -> torch.dtype:
         return self.flat_full.dtype
 
-    def all_gather_input(self, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def all_gather_input(self, device: torch.device, dtype: torch.dtype | None = None,
+                         into: torch.Tensor | None = None) -> torch.Tensor:
+        if into is not None:
+            return into.copy_(self.flat_shard.detach())
         return self.flat_shard.detach().to(device, copy=True).to(dtype or self.gather_dtype)
 
     def all_gather_output(self, dtype: torch.dtype | None = None) -> torch.Tensor:

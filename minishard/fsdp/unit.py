@@ -125,7 +125,6 @@ class FSDPUnit:
         self._set_state(MemoryState.UNSHARDING)
         if self.layout.gathers_in_place:
             self._alloc_unsharded()
-        inp = self._fetch_shards()
         out = self.layout.all_gather_output()
         if not self.layout.gathers_in_place and self.ledger is not None:
             self.ledger.alloc("comm_buffers", out.numel() * out.element_size(), f"{self.name}:ag")
@@ -134,16 +133,20 @@ class FSDPUnit:
         # put back only after it.
         version = out._version
         with torch.no_grad():
+            # our shards go straight to our block of the output: the gather sends them from
+            # there and copies nothing more (as NCCL's in-place all-gather)
+            inp = self._fetch_shards(into=out.view(self.comm.world_size, -1)[self.comm.rank])
             work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
         self._gather = (work, out, version)
         if not async_op:
             self.wait_for_unshard()
 
-    def _fetch_shards(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """What this rank sends into the all-gather, on the device; with offload the shard
-        comes over from the tier — a transfer."""
+    def _fetch_shards(self, dtype: torch.dtype | None = None,
+                      into: torch.Tensor | None = None) -> torch.Tensor:
+        """What this rank sends into the all-gather, on the device (in ``into`` if given); with
+        offload the shard comes over from the tier — a transfer."""
         t0 = time.perf_counter()
-        inp = self.layout.all_gather_input(self.layout.device, dtype)
+        inp = self.layout.all_gather_input(self.layout.device, dtype, into)
         if self.tier is not None:
             self.transfers.add("h2d", sum(t.numel() * t.element_size()
                                           for t in self.layout.shard_tensors()),
