@@ -1,14 +1,16 @@
-"""gloo's collectives on this machine: why minishard's all-gather is point-to-point.
+"""gloo's collectives on this machine: why minishard's all-gather and reduce-scatter are point-to-point.
 
     python benchmarks/bench_collectives.py                 # 2 and 4 ranks, 28 MB (the tiny GPT)
     python benchmarks/bench_collectives.py --mb 8 --world-sizes 2
 
 Times, interleaved round by round on one warm pool per world size, the collectives a step of
-ZeRO or FSDP issues, on a buffer of ``--mb`` MB: gloo's ``all_reduce``, its ``all_to_all`` (what
-minishard's gloo reduce-scatter is), gloo's own ``all_gather_into_tensor`` and minishard's
-``Comm.all_gather`` (N-1 ``isend``/``irecv`` pairs on gloo, ``PairwiseGather``), and the same
-pairwise idea for an all_to_all (no faster than gloo's, so the reduce-scatter keeps gloo's). Median over the
-rounds of the slowest rank's time; a barrier before each call.
+ZeRO or FSDP issues, on a buffer of ``--mb`` MB: gloo's ``all_reduce``; its ``all_to_all`` into a
+buffer allocated once; the same ``all_to_all`` into a fresh receive buffer followed by the local
+sum (minishard's gloo reduce-scatter until 2026-12-01); minishard's ``Comm.reduce_scatter`` (N-1
+``isend``/``irecv`` pairs, ``PairwiseReduceScatter``: one slice straight into the output, no
+buffer on two ranks); gloo's own ``all_gather_into_tensor`` and minishard's ``Comm.all_gather``
+(N-1 ``isend``/``irecv`` pairs, ``PairwiseGather``). Median over the rounds of the slowest
+rank's time; a barrier before each call.
 """
 from __future__ import annotations
 
@@ -23,15 +25,12 @@ from minishard.comm import Comm
 from minishard.launch import Ranks
 
 
-def _pairwise_all_to_all(recv, send, N):
-    r = dist.get_rank()
-    ins, outs, works = send.view(N, -1), recv.view(N, -1), []
-    for k in range(1, N):
-        works.append(dist.isend(ins[(r + k) % N], (r + k) % N, tag=99))
-        works.append(dist.irecv(outs[(r - k) % N], (r - k) % N, tag=99))
-    outs[r].copy_(ins[r])
-    for w in works:
-        w.wait()
+def _all_to_all_and_sum(out, send, N):
+    """The reduce-scatter minishard ran on gloo before: all_to_all into a fresh buffer, then the
+    local sum. The fresh buffer is the point: a real step allocates it every time."""
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    torch.sum(recv.view(N, -1), dim=0, out=out)
 
 
 def time_collectives(rank, numel: int, rounds: int) -> dict[str, list[float]]:
@@ -42,9 +41,10 @@ def time_collectives(rank, numel: int, rounds: int) -> dict[str, list[float]]:
     ops = {
         "gloo all_reduce (2(N-1)/N S)": lambda: dist.all_reduce(full),
         "gloo all_to_all ((N-1)/N S)": lambda: dist.all_to_all_single(recv, full),
+        "all_to_all, fresh buffer + sum": lambda: _all_to_all_and_sum(part, full, N),
+        "minishard reduce_scatter (pairwise)": lambda: comm.reduce_scatter(part, full),
         "gloo all_gather_into_tensor": lambda: dist.all_gather_into_tensor(full, part),
         "minishard all_gather (pairwise)": lambda: comm.all_gather(full, part),
-        "pairwise all_to_all (not used)": lambda: _pairwise_all_to_all(recv, full, N),
     }
     out: dict[str, list[float]] = {k: [] for k in ops}
     for _ in range(rounds):

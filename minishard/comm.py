@@ -16,10 +16,14 @@ Every call records what it moved, as a ``collective`` event:
   (``/proc/self/io`` ``wchar``; see ``tests/test_comm.py``).
 
 gloo has no ring reduce-scatter: its ``reduce_scatter_tensor`` runs a full all-reduce and sends
-2(N-1)/N * S, twice the ring volume. On gloo, minishard's :meth:`Comm.reduce_scatter` is an
-``all_to_all`` (each rank receives the N slices meant for it, (N-1)/N * S on the wire) followed
-by a local sum in rank order — the ring volume, and the same sum on every rank. NCCL gets its
-native reduce-scatter.
+2(N-1)/N * S, twice the ring volume. On gloo, minishard's :meth:`Comm.reduce_scatter` sends each
+slice straight to the rank it belongs to and receives the N-1 slices meant for it (N-1
+``isend``/``irecv`` pairs, :class:`PairwiseReduceScatter`; (N-1)/N * S on the wire), then sums
+them locally in rank order — the ring volume, and the same sum on every rank. One slice arrives
+straight into the output, so the receive buffer holds N-2 slices: none on two ranks. (It was
+an ``all_to_all`` into a receive buffer as large as the input: as fast on the wire, but on the
+course's machine that fresh buffer cost a ZeRO-2 step ~20 ms of page faults, ``benchmarks/RESULTS.md``.)
+NCCL gets its native reduce-scatter.
 
 gloo's all-gather is slow: on the course's 2-core machine, quiet, gathering 27.5 MB took 14.9 ms
 on 2 ranks and 32.9 ms on 4, where an ``all_to_all`` of the same size took 10.5 and 20.4 ms
@@ -145,6 +149,51 @@ class PairwiseGather:
             self._done = True
 
 
+class PairwiseReduceScatter:
+    """A reduce-scatter as N-1 point-to-point exchanges (gloo; see the module docstring): rank r
+    sends block r+k of its input to rank r+k and receives rank r-k's block r, k = 1 .. N-1. The
+    first contribution in rank order (rank 0's; rank 1's on rank 0) arrives straight into
+    ``output``, the others into ``scratch`` — on two ranks, no receive buffer at all — and
+    ``wait`` adds the rest in rank order, so every rank sums its slice the same way. In place
+    (``output`` is block r of ``input``, as ZeRO-1 calls it) our own block must survive, so
+    every contribution arrives in ``scratch`` and the sum is copied into ``output`` at the end."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, scratch: torch.Tensor | None,
+                 comm: "Comm", tag: int):
+        N, r = comm.world_size, comm.rank
+        self._blocks, self._r, self._output = input.view(N, -1), r, output.view(-1)
+        self._first = 1 if r == 0 else 0
+        others = [q for q in range(N) if q != r]
+        rows = iter(scratch if scratch is not None else ())
+        self._where = {q: next(rows) if self.in_place(output, input, comm) or q != self._first
+                       else self._output for q in others}
+        self._works, self._done = [], False
+        for k in range(1, N):
+            dst, src = (r + k) % N, (r - k) % N
+            self._works.append(dist.isend(self._blocks[dst], group=comm.group, group_dst=dst, tag=tag))
+            self._works.append(dist.irecv(self._where[src], group=comm.group, group_src=src, tag=tag))
+
+    @staticmethod
+    def in_place(output: torch.Tensor, input: torch.Tensor, comm: "Comm") -> bool:
+        return output.data_ptr() == input.view(comm.world_size, -1)[comm.rank].data_ptr()
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        if self._done:                          # (each point-to-point work is waited once)
+            return
+        for w in self._works:
+            w.wait()
+        self._done = True
+        acc = self._where[self._first]          # the first contribution in rank order
+        for q in range(len(self._blocks)):      # (x1 + x0 on rank 0: two terms commute exactly)
+            if q != self._first:
+                acc.add_(self._blocks[q] if q == self._r else self._where[q])
+        if acc.data_ptr() != self._output.data_ptr():
+            self._output.copy_(acc)
+
+
 class Comm:
     """Instrumented collectives for one rank (and one process group).
 
@@ -162,9 +211,15 @@ class Comm:
         self.backend = dist.get_backend(group) if self.initialized else "none"
         self.totals = {"payload": 0, "wire": 0, "calls": 0}
         self.by_op: dict[str, dict[str, int]] = {}
-        self._gathers = 0                      # tags for PairwiseGather
+        self._p2p_collectives = 0              # tags for the point-to-point collectives
 
     # ---- bookkeeping
+    def _next_tag(self) -> int:
+        """Each point-to-point collective's own tag: ranks issue collectives in the same order,
+        so the k-th one has the same tag everywhere and two in flight never pair up wrongly."""
+        self._p2p_collectives += 1
+        return self._p2p_collectives % (1 << 24)
+
     def _begin(self, op: str, tensor: torch.Tensor, nbytes: int, tag: str, **extra) -> dict:
         t0 = self.tracer.now() if self.tracer is not None else 0.0
         return {"op": op, "payload": nbytes,
@@ -214,9 +269,8 @@ class Comm:
         if self.world_size == 1:
             output.copy_(input.view_as(output))
         if self.backend == "gloo":
-            self._gathers += 1
-            tag = self._gathers % (1 << 24)
-            return self._run(ev, lambda: PairwiseGather(output, input, self, tag), async_op)
+            p2p_tag = self._next_tag()
+            return self._run(ev, lambda: PairwiseGather(output, input, self, p2p_tag), async_op)
         return self._run(ev, lambda: dist.all_gather_single(
             output, input, group=self.group, async_op=True), async_op)
 
@@ -234,19 +288,24 @@ class Comm:
         if self.backend == "nccl":
             return self._run(ev, lambda: dist.reduce_scatter_single(
                 output, input, group=self.group, async_op=True), async_op)
-        # gloo: all_to_all delivers the N slices meant for this rank; sum them locally
-        recv = torch.empty_like(input)
-        buf_tag = f"rs_recv:{tag}:{id(recv)}"
-        if self.ledger is not None:
-            self.ledger.alloc("comm_buffers", recv.numel() * recv.element_size(), buf_tag)
+        # gloo: the N-1 slices meant for this rank arrive point to point, one of them straight
+        # into output, the others (N > 2, or in place) into a receive buffer; summed in rank order
+        input = input.contiguous()
+        rows = N - 1 if PairwiseReduceScatter.in_place(output, input, self) else N - 2
+        scratch, buf_tag = None, None
+        if rows:
+            scratch = torch.empty(rows, output.numel(), dtype=input.dtype, device=input.device)
+            buf_tag = f"rs_recv:{tag}:{id(scratch)}"
+            if self.ledger is not None:
+                self.ledger.alloc("comm_buffers", scratch.numel() * scratch.element_size(), buf_tag)
 
         def finish():
-            torch.sum(recv.view(N, -1), dim=0, out=output.view(-1))
-            if self.ledger is not None:
+            if self.ledger is not None and buf_tag is not None:
                 self.ledger.free(buf_tag)
 
-        return self._run(ev, lambda: dist.all_to_all_single(
-            recv, input.contiguous(), group=self.group, async_op=True), async_op, finish)
+        p2p_tag = self._next_tag()
+        return self._run(ev, lambda: PairwiseReduceScatter(output, input, scratch, self, p2p_tag),
+                         async_op, finish)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
                   tag: str = "") -> Work | None:

@@ -125,10 +125,11 @@ timeline_figure([e for e in events if e.get("step") == 1]).update_layout(
 # ## 2. Each rank keeps only its slice
 # Follow rank 0's gradient memory through the backward pass of step 1. A bucket's gradients are
 # copied into a temporary buffer (`grad_bucket`) as autograd produces them, and each parameter's
-# own `.grad` is dropped at once. When the bucket is complete its reduce-scatter is launched; on
-# gloo that needs a receive buffer of the same size (`rs_recv`, see `Comm.reduce_scatter`). Both
-# are freed once the rank's slice of the sum has been added to its gradient shard — and ZeRO-2
-# waits for the oldest bucket before launching a third, so at most two are in flight.
+# own `.grad` is dropped at once. When the bucket is complete its reduce-scatter is launched (on
+# two ranks the other rank's slice arrives straight into the rank's own; with more ranks a
+# receive buffer, `rs_recv`, holds the rest, see `Comm.reduce_scatter`). The buffer is freed
+# once the rank's slice of the sum has been added to its gradient shard — and ZeRO-2 waits for
+# the oldest bucket before launching a third, so at most two are in flight.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -142,7 +143,7 @@ def bucket_buffers(events, rank=0, step=1):
         e = events[i]
         if e["rank"] == rank and e["kind"] in ("alloc", "free") and e["category"] == "comm_buffers":
             held += e["bytes"] if e["kind"] == "alloc" else -e["bytes"]
-            what = ":".join(e["tag"].split(":")[:2])        # grad_bucket:k or rs_recv:bucketk
+            what = ":".join(e["tag"].split(":")[:2])        # grad_bucket:k (or rs_recv:bucketk)
             rows.append((i, f"{e['kind']:<5} {what:<17} {e['bytes']:>10,}", held))
     return rows
 
@@ -165,8 +166,7 @@ ledger_bars(live.snapshot(), live.replay.ymax,
             "when the bucket buffers peak: step 1, backward (MB)").show()
 
 # %% [markdown]
-# Two buckets in flight, each with its local copy and its receive buffer, plus the one filling:
-# at most five buckets' worth. With 4 MiB buckets on a 26 MiB gradient that is most of it —
+# Two buckets in flight plus the one filling: at most three buckets' worth. With 4 MiB buckets on a 26 MiB gradient that is most of it —
 # the bound depends on the bucket size, not on the model, so it is the *ratio* that matters.
 # Smaller buckets, same model:
 
@@ -180,13 +180,13 @@ for cap, (out, evs) in by_cap.items():
     most = max(held for _, _, held in bucket_buffers(evs))
     n = len(out[0]["layout"]["buckets"])
     print(f"{cap:>7} MiB{n:>9}{largest:>12,}{most:>12,}{most / (4 * TINY):>12.2f}")
-    assert most <= 5 * largest
+    assert most <= 3 * largest
 assert max(h for *_, h in bucket_buffers(by_cap[1][1])) < worst / 2
 
 # %% [markdown]
 # For the ZeRO paper's 7.5B model, PyTorch's default 25 MiB buckets bound the buffers at
-# 5 × 25 = 125 MiB against a bf16 gradient of 2Ψ = 15 × 10⁹ bytes (14,305 MiB); NCCL's
-# reduce-scatter needs no separate receive copy, which brings it to three buckets, 75 MiB.
+# 3 × 25 = 75 MiB against a bf16 gradient of 2Ψ = 15 × 10⁹ bytes (14,305 MiB), on two ranks as
+# on NCCL (with N > 2 ranks on gloo each reduce-scatter in flight adds (N−2)/N of its bucket).
 #
 # ## 3. Memory per rank: 2Ψ + 14Ψ/N, for N = 1…4
 # bf16 mixed, the nano model, buckets capped at 0.1 MiB. The state categories at the end of
@@ -449,7 +449,7 @@ R4.close()
 #
 # Order: collectives are matched by call order, not by name (chapter 02); rank 0 reducing
 # bucket 3 against rank 1's bucket 4 would mix unrelated gradients. Bound: every bucket in flight
-# holds its local gradients and a receive buffer until it completes. Without a bound, a slow
+# holds its local gradients (and, on more than two gloo ranks, a receive buffer) until it completes. Without a bound, a slow
 # network lets them pile up until the whole gradient is in flight — the memory stage 2 set out to
 # save. Waiting for the oldest bucket before launching a third keeps it to a few buckets.
 # </details>

@@ -312,8 +312,8 @@ for N, cases in mixed.items():
 # %% [markdown]
 # PyTorch's own FSDP2 on the same ranks, counted by the operating system (it does not go through
 # minishard's `comm`, so `wchar` is the only witness): more than 1.5×, because its gradient
-# reduce-scatter on gloo runs as a full all-reduce (twice the ring volume; minishard uses an
-# all-to-all plus a local sum instead, see `docs/architecture.md`).
+# reduce-scatter on gloo runs as a full all-reduce (twice the ring volume; minishard sends each
+# slice straight to its owner and sums locally instead, see `docs/architecture.md`).
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -145,3 +145,30 @@ def fsdp_forward_order(rank, prefetch: int):
     end = next(i for i, e in enumerate(evs) if e["kind"] == "phase" and e["name"] == "forward"
                and e["edge"] == "end")
     return [f"{e['name']}:{e['state']}" for e in evs[:end] if e["kind"] == "unit"]
+
+
+class _Buffers:
+    """A stand-in ledger that keeps the comm_buffers a collective allocates."""
+    def __init__(self):
+        self.allocated = []
+
+    def alloc(self, category, nbytes, tag):
+        self.allocated.append((category, nbytes))
+
+    def free(self, tag):
+        pass
+
+
+def reduce_scatter_in_place_and_buffers(rank, numel: int):
+    """Out of place and in place (the output is this rank's block of the input, as ZeRO-1 calls
+    it): the values, and the receive buffers the reduce-scatter allocated for each."""
+    out = {}
+    for in_place in (False, True):
+        buffers = _Buffers()
+        comm = Comm(rank.tracer, ledger=buffers)
+        N, r = comm.world_size, comm.rank
+        x = torch.arange(numel - numel % N, dtype=torch.float32) * (r + 1)
+        y = x.view(N, -1)[r] if in_place else torch.empty(x.numel() // N)
+        comm.reduce_scatter(y, x)
+        out["in_place" if in_place else "out_of_place"] = {"slice": y.clone(), "buffers": buffers.allocated}
+    return out

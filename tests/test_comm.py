@@ -31,7 +31,7 @@ def test_recorded_wire_bytes_equal_what_the_os_saw_sent(pools, N):
 
 @pytest.mark.parametrize("N", [2, 4])
 def test_minishard_reduce_scatter_sends_half_of_gloos(pools, N):
-    """gloo's reduce_scatter_tensor runs a full all-reduce; ours (all_to_all + local sum) sends
+    """gloo's reduce_scatter_tensor runs a full all-reduce; ours (point to point + local sum) sends
     the ring volume (N-1)/N * S, half as much."""
     res = pools(N).run(rank_tasks.collective_bytes, 1_000_000, ops=("reduce_scatter", "all_reduce"))
     for m in res:
@@ -71,3 +71,17 @@ def test_async_events_end_when_the_collective_completed_and_no_helper_outlives_w
     for e in evs:
         assert e["t"] <= e["t_end"] < res[e["rank"]]["waited_at"]
     assert [r["helpers"] for r in res] == [[], []]
+
+
+@pytest.mark.parametrize("N", [2, 3, 4])
+def test_reduce_scatter_receives_straight_into_the_output_and_in_place(pools, N):
+    """On gloo the slices arrive point to point: one straight into the output, so the receive
+    buffer holds N-2 slices (none on two ranks); in place — the output is this rank's own block,
+    which must survive until the sum — N-1. Both sum to the same slice."""
+    numel = 1201
+    n = numel - numel % N
+    total = sum(torch.arange(n, dtype=torch.float32) * (q + 1) for q in range(N))
+    for r, res in enumerate(pools(N).run(rank_tasks.reduce_scatter_in_place_and_buffers, numel)):
+        for case, rows in (("out_of_place", N - 2), ("in_place", N - 1)):
+            assert torch.equal(res[case]["slice"], total.view(N, -1)[r]), (case, r)
+            assert res[case]["buffers"] == ([("comm_buffers", rows * (n // N) * 4)] if rows else []), case
