@@ -8,7 +8,8 @@ For each world size one warm pool of ranks runs the contenders in turn, round af
 (interleaving cancels the drift of a shared machine), each for ``--steps`` optimizer steps of
 which the first ``--warmup`` are dropped. Reported: median and p99 step time per contender, the
 ratio to the PyTorch baseline (< 1.0 means minishard is faster), bytes sent per step as the OS
-counted them. Same model, data, micro-batch, optimizer and bucket size for everyone; one thread
+counted them, and the minor page faults a step took on rank 0 (a fresh buffer the allocator
+mapped again: on a CPU, what a caching allocator saves a GPU). Same model, data, micro-batch, optimizer and bucket size for everyone; one thread
 per rank, as in docs/reference-figures.md.
 
 Two more columns need a reference without communication, measured in the same rounds:
@@ -82,6 +83,7 @@ def bench(world_size: int, rounds: int, steps: int, warmup: int, model: str, mic
           bucket_cap_mb: float, contenders: list[tuple]) -> dict[str, dict]:
     times: dict[str, list[float]] = {label: [] for label, _, _ in contenders}
     sent: dict[str, list[int]] = {label: [] for label, _, _ in contenders}
+    faults: dict[str, list[int]] = {label: [] for label, _, _ in contenders}
     compute, alone = [], []
     solo = dict(steps=steps, model=model, micro_batch=micro_batch)
     # the references without communication are measured in every round too, so that the
@@ -96,9 +98,11 @@ def bench(world_size: int, rounds: int, steps: int, warmup: int, model: str, mic
                 res = ranks.run(train, TrainConfig(steps=steps, model=model, micro_batch=micro_batch, bucket_cap_mb=bucket_cap_mb, **kw))
                 times[label] += steady(res, warmup, steps)
                 sent[label] += [res[0]["wchar"][s] for s in range(warmup, steps)]
+                faults[label] += [res[0]["page_faults"][s] for s in range(warmup, steps)]
     t_compute, t_alone = statistics.median(compute), statistics.median(alone)
     out = {label: {"p50": statistics.median(times[label]), "p99": percentile(times[label], 0.99),
-                   "sent": statistics.median(sent[label])} for label in times}
+                   "sent": statistics.median(sent[label]),
+                   "faults": statistics.median(faults[label])} for label in times}
     for r in out.values():
         r["comm_share"] = max(0.0, 1 - t_compute / r["p50"])
         r["scaling"] = t_alone / r["p50"]
@@ -133,12 +137,12 @@ def main() -> None:
               f"once without communication {ref['compute']:.3f} s/step (ideal scaling efficiency "
               f"with {n} ranks on {cores} cores: {min(1, cores / n):.0%})")
         print(f"{'contender':<44}{'p50 s':>7}{'p99 s':>7}{'ratio':>9}{'comm':>6}{'scaling':>8}"
-              f"{'sent/step MB':>13}")
+              f"{'sent/step MB':>13}{'faults/step':>12}")
         for label, _, base in contenders:
             r = res[label]
             ratio = f"{r['p50'] / res[base]['p50']:.3f}" if base else "1 (base)"
             print(f"{label:<44}{r['p50']:>7.3f}{r['p99']:>7.3f}{ratio:>9}{r['comm_share']:>6.0%}"
-                  f"{r['scaling']:>8.0%}{r['sent'] / 2**20:>13.2f}")
+                  f"{r['scaling']:>8.0%}{r['sent'] / 2**20:>13.2f}{r['faults']:>12,.0f}")
     print(f"\nbenchmark ran in {time.perf_counter() - started:.0f} s")
 
 

@@ -3,11 +3,14 @@
 Around each optimizer step it reads the counters the run's pieces keep — bytes every
 communicator recorded (payload and wire), bytes the operating system saw this process write
 (``/proc/self/io``), collective calls, the seconds compute waited on FSDP's collectives
-(*exposed* communication) and the offload tier's transfers — and keeps the per-step differences.
+(*exposed* communication), the offload tier's transfers and the page faults this process took
+(minor faults: first touches of freshly mapped memory — on a CPU, the cost of a buffer the
+allocator handed back to the OS and maps again) — and keeps the per-step differences.
 """
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 from typing import Iterator
 
@@ -20,15 +23,18 @@ class Meter:
         for c in self.comms:
             c.reset_counters()                  # count training traffic, not the set-up
         self.steps: dict[str, list] = {k: [] for k in ("losses", "step_times", "wire", "payload",
-                                                        "wchar", "calls", "exposed_comm", "transfer")}
+                                                        "wchar", "calls", "exposed_comm", "transfer",
+                                                        "page_faults")}
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Measure one optimizer step (put its loss in with :meth:`loss`)."""
         w0, c0, e0, x0 = bytes_written(), self._totals(), self._exposed(), self._transfers()
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         yield
         self.steps["step_times"].append(time.perf_counter() - t0)
+        self.steps["page_faults"].append(_minor_faults() - f0)
         w1, c1, x1 = bytes_written(), self._totals(), self._transfers()
         self.steps["wchar"].append(None if w0 is None else w1 - w0)
         for k in ("wire", "payload", "calls"):
@@ -64,3 +70,7 @@ class Meter:
                 out[f"{d}_bytes"] += u.transfers.bytes[d]
                 out[f"{d}_s"] += u.transfers.seconds[d]
         return out
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -131,3 +131,17 @@ def test_out_of_memory_carries_what_it_allocated_and_what_the_device_held():
     back = pickle.loads(pickle.dumps(e))                       # a rank can send it whole
     assert (back.held, back.would_be, str(back)) == (e.held, e.would_be, str(e))
     assert not led.is_live("blocks.3 (full)") and led.total == 9 * 2**20
+
+
+def test_the_meter_counts_the_page_faults_of_a_fresh_buffer():
+    """A step that fills a fresh 64 MiB buffer touches pages the OS must map: the meter counts
+    them (4 KiB pages: ~16 K faults; with transparent huge pages, fewer), a step that does not
+    takes fewer."""
+    from minishard.meter import Meter
+    meter = Meter([])
+    with meter.step():
+        torch.ones(16 * 2**20)
+    with meter.step():
+        pass
+    fresh, idle = meter.steps["page_faults"]
+    assert fresh >= 32 and idle < fresh
