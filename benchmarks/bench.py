@@ -9,8 +9,8 @@ For each world size one warm pool of ranks runs the contenders in turn, round af
 which the first ``--warmup`` are dropped. Reported: median and p99 step time per contender, the
 ratio to the PyTorch baseline (< 1.0 means minishard is faster), bytes sent per step as the OS
 counted them, and the minor page faults a step took on rank 0 (a fresh buffer the allocator
-mapped again: on a CPU, what a caching allocator saves a GPU). Same model, data, micro-batch, optimizer and bucket size for everyone; one thread
-per rank, as in docs/reference-figures.md.
+mapped again: on a CPU, what a caching allocator saves a GPU). Same model, data, micro-batch,
+optimizer and bucket size for everyone; one thread per rank, as in docs/reference-figures.md.
 
 Two more columns need a reference without communication, measured in the same rounds:
 * **comm share**: 1 - t_compute / t_step, where t_compute is the same training step run on every

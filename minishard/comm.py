@@ -120,16 +120,37 @@ class Work:
         self._comm._record(self._event)
 
 
-class PairwiseGather:
+class _PointToPoint:
+    """N-1 ``isend``/``irecv`` pairs (``self._works``), waited for once: a gloo point-to-point
+    work may be waited for once only (a second wait blocks for a completion that never comes);
+    its Work waits once, in one thread (see Work.wait)."""
+
+    def __init__(self):
+        self._works, self._done = [], False
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def _wait_all(self) -> bool:
+        """Wait for every exchange; False if that was done already."""
+        if self._done:
+            return False
+        for w in self._works:
+            w.wait()
+        self._done = True
+        return True
+
+
+class PairwiseGather(_PointToPoint):
     """An all-gather as N-1 point-to-point exchanges (gloo; see the module docstring): rank r
     sends its block to r+k and receives r-k's into place, k = 1 .. N-1. Every collective gets
     its own tag, so that two gathers in flight at once (prefetch) never pair up wrongly: ranks
     issue collectives in the same order, so the k-th gather has the same tag everywhere."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, comm: "Comm", tag: int):
+        super().__init__()
         N, r = comm.world_size, comm.rank
         blocks = output.view(N, -1)
-        self._works, self._done = [], False
         for k in range(1, N):
             self._works.append(dist.isend(input, group=comm.group, group_dst=(r + k) % N, tag=tag))
             self._works.append(dist.irecv(blocks[(r - k) % N], group=comm.group,
@@ -137,37 +158,32 @@ class PairwiseGather:
         if blocks[r].data_ptr() != input.data_ptr():
             blocks[r].copy_(input.view_as(blocks[r]))
 
-    def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
-
     def wait(self) -> None:
-        # a gloo point-to-point work may be waited for once only (a second wait blocks for a
-        # completion that never comes); its Work waits once, in one thread (see Work.wait)
-        if not self._done:
-            for w in self._works:
-                w.wait()
-            self._done = True
+        self._wait_all()
 
 
-class PairwiseReduceScatter:
+class PairwiseReduceScatter(_PointToPoint):
     """A reduce-scatter as N-1 point-to-point exchanges (gloo; see the module docstring): rank r
     sends block r+k of its input to rank r+k and receives rank r-k's block r, k = 1 .. N-1. The
     first contribution in rank order (rank 0's; rank 1's on rank 0) arrives straight into
-    ``output``, the others into ``scratch`` — on two ranks, no receive buffer at all — and
-    ``wait`` adds the rest in rank order, so every rank sums its slice the same way. In place
-    (``output`` is block r of ``input``, as ZeRO-1 calls it) our own block must survive, so
-    every contribution arrives in ``scratch`` and the sum is copied into ``output`` at the end."""
+    ``output``, the others into ``scratch`` (:meth:`receive_rows` of them) — on two ranks, no
+    receive buffer at all — and ``wait`` adds the rest in rank order, so every rank sums its
+    slice the same way. In place (``output`` is block r of ``input``, as ZeRO-1 calls it) our
+    own block must survive, so every contribution arrives in ``scratch`` and the sum is copied
+    into ``output`` at the end."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, scratch: torch.Tensor | None,
                  comm: "Comm", tag: int):
+        super().__init__()
         N, r = comm.world_size, comm.rank
         self._blocks, self._r, self._output = input.view(N, -1), r, output.view(-1)
         self._first = 1 if r == 0 else 0
-        others = [q for q in range(N) if q != r]
+        straight_in = not self.in_place(output, input, comm)
         rows = iter(scratch if scratch is not None else ())
-        self._where = {q: next(rows) if self.in_place(output, input, comm) or q != self._first
-                       else self._output for q in others}
-        self._works, self._done = [], False
+        self._where = {}                        # the rank a contribution comes from -> its place
+        for q in range(N):
+            if q != r:
+                self._where[q] = self._output if straight_in and q == self._first else next(rows)
         for k in range(1, N):
             dst, src = (r + k) % N, (r - k) % N
             self._works.append(dist.isend(self._blocks[dst], group=comm.group, group_dst=dst, tag=tag))
@@ -177,15 +193,14 @@ class PairwiseReduceScatter:
     def in_place(output: torch.Tensor, input: torch.Tensor, comm: "Comm") -> bool:
         return output.data_ptr() == input.view(comm.world_size, -1)[comm.rank].data_ptr()
 
-    def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
+    @classmethod
+    def receive_rows(cls, output: torch.Tensor, input: torch.Tensor, comm: "Comm") -> int:
+        """How many slices wait in the receive buffer: N-2, or N-1 in place."""
+        return comm.world_size - (1 if cls.in_place(output, input, comm) else 2)
 
     def wait(self) -> None:
-        if self._done:                          # (each point-to-point work is waited once)
+        if not self._wait_all():
             return
-        for w in self._works:
-            w.wait()
-        self._done = True
         acc = self._where[self._first]          # the first contribution in rank order
         for q in range(len(self._blocks)):      # (x1 + x0 on rank 0: two terms commute exactly)
             if q != self._first:
@@ -291,7 +306,7 @@ class Comm:
         # gloo: the N-1 slices meant for this rank arrive point to point, one of them straight
         # into output, the others (N > 2, or in place) into a receive buffer; summed in rank order
         input = input.contiguous()
-        rows = N - 1 if PairwiseReduceScatter.in_place(output, input, self) else N - 2
+        rows = PairwiseReduceScatter.receive_rows(output, input, self)
         scratch, buf_tag = None, None
         if rows:
             scratch = torch.empty(rows, output.numel(), dtype=input.dtype, device=input.device)
