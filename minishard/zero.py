@@ -279,6 +279,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fp32 master) of rank r is chunk r of every bucket, which may start or end inside a
         parameter. Parameters in no bucket (frozen) are plain replicas."""
         r = h.rank
+        _copy_hyperparameters(self.param_groups, self.optimizer.param_groups)   # a scheduler's lr
         h.strategy = f"zero{self.stage}"
         h.order = [h.names[p] for p in h.names]
         for b, shard in zip(self.buckets, self.shards):
@@ -291,7 +292,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 mine = slice(lo - lo_c, max(hi, lo) - lo_c)            # ... in chunk coordinates
                 if self.master is None:                                # the chunk aliases the buffer
                     h.tensor(f"param/{fqn}", p.shape, p.dtype)
-                    h.add(f"param/{fqn}", 0, full, save=False)
+                    h.add(f"param/{fqn}", 0, full, save=False, replica=True)
                     h.add(f"param/{fqn}", lo - off, shard.detach()[mine], load=False)
                 else:                                                  # fp32 master chunk + bf16 copy
                     h.tensor(f"param/{fqn}", p.shape, self.master_dtype)

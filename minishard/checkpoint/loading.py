@@ -20,13 +20,15 @@ from .reads import plan_reads, read_verified
 from .regions import Region, ShardedState, describe
 
 
-def load(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm) -> dict:
+def load(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm | None = None) -> dict:
     """Load a checkpoint saved by any number of ranks under any strategy into this rank's part
     of ``model`` and ``optimizer`` (None: weights only). A collective. Each rank reads only the
     blocks that overlap what it holds, verifies them, and — once every rank has succeeded —
     copies them in; on any failure nothing is changed on any rank. Returns the saved step, the
-    bytes this rank read, the seconds, and the reads."""
+    bytes this rank read, the seconds, and the reads. ``comm``: the ranks loading together
+    (default: the default process group)."""
     t0 = time.perf_counter()
+    comm = Comm() if comm is None else comm
     error, staged, reads, targets = None, [], [], []
     try:                                              # 1. read and verify all, change nothing yet
         root = resolve(Path(path))

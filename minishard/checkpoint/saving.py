@@ -22,18 +22,20 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
-from .format import (BLOCK_BYTES, METADATA, CheckpointError, agree, build_metadata, dtype_name, file_layout,
-                     fsync_dir, raise_if_any, write_safetensors)
+from .format import (BLOCK_BYTES, CHECKSUM, HASHES, METADATA, CheckpointError, agree, build_metadata,
+                     dtype_name, file_layout, fsync_dir, raise_if_any, tensor_bytes, write_safetensors)
 from .regions import ShardedState, describe
 
 
-def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm, step: int,
-         block_bytes: int = BLOCK_BYTES) -> dict:
+def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm | None = None,
+         step: int, block_bytes: int = BLOCK_BYTES) -> dict:
     """Every rank writes its pieces to ``path/rank{r}.safetensors``, rank 0 the metadata; the
-    directory appears at ``path`` atomically (see the module docstring). A collective: every
-    rank calls it, and every rank raises the same error if any rank fails. Returns this rank's
-    numbers: bytes written, seconds, and (on rank 0) the metadata."""
+    directory appears at ``path`` atomically (see the module docstring). A collective over
+    ``comm`` (default: the default process group): every rank calls it, and every rank raises
+    the same error if any rank fails. Returns this rank's numbers: bytes written, seconds, and
+    (on rank 0) the metadata."""
     t0 = time.perf_counter()
+    comm = Comm() if comm is None else comm
     path = Path(path)
     tmp = path.parent / f".{path.name}.saving"
 
@@ -44,8 +46,9 @@ def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm, st
         state = describe(model, optimizer, comm)
         entries, pieces, records, size = file_layout(state)
         info = {"rank": comm.rank, "bytes": size, "records": records, "strategy": state.strategy,
-                "model": state.model_config, "optimizer": _optimizer_info(state.optimizer),
-                "tensors": {n: (list(s), dtype_name(d)) for n, (s, d) in state.tensors.items()}}
+                "model": state.model_config, "optimizer": _optimizer_info(state),
+                "tensors": {n: (list(s), dtype_name(d)) for n, (s, d) in state.tensors.items()},
+                "replicas": _replica_checksums(state)}
         _check_target(path, tmp, _checkpoint_bytes(state))
         t1 = time.perf_counter()
         sums = _write_own_file(tmp / f"rank{comm.rank}.safetensors", entries, pieces, size, block_bytes)
@@ -77,14 +80,36 @@ def _checkpoint_bytes(state: ShardedState) -> int:
     return sum(math.prod(shape) * dtype.itemsize for shape, dtype in state.tensors.values())
 
 
+def _replica_checksums(state: ShardedState) -> dict[str, str]:
+    """A checksum of every whole parameter this rank holds as a replica, to check that the ranks
+    hold the same one (each writes only its chunk of it)."""
+    return {g.name: HASHES[CHECKSUM](tensor_bytes(g.view)) for g in state.regions
+            if g.replica and g.name.startswith("param/") and g.view.device.type != "meta"}
+
+
+def _same_replicas(infos: list[dict]) -> None:
+    """Every rank holds the same value of every replicated parameter — else rank r's chunk of
+    each would be saved from N different models."""
+    first = infos[0]["replicas"]
+    for info in infos[1:]:
+        for name, h in info["replicas"].items():
+            if first.get(name, h) != h:
+                raise CheckpointError(
+                    f"{name.split('/', 1)[1]} differs between rank 0 and rank {info['rank']}, but "
+                    f"the model holds it whole on every rank (a replica): the ranks trained "
+                    f"different models. Wrap the model (DDP, ZeroOptimizer, fully_shard) so that "
+                    f"the ranks stay equal, or save from one rank with comm=Comm(alone=True)")
+
+
 def _one_step(results: list) -> list[dict]:
-    """The ranks' descriptions, after checking that they took the same number of optimizer
-    steps (the format keeps one)."""
+    """The ranks' descriptions, after checking that they hold the same replicas and took the
+    same number of optimizer steps (the format keeps one)."""
     infos = []
     for _, info, sums in results:
         for rec, h in zip(info["records"], sums):
             rec["checksums"] = h
         infos.append(info)
+    _same_replicas(infos)
     steps = {i["optimizer"]["step"] for i in infos if i["optimizer"]} - {None}
     if len(steps) > 1:
         raise CheckpointError(f"ranks disagree on the optimizer step: {sorted(steps)}")
@@ -93,9 +118,11 @@ def _one_step(results: list) -> list[dict]:
     return infos
 
 
-def _optimizer_info(inner) -> dict | None:
+def _optimizer_info(state: ShardedState) -> dict | None:
     """What metadata.json keeps of the optimizer: its class, the one global step, the groups'
-    hyperparameters."""
+    hyperparameters as the user's optimizer holds them (a scheduler sets them there; a wrapper's
+    inner optimizer sees them only at its next step)."""
+    inner = state.optimizer
     if inner is None:
         return None
     steps = {float(st["step"]) for st in inner.state.values() if "step" in st}
@@ -106,7 +133,8 @@ def _optimizer_info(inner) -> dict | None:
     def plain(v):
         return float(v) if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v
 
-    groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    groups = [{k: plain(v) for k, v in g.items() if k not in ("params", "param_names")}
+              for g in state.param_groups]
     return {"class": type(inner).__name__, "step": steps.pop() if steps else None,
             "param_groups": groups}
 

@@ -51,7 +51,11 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     devices = {s.module._parameters[s.name].device for s in slots}
     if len(devices) > 1:
         raise ValueError(f"{name}: parameters on mixed devices {sorted(map(str, devices))}")
-    comm.replicate_from_rank0(s.module._parameters[s.name] for s in slots)   # rank 0's model
+    # every rank starts from rank 0's model: inside the shard group, then (hybrid) across the
+    # replica groups, whose first members all sit in the first shard group
+    comm.replicate_from_rank0(s.module._parameters[s.name] for s in slots)
+    if replicate is not None:
+        replicate.replicate_from_rank0(s.module._parameters[s.name] for s in slots)
     originals = {id(s.module._parameters[s.name]) for s in sharded}
     if layout == "per_param":
         lay = PerParamLayout(sharded, comm.rank, comm.world_size, mp_policy.param_dtype)

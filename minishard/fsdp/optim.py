@@ -24,7 +24,10 @@ class ShardedOptimizer:
 
     With an offload ``tier`` the shards, their gradients and the moments all live in the tier
     (the moments are created there now), so the step runs there — on the CPU for host memory,
-    over memory-mapped files for the disk tier — and nothing crosses for it."""
+    over memory-mapped files for the disk tier — and nothing crosses for it.
+
+    A checkpoint asks the units, not this wrapper, what the rank holds (``FSDPUnit.checkpoint_regions``):
+    a plain torch optimizer over ``model.parameters()`` is checkpointed the same way."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tier: Tier | None = None):
         self.optimizer, self.tier = optimizer, tier
@@ -45,42 +48,6 @@ class ShardedOptimizer:
                 raise RuntimeError(f"optimizer step while FSDP unit {u.name} is {u.state.value}: "
                                    f"step after backward, when every unit holds only its shard")
         return self.optimizer.step(closure)
-
-    def checkpoint_regions(self, h) -> None:
-        """What this rank holds, for ``minishard.checkpoint``: per parameter, the elements its
-        layout keeps (rows of dim 0, or a chunk of the unit's flat buffer) and the optimizer
-        state of the same elements; parameters a unit keeps whole are replicas. Under hybrid
-        sharding each replica group holds a full copy: only the first group saves."""
-        layouts = [u.layout for u in self.units]
-        kinds = {lay.kind for lay in layouts}
-        h.strategy = ("hsdp" if any(lay.N != h.world_size for lay in layouts) else
-                      "fsdp" if kinds == {"per_param"} else "fsdp_flat" if kinds == {"flat"} else "fsdp_mixed")
-        position = {id(m): i for i, m in enumerate(h.model.modules())}
-        prefix = {id(m): n for n, m in h.model.named_modules()}
-        order = []
-
-        def fqn(slot) -> str:                        # the parameter's name in the model
-            name = f"{prefix[id(slot.module)]}.{slot.name}" if prefix[id(slot.module)] else slot.name
-            order.append((position[id(slot.module)], len(order), name))
-            return name
-
-        for u in self.units:
-            if u.state is not MemoryState.SHARDED:
-                raise RuntimeError(f"FSDP unit {u.name} is {u.state.value}: a checkpoint is taken "
-                                   f"between steps, when every unit holds only its shard")
-            lay = u.layout
-            saves = h.rank // lay.N == 0            # the first replica group writes
-            for i, s in enumerate(lay.slots):
-                name = fqn(s)
-                local, start, n, first = lay.held(i)
-                h.tensor(f"param/{name}", s.shape, local.dtype)
-                h.add(f"param/{name}", start, local.detach().reshape(-1)[first:first + n], save=saves)
-                for kind, t in h.optimizer_state(self.optimizer, local, name).items():
-                    h.tensor(f"{kind}/{name}", s.shape, t.dtype)
-                    h.add(f"{kind}/{name}", start, t[first:first + n], save=saves)
-            for s, p in zip(u.replicated_slots, u.replicated):
-                h.replicated(fqn(s), p, self.optimizer)
-        h.order = [fqn for *_, fqn in sorted(order)]        # model order, not unit order
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

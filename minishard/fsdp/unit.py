@@ -423,6 +423,31 @@ class FSDPUnit:
             u.finish_backward()
         self._root_post_backward_queued = False
 
+    # ------------------------------------------------------------------ what a checkpoint saves
+    def checkpoint_regions(self, h) -> None:
+        """What this rank holds of the unit, for ``minishard.checkpoint``: per parameter, the
+        elements its layout keeps (rows of dim 0, or a chunk of the unit's flat buffer) and the
+        state of the same elements in ``h.optimizer`` — whichever torch optimizer steps the
+        shards; parameters the unit keeps whole are replicas. Under hybrid sharding each
+        replica group holds a full copy: only the first group saves."""
+        if self.state is not MemoryState.SHARDED:
+            raise RuntimeError(f"FSDP unit {self.name} is {self.state.value}: a checkpoint is taken "
+                               f"between steps, when every unit holds only its shard")
+        lay = self.layout
+        h.layout("hsdp" if lay.N != h.world_size else "fsdp" if lay.kind == "per_param" else "fsdp_flat")
+        saves = h.rank // lay.N == 0                # the first replica group writes
+        h.claim(*lay.shard_tensors())
+        for i, s in enumerate(lay.slots):
+            name = h.fqn(s.module, s.name)
+            local, start, n, first = lay.held(i)
+            h.tensor(f"param/{name}", s.shape, local.dtype)
+            h.add(f"param/{name}", start, local.detach().reshape(-1)[first:first + n], save=saves)
+            for kind, t in h.optimizer_state(h.optimizer, local, name).items():
+                h.tensor(f"{kind}/{name}", s.shape, t.dtype)
+                h.add(f"{kind}/{name}", start, t[first:first + n], save=saves)
+        for s, p in zip(self.replicated_slots, self.replicated):
+            h.replicated(h.fqn(s.module, s.name), p, h.optimizer)
+
     # ------------------------------------------------------------------ reading the parameters
     @torch.no_grad()
     def full_values(self, dtype: torch.dtype | None = None) -> list[tuple[ParamSlot, torch.Tensor]]:
