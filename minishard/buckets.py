@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from .comm import Work
 from .ledger import LiveLedger
+from .local_grad import local
 
 
 def plan_buckets(param_groups: Sequence[Sequence[nn.Parameter]], cap_mb: float,
@@ -109,8 +110,10 @@ class BucketedReduction:
 
     def __init__(self, buckets: list[Bucket], *, reduce: Callable[[Bucket], None],
                  land: Callable[[Bucket], None] | None = None, grads_in_buckets: bool = True,
-                 max_in_flight: int | None = None, ledger: LiveLedger | None = None):
+                 max_in_flight: int | None = None, ledger: LiveLedger | None = None,
+                 partial: bool = False):
         self.buckets, self.ledger = buckets, ledger
+        self.partial = partial                 # .grad is not the whole sum (ZeRO-1): no norm
         self._reduce, self._land = reduce, land
         self.grads_in_buckets, self.max_in_flight = grads_in_buckets, max_in_flight
         self.sync = True                       # False: accumulate locally (no_sync)
@@ -122,7 +125,7 @@ class BucketedReduction:
         if grads_in_buckets:
             for b in buckets:
                 for k, p in enumerate(b.params):
-                    p.grad = b.grad_view(k)
+                    p.grad = self._grad_view(b, k)
         # the one place the hooks are registered: each is a single call to a named method
         for p in self._where:
             p.register_post_accumulate_grad_hook(self.post_accumulate_grad)
@@ -136,7 +139,7 @@ class BucketedReduction:
             if p.grad.data_ptr() != b.buffer.data_ptr() + b.offsets[k] * b.buffer.element_size():
                 # zero_grad(set_to_none=True) dropped our view and autograd made a fresh .grad;
                 # move it into the bucket (one copy) and point .grad back at the bucket
-                view = b.grad_view(k)
+                view = self._grad_view(b, k)
                 view.copy_(p.grad)
                 p.grad = view
         else:
@@ -144,6 +147,9 @@ class BucketedReduction:
             p.grad = None                      # no full gradient stays behind
         if self.sync:
             self._mark_ready(b, k)
+
+    def _grad_view(self, b: Bucket, k: int) -> torch.Tensor:
+        return local(b.grad_view(k)) if self.partial else b.grad_view(k)
 
     def _mark_ready(self, b: Bucket, k: int) -> None:
         if not self._callback_queued:

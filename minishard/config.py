@@ -27,6 +27,9 @@ class TrainConfig:
     micro_batch: int = 4             # sequences per rank per forward
     accum: int = 1                   # micro-batches per optimizer step (gradient accumulation)
     seed: int = 0                    # initial weights (the same on every rank)
+    rank_seeds: bool = False         # rank r builds its model from seed + r, as processes that
+                                     # never agreed on a seed would: DDP, ZeRO and FSDP make every
+                                     # rank start from rank 0's weights anyway
     data_seed: int = 1234            # the synthetic token stream
     # the optimizer and the numbers it works with
     optimizer: str = "adamw"         # adamw (weight decay 0.01), sgd, sgd_momentum (0.9)

@@ -80,7 +80,7 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     cfg = model_mod.config(config.model, **config.model_overrides)
     ledger = LiveLedger(tracer, budget=config.device_budget) if strategy.instrumented else None
     comm = Comm(tracer, ledger=ledger, alone=alone)
-    built = build(_model(config, cfg, rank.device), config, comm, ledger)
+    built = build(_model(config, cfg, rank.device, rank.rank), config, comm, ledger)
     first_step, ckpt = 0, {}
     if config.resume_from is not None:
         from . import checkpoint
@@ -126,10 +126,10 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     return out
 
 
-def _model(config: TrainConfig, cfg, device) -> torch.nn.Module:
-    """The GPT every rank starts from (the same seed everywhere), its memory knobs set and the
-    frozen parameters' gradients switched off."""
-    net = model_mod.GPT(cfg, seed=config.seed).to(device)
+def _model(config: TrainConfig, cfg, device, rank: int = 0) -> torch.nn.Module:
+    """The GPT this rank starts from (the same seed everywhere, unless ``rank_seeds``), its
+    memory knobs set and the frozen parameters' gradients switched off."""
+    net = model_mod.GPT(cfg, seed=config.seed + (rank if config.rank_seeds else 0)).to(device)
     net.recompute_activations = config.recompute
     net.loss_chunk_tokens = config.loss_chunk_tokens
     for name, p in net.named_parameters():

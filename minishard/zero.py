@@ -91,7 +91,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.master is not None:
                 ledger.track("master", self.master, "master_shard")
         if stage == 1:
-            self.reduction = BucketedReduction(self.buckets, reduce=self._reduce_gradients, ledger=ledger)
+            # reduce-scattered, .grad holds the sum in this rank's chunk only (all-reduced: all)
+            self.reduction = BucketedReduction(self.buckets, reduce=self._reduce_gradients, ledger=ledger,
+                                               partial=reduce == "reduce_scatter")
         else:   # at most two buckets in flight: gradient memory stays at a few buckets
             self.reduction = BucketedReduction(self.buckets, reduce=self._reduce_scatter_bucket,
                                                land=self._keep_slice, grads_in_buckets=False,

@@ -56,3 +56,36 @@ def test_trains_like_one_process_with_several_buckets(pools, strategy, N):
 
 def _norm(a: dict, b: dict | None = None) -> float:
     return torch.cat([(a[n] - (b[n] if b else 0)).reshape(-1) for n in a]).norm().item()
+
+
+EQUALISING = ("ddp", "ddp_naive", "zero1", "zero1_allreduce", "zero2", "fsdp", "fsdp_flat")
+
+
+@pytest.mark.parametrize("N", [2, 3])
+def test_ranks_started_from_different_weights_train_like_one_process_from_rank_0s(pools, N):
+    """Rank r builds its model from seed r (``rank_seeds``): every strategy that claims to make
+    the ranks' weights equal must start them all from rank 0's — a strategy that never
+    synchronised them would train N different models (FSDP2 users meet this one:
+    pytorch#148756)."""
+    kw = dict(model="nano", steps=2, optimizer="sgd", lr=0.5, bucket_cap_mb=0.15)
+    ref = reference(N, MB, **kw)
+    for strategy in EQUALISING:
+        ours = pools(N).run(train, TrainConfig(strategy=strategy, micro_batch=MB, return_params=True,
+                                               rank_seeds=True, **kw))
+        assert_parity(ours, ref, rtol=1e-3, what=f"{strategy}, N={N}, ranks seeded 0..{N - 1}")
+
+
+def test_hybrid_sharding_starts_every_replica_group_from_rank_0s_weights(pools):
+    kw = dict(model="nano", steps=2, optimizer="sgd", lr=0.5, shard_size=2)
+    ours = pools(4).run(train, TrainConfig(strategy="hsdp", micro_batch=MB, return_params=True,
+                                           rank_seeds=True, **kw))
+    assert_parity(ours, reference(4, MB, **kw), rtol=1e-3, what="hsdp 2x2, ranks seeded 0..3")
+
+
+def test_rank_seeds_leave_the_one_process_reference_as_it_was():
+    kw = dict(strategy="single", model="nano", steps=1, micro_batch=2, return_params=True,
+              track_activations=False)
+    a = train(None, TrainConfig(**kw))
+    b = train(None, TrainConfig(rank_seeds=True, **kw))
+    assert a["losses"] == b["losses"]
+    assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..local_grad import local
+
 _preserve_version = torch.autograd._unsafe_preserve_version_counter
 
 
@@ -267,7 +269,7 @@ class PerParamLayout:
             if p.requires_grad:
                 g = part.view(p.shape).to(device=p.device, dtype=p.dtype)
                 if p.grad is None:
-                    p.grad = g.clone()
+                    p.grad = local(g.clone())
                 else:
                     p.grad.add_(g)
 
@@ -387,7 +389,7 @@ class FlatLayout:
     def accumulate_reduced(self, reduced: torch.Tensor) -> None:
         g = reduced.to(device=self.flat_shard.device, dtype=self.flat_shard.dtype)
         if self.flat_shard.grad is None:
-            self.flat_shard.grad = g.clone()
+            self.flat_shard.grad = local(g.clone())
         else:
             self.flat_shard.grad.add_(g)
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..comm import Comm, Work
 from ..ledger import LiveLedger
+from ..local_grad import local
 from ..offload import Tier, TransferLog
 from . import hooks
 from .layout import ParamSlot
@@ -76,8 +77,8 @@ class FSDPUnit:
         for t in self.layout.shard_tensors():
             if self.tier is not None:
                 t.data = self.tier.copy_of(t.data)
-            if t.requires_grad:
-                t.grad = self.tier.zeros_like(t) if self.tier is not None else torch.zeros_like(t)
+            if t.requires_grad:     # this rank's shard of the gradient: no norm of its own
+                t.grad = local(self.tier.zeros_like(t) if self.tier is not None else torch.zeros_like(t))
         for p in self.replicated:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)

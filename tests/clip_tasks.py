@@ -1,0 +1,46 @@
+"""Rank tasks of the clipping tests: what each rank's gradient norm is, and what a clip does."""
+import torch
+
+from minishard.comm import Comm
+from minishard.model import GPT, batch, config
+from minishard.train import TrainConfig, build
+
+MB = 2
+
+
+def norms(rank, strategies: list, max_norm: float) -> dict:
+    """For each strategy, after one backward on step 0's batch: the sum of squares of the
+    gradient this rank holds (its own share), and the norm the strategy's clip reports."""
+    out = {}
+    cfg = config("nano")
+    x, y = batch(cfg, 0, MB, rank.rank, rank.world_size)
+    for s in strategies:
+        built = build(GPT(cfg, seed=0), TrainConfig(s, model="nano", optimizer="sgd"), Comm(rank.tracer))
+        built.model(x, y).backward()
+        mine = _own_share(built)
+        out[s] = {"local": mine, "total": built.clip_grad_norm(max_norm).item()}
+    return out
+
+
+def _own_share(built) -> float:
+    """The squares of the gradient elements this rank is responsible for (ZeRO: its chunks)."""
+    if hasattr(built.optimizer, "grad_chunks"):
+        return sum(float(g.double().pow(2).sum()) for g in built.optimizer.grad_chunks)
+    return sum(float(p.grad.as_subclass(torch.Tensor).double().pow(2).sum())
+               for p in built.model.parameters() if p.grad is not None)
+
+
+def torch_clip(rank, strategies: list) -> dict:
+    """``torch.nn.utils.clip_grad_norm_(model.parameters())`` after a backward under each
+    strategy: the norm it returns, or the error it raises."""
+    out = {}
+    cfg = config("nano")
+    x, y = batch(cfg, 0, MB, rank.rank, rank.world_size)
+    for s in strategies:
+        built = build(GPT(cfg, seed=0), TrainConfig(s, model="nano", optimizer="sgd"), Comm(rank.tracer))
+        built.model(x, y).backward()
+        try:
+            out[s] = torch.nn.utils.clip_grad_norm_(built.model.parameters(), 1.0).item()
+        except RuntimeError as e:
+            out[s] = str(e)
+    return out
