@@ -42,11 +42,13 @@ def test_gradient_accumulation_without_sync_matches(pools, N):
     ours = pools(N).run(train, TrainConfig(strategy="ddp", micro_batch=MB, return_params=True, **kw))
     assert_parity(ours, reference(N, MB, **kw))
     # with AdamW the losses still agree to 1e-6; parameters only to a few lr, because Adam
-    # divides by sqrt(v): on gradients that are nearly zero, summation-order noise flips an
-    # update of size ~lr either way
+    # divides by sqrt(v): on gradients that are nearly zero (embedding rows of tokens a
+    # micro-batch lacks), summation-order noise flips an update of size ~lr either way. How
+    # much depends on the CPU's kernels: tok_emb.weight's drift was under 3.4e-4 on an AMD EPYC
+    # (AVX-512), 5.5e-3 on an Intel Xeon; a model that did not train scores 1.0
     kw = dict(NANO, accum=3)
     ours = pools(N).run(train, TrainConfig(strategy="ddp", micro_batch=MB, return_params=True, **kw))
-    assert_parity(ours, reference(N, MB, **kw))
+    assert_parity(ours, reference(N, MB, **kw), rtol=2e-2)
     # no_sync: one round of bucket all-reduces per optimizer step, not one per micro-batch
     single_step = pools(N).run(train, TrainConfig(strategy="ddp", micro_batch=MB, **NANO))
     assert ours[0]["calls"] == single_step[0]["calls"]

@@ -30,18 +30,23 @@ def test_offload_with_adamw_keeps_parity(pools, tmp_path):
     assert_parity(ours, reference(2, 2, **kw))
 
 
-def _shard_bytes(N: int) -> list[int]:
-    """fp32 bytes of each unit's shard (flat layout): blocks, then the root."""
+def _shard_bytes(N: int, layout: str = "flat") -> list[int]:
+    """fp32 bytes of each unit's shard: blocks, then the root. Flat: ceil(unit / N) elements;
+    per parameter: each parameter's ceil(rows / N) rows."""
     net = GPT("nano", device="meta")
-    units = [sum(p.numel() for p in b.parameters()) for b in net.blocks]
-    units.append(sum(p.numel() for n, p in net.named_parameters() if not n.startswith("blocks.")))
-    return [4 * math.ceil(u / N) for u in units]
+    units = [list(b.parameters()) for b in net.blocks]
+    units.append([p for n, p in net.named_parameters() if not n.startswith("blocks.")])
+    if layout == "flat":
+        return [4 * math.ceil(sum(p.numel() for p in u) / N) for u in units]
+    return [4 * sum(math.ceil(p.shape[0] / N) * (p.numel() // p.shape[0]) for p in u) for u in units]
 
 
 @pytest.mark.parametrize("N", [2, 3])
-def test_transfer_bytes_equal_the_state_sizes(pools, N):
-    res = pools(N).run(train, TrainConfig(strategy="fsdp_flat", micro_batch=1, offload="host", track_activations=False, **KW))
-    blocks, root = _shard_bytes(N)[:-1], _shard_bytes(N)[-1]
+@pytest.mark.parametrize("strategy", ["fsdp_flat", "fsdp"])
+def test_transfer_bytes_equal_the_state_sizes(pools, N, strategy):
+    res = pools(N).run(train, TrainConfig(strategy=strategy, micro_batch=1, offload="host", track_activations=False, **KW))
+    sizes = _shard_bytes(N, "flat" if strategy == "fsdp_flat" else "per_param")
+    blocks, root = sizes[:-1], sizes[-1]
     for r in res:
         for step in r["transfer"]:
             # in: every unshard fetches its shard — blocks twice (forward, backward), the root
@@ -52,6 +57,47 @@ def test_transfer_bytes_equal_the_state_sizes(pools, N):
         assert host == {"params": sum(blocks) + root, "grads": sum(blocks) + root,
                         "momentum": sum(blocks) + root}
         assert not {"params", "grads", "momentum"} & set(r["ledger"]["by_device"].get("device", {}))
+
+
+def where_the_state_lives(rank, layout: str, directory: str) -> dict:
+    """Rank task: FSDP with the disk tier, two SGD-momentum steps (``zero_grad()`` dropping the
+    gradients in between, torch's default); for every shard, its gradient
+    and its momentum, the file its memory is mapped from (None: not in the tier)."""
+    import torch
+    from minishard import fsdp
+    from minishard.comm import Comm
+    from minishard.model import batch, config
+    from minishard.offload import OffloadPolicy, Tier
+    cfg = config("nano")
+    comm = Comm(rank.tracer)
+    tier = Tier(OffloadPolicy("disk", directory), rank.rank)
+    net = GPT(cfg, seed=0)
+    for i, b in enumerate(net.blocks):
+        fsdp.fully_shard(b, comm=comm, layout=layout, offload=tier, name=f"blocks.{i}")
+    fsdp.fully_shard(net, comm=comm, layout=layout, offload=tier, name="root")
+    opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), tier)
+    for step in range(2):
+        if step:
+            opt.zero_grad()             # torch's default: set_to_none=True
+        x, y = batch(cfg, step, 1, rank.rank, rank.world_size)
+        net(x, y).backward()
+        opt.step()
+    files = lambda t: t.untyped_storage().filename   # noqa: E731
+    out = {"params": [files(p) for p in net.parameters()],
+           "grads": [files(p.grad) for p in net.parameters()],
+           "momentum": [files(opt.state[p]["momentum_buffer"]) for p in net.parameters()],
+           "tier": str(tier.directory)}
+    tier.cleanup()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["per_param", "flat"])
+def test_the_disk_tier_holds_every_shard_its_gradient_and_its_moments(pools, layout, tmp_path):
+    """Nothing of the sharded state is left on the device: each tensor's memory is a file of
+    the rank's tier directory."""
+    for r in pools(2).run(where_the_state_lives, layout, str(tmp_path)):
+        for what in ("params", "grads", "momentum"):
+            assert r[what] and all(f is not None and f.startswith(r["tier"]) for f in r[what]), (what, r[what])
 
 
 def test_offload_fits_a_budget_that_plain_fsdp_does_not(pools):

@@ -181,3 +181,28 @@ def test_the_inner_optimizer_takes_the_multi_tensor_path_unless_told_otherwise()
     assert loop["foreach"] is False and fused["fused"] is True and not fused["foreach"]
     assert torch.allclose(updated, by_loop, rtol=0, atol=1e-6)
     assert torch.allclose(updated, by_fused, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("N", [2, 3])
+def test_zero2_holds_at_most_three_gradient_buckets_at_once(pools, N):
+    """ZeRO-2 copies each gradient into its bucket's buffer and frees the buffer once the
+    bucket's reduce-scatter delivered this rank's slice; at most two reduce-scatters are in flight,
+    so at most three buffers live at once (two in flight, one filling) — chapter 04's bound —
+    however many buckets the model has."""
+    pool = pools(N)
+    pool.run(train, TrainConfig(strategy="zero2", model="nano", steps=2, micro_batch=1,
+                                bucket_cap_mb=0.05, track_activations=False))
+    for r in range(N):
+        live, sizes, most, buckets = {}, {}, 0, set()
+        for e in pool.last_events:
+            if e.get("rank") != r or not str(e.get("tag", "")).startswith("grad_bucket:"):
+                continue
+            if e["kind"] == "alloc":
+                live[e["tag"]] = sizes[e["tag"]] = e["bytes"]
+                buckets.add(e["tag"])
+                most = max(most, len(live))
+            elif e["kind"] == "free":
+                live.pop(e["tag"])
+        assert len(buckets) >= 8, buckets                 # enough buckets for the bound to bind
+        assert most == 3, most
+        assert not live                                   # every buffer freed by the step's end

@@ -46,7 +46,8 @@ class TrainingState(enum.Enum):
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """As PyTorch's: ``param_dtype`` for the gathered parameters and compute, ``reduce_dtype`` for
-    the gradient reduce-scatter. The sharded parameters keep their own dtype (fp32): they are the
-    master weights the optimizer updates."""
+    the gradient reduce-scatter (None: in ``param_dtype``, as FSDP2 does — so a policy that names
+    only bf16 compute also reduces in bf16). The sharded parameters keep their own dtype (fp32):
+    they are the master weights the optimizer updates."""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -273,7 +273,8 @@ class FSDPUnit:
         for u in (self.root.units if self.root else [self]):
             u.wait_for_reduce_scatter()
         self._set_state(MemoryState.REDUCE_SCATTERING)
-        dtype = self.mp_policy.reduce_dtype or self.layout.reduce_dtype
+        # FSDP2's rule: reduce in reduce_dtype, else in the compute dtype, else as stored
+        dtype = self.mp_policy.reduce_dtype or self.mp_policy.param_dtype or self.layout.reduce_dtype
         inp = self.layout.reduce_scatter_input(dtype)
         replicas = self.replicate.world_size if self.replicate is not None else 1
         inp.div_(self.comm.world_size * replicas)   # sum / N: the gradient of the global mean loss
@@ -318,6 +319,10 @@ class FSDPUnit:
         if self.replicate is not None:      # hybrid: sum the slice with its replicas' (slow link)
             self.replicate.all_reduce(out, tag=self.name)
         t0 = time.perf_counter()
+        if self.tier is not None:           # zero_grad(set_to_none=True) dropped them: the
+            for t in self.layout.shard_tensors():   # gradients live in the tier, not the device
+                if t.requires_grad and t.grad is None:
+                    t.grad = local(self.tier.zeros_like(t))
         self.layout.accumulate_reduced(out)
         if self.tier is not None:           # the reduced slice goes to the tier
             self.transfers.add("d2h", out.numel() * out.element_size(), time.perf_counter() - t0,
