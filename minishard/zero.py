@@ -281,7 +281,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fp32 master) of rank r is chunk r of every bucket, which may start or end inside a
         parameter. Parameters in no bucket (frozen) are plain replicas."""
         r = h.rank
-        _copy_hyperparameters(self.param_groups, self.optimizer.param_groups)   # a scheduler's lr
         h.strategy = f"zero{self.stage}"
         h.order = [h.names[p] for p in h.names]
         for b, shard in zip(self.buckets, self.shards):
