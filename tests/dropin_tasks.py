@@ -175,3 +175,19 @@ def load_elsewhere(rank, root: str, cases: list) -> list[dict]:
         wrong += [n for n, t in truth.items() if differs(full[f"param/{n}"], t)]
         out.append({"case": case, "wrong": sorted(set(wrong)), "lrs": [g["lr"] for g in hyperparameters(opt)]})
     return out
+
+
+def unsynchronised(rank, path: str) -> str | None:
+    """A model trained on every rank with no strategy at all (each rank its own seed and data):
+    its parameters are not replicas, and saving rank r's chunk of each would mix the ranks'
+    models. Returns the save's refusal (None: it saved)."""
+    net = GPT(config(MODEL), seed=rank.rank)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = batch(config(MODEL), 0, MICRO_BATCH, rank.rank, rank.world_size)
+    net(x, y).backward()
+    opt.step()
+    try:
+        checkpoint.save(net, opt, path, step=1)      # comm: the default process group
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return None

@@ -172,3 +172,51 @@ def reduce_scatter_in_place_and_buffers(rank, numel: int):
         comm.reduce_scatter(y, x)
         out["in_place" if in_place else "out_of_place"] = {"slice": y.clone(), "buffers": buffers.allocated}
     return out
+
+
+# ---- property tests (tests/test_properties.py): batches of random collectives
+
+def prop_values(seed: int, rank: int, numel: int, dtype: str) -> torch.Tensor:
+    """Rank ``rank``'s values for a property case: random floats of very different magnitudes
+    (2^-20 .. 2^20), so that adding them in another order changes the float32 sum. The test
+    process makes the same values for its reference."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    x = torch.randn(numel, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-20, 21, (numel,), generator=g).double())
+    if dtype == "uint8":
+        return torch.randint(0, 256, (numel,), generator=g, dtype=torch.uint8)
+    return x.to(getattr(torch, dtype))
+
+
+def prop_collectives(rank, cases: list, newest_first: bool = False):
+    """Run a batch of all-gathers and reduce-scatters, each case a dict (op, n, dtype, async,
+    in_place, seed); asynchronous ones are waited for after the whole batch was issued (several
+    in flight at once, as FSDP's prefetch and ZeRO's buckets do), in issue order or
+    ``newest_first``. Returns, per case, the output and the input after the collective."""
+    comm = Comm(rank.tracer)
+    N, r = comm.world_size, comm.rank
+    pending, out = [], []
+    for case in cases:
+        n, dtype = case["n"], getattr(torch, case["dtype"])
+        if case["op"] == "all_gather":
+            output = torch.full((N * n,), 77, dtype=dtype) if dtype == torch.uint8 else \
+                torch.full((N * n,), float("nan"), dtype=dtype)
+            if case["in_place"]:     # as FSDP and ZeRO call it: the input is our block of the output
+                inp = output.view(N, -1)[r]
+                inp.copy_(prop_values(case["seed"], r, n, case["dtype"]))
+            else:
+                inp = prop_values(case["seed"], r, n, case["dtype"])
+            w = comm.all_gather(output, inp, async_op=case["async"])
+        else:
+            inp = prop_values(case["seed"], r, N * n, case["dtype"])
+            if case["in_place"]:     # as ZeRO-1 calls it: the output is our block of the input
+                output = inp.view(N, -1)[r]
+            else:
+                output = torch.full((n,), float("nan"), dtype=dtype)
+            w = comm.reduce_scatter(output, inp, async_op=case["async"])
+        out.append({"output": output, "input": inp})
+        if w is not None:
+            pending.append(w)
+    for w in (reversed(pending) if newest_first else pending):    # every exchange is posted
+        w.wait()
+    return [{"output": o["output"].clone(), "input": o["input"].clone()} for o in out]

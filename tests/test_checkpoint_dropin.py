@@ -79,3 +79,10 @@ def test_the_export_holds_the_saved_weights(saved, tmp_path):
         params = {n.split("/", 1)[1]: t for n, t in full.items() if n.startswith("param/")}
         assert exported.keys() == params.keys(), case
         assert all(torch.equal(exported[n], params[n]) for n in params), case
+
+
+def test_ranks_holding_different_replicas_are_refused_not_mixed(pools, tmp_path):
+    for answer in pools(2).run(dropin_tasks.unsynchronised, str(tmp_path / "ck")):
+        assert answer and "tok_emb.weight differs between rank 0 and rank 1" in answer, answer
+        assert "Wrap the model (DDP, ZeroOptimizer, fully_shard)" in answer
+    assert not (tmp_path / "ck").exists()
