@@ -5,8 +5,8 @@ is held: each rank writes the part it owns, all ranks in parallel. The package, 
 in the order chapter 9 tells it:
 
 * :mod:`.regions` — what a rank holds, as regions of global tensors; the one protocol a strategy
-  answers (``checkpoint_regions(holdings)``: ``ZeroOptimizer``, ``fsdp.ShardedOptimizer`` and
-  ``strategies.MasterWeights`` do); :func:`describe`.
+  answers (``checkpoint_regions(holdings)``: ``ZeroOptimizer``, ``strategies.MasterWeights`` and
+  each FSDP unit — whichever torch optimizer steps its shards — do); :func:`describe`.
 * :mod:`.format` — the files: safetensors written by hand, an XXH3-64 checksum per block,
   metadata.json.
 * :mod:`.saving` — :func:`save`: every rank its own file, atomically.
