@@ -61,13 +61,16 @@ def plan_buckets(param_groups: Sequence[Sequence[nn.Parameter]], cap_mb: float,
     if per_parameter:
         return [(g, [p]) for g, p in reversed(trainable)]
     plan, filling, size, limit = [], {}, {}, {}
-    for g, p in reversed(trainable):
+    walk = list(reversed(trainable))
+    for i, (g, p) in enumerate(walk):
         filling.setdefault(g, []).append(p)
         size[g] = size.get(g, 0) + p.numel() * p.element_size()
         if size[g] >= limit.get(g, min(first_mb, cap_mb) * 2**20):
             plan.append((g, filling.pop(g)))
             size[g], limit[g] = 0, cap_mb * 2**20
-    return plan + list(filling.items())          # the last, partly filled buckets
+        if g in filling and (i + 1 == len(walk) or walk[i + 1][0] != g):
+            plan.append((g, filling.pop(g)))    # the group's last, partly filled bucket: full
+    return plan                                 # when its walk ends, before the next group's
 
 
 @dataclass(eq=False, kw_only=True)

@@ -114,3 +114,15 @@ def test_a_version_1_checkpoint_still_loads_and_is_verified_with_sha256(good, tm
     _damage(tmp_path / "v1", tmp_path / "v1bad", p["offset"] + nbytes // 3, "bit")
     with pytest.raises(CheckpointError, match=rf"rank0.safetensors: checksum mismatch in {name}, elements"):
         checkpoint.load(net, opt, tmp_path / "v1bad", comm=Comm())
+
+
+def test_a_block_size_that_cuts_elements_is_refused_before_anything_is_written(tmp_path):
+    """A checksum block must hold whole elements of every dtype (a multiple of 8 bytes): a block
+    of 6 bytes once wrote a checkpoint that its own reader rejected as corrupted."""
+    net = torch.nn.Linear(4, 3)
+    for bad in (6, 0, -8, 12, 8.0):
+        with pytest.raises(ValueError, match="block_bytes must be a positive multiple of 8"):
+            checkpoint.save(net, None, tmp_path / "ck", step=0, block_bytes=bad)
+    assert not any(tmp_path.iterdir())
+    checkpoint.save(net, None, tmp_path / "ck", step=0, block_bytes=8)
+    assert torch.equal(checkpoint.read_full(tmp_path / "ck")["param/weight"], net.weight.detach())

@@ -36,6 +36,9 @@ def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm | N
     (on rank 0) the metadata."""
     t0 = time.perf_counter()
     comm = Comm() if comm is None else comm
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 8 or block_bytes % 8:
+        raise ValueError(f"block_bytes must be a positive multiple of 8 (whole elements of every "
+                         f"dtype in one checksum block), got {block_bytes!r}")
     path = Path(path)
     tmp = path.parent / f".{path.name}.saving"
 

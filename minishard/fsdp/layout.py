@@ -129,7 +129,10 @@ class PerParamLayout:
         # cast to one dtype would round the others), reduce their gradients in fp32
         self.mixed = param_dtype is None and len({s.dtype for s in slots}) > 1
         self.bytes_per = [s.dtype.itemsize if self.mixed else 1 for s in slots]
-        self.gather_per_rank = sum(n * b for n, b in zip(self.sizes, self.bytes_per))
+        # raw bytes: each parameter's block starts 8-byte aligned, so it can be viewed back as
+        # its dtype (a bf16 block of odd length would leave the next fp32 one at byte 6)
+        self.raw_sizes = [-(-n * b // 8) * 8 for n, b in zip(self.sizes, self.bytes_per)]
+        self.gather_per_rank = sum(self.raw_sizes) if self.mixed else self.per_rank
         self.reduce_dtype = torch.float32 if self.mixed else slots[0].dtype
 
     # ---- what the ledger and the optimizer see
@@ -153,7 +156,11 @@ class PerParamLayout:
         ``dtype``: a gather for reading, see ``unpack``). ``into``: pack them there — this
         rank's block of the all-gather's output, so the gather itself copies nothing locally."""
         if self.mixed and dtype is None:
-            blocks = [p.detach().reshape(-1).view(torch.uint8).to(device) for p in self.sharded]
+            blocks = []
+            for p, raw in zip(self.sharded, self.raw_sizes):
+                blocks.append(p.detach().reshape(-1).view(torch.uint8).to(device))
+                if raw > blocks[-1].numel():
+                    blocks.append(torch.zeros(raw - blocks[-1].numel(), dtype=torch.uint8, device=device))
         else:   # copy to the device first, cast there: what crosses is the shard as stored
             blocks = [p.detach().reshape(-1).to(device).to(dtype or self.gather_dtype)
                       for p in self.sharded]
@@ -206,7 +213,7 @@ class PerParamLayout:
         """``raw``: the gather moved raw bytes (mixed dtypes), each block is viewed back."""
         by_rank = gathered.view(self.N, self.gather_per_rank if raw else self.per_rank)
         offset = 0
-        for p, c, inner, size, b in zip(into, self.rows, self.inner, self.sizes,
+        for p, c, inner, size, b in zip(into, self.rows, self.inner, self.raw_sizes if raw else self.sizes,
                                         self.bytes_per if raw else [1] * len(into)):
             rows = p.view(-1, inner) if inner else p.view(-1, 1)
             with torch.no_grad(), _preserve_version(p):
@@ -217,7 +224,7 @@ class PerParamLayout:
                         if raw:
                             block = block.view(p.dtype)       # the raw bytes, as they were
                         rows[lo:hi].copy_(block.view(hi - lo, -1))
-            offset += size * b
+            offset += size
 
     def free_unsharded(self) -> None:
         for p in self.unsharded:
@@ -241,7 +248,7 @@ class PerParamLayout:
         """Gradients packed rank-major like the all-gather (the copy-in); frozen and missing
         gradients contribute zeros."""
         grads = [p.grad for p in self.unsharded]
-        if all(g is not None for g in grads) and all(self.inner):
+        if all(g is not None for g in grads) and all(self.inner) and not self.mixed:
             # one operation, as FSDP2's chunk_cat: each gradient cut into N row blocks of c rows
             # (the last padded with zeros), the blocks laid rank-major, cast on the way
             packed = torch.empty(self.N, self.per_rank, dtype=dtype, device=self.device)
