@@ -76,17 +76,17 @@ def where_the_state_lives(rank, layout: str, directory: str) -> dict:
         fsdp.fully_shard(b, comm=comm, layout=layout, offload=tier, name=f"blocks.{i}")
     fsdp.fully_shard(net, comm=comm, layout=layout, offload=tier, name="root")
     opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), tier)
+    files = lambda t: t.untyped_storage().filename   # noqa: E731
+    out = {"tier": str(tier.directory)}
     for step in range(2):
         if step:
             opt.zero_grad()             # torch's default: set_to_none=True
         x, y = batch(cfg, step, 1, rank.rank, rank.world_size)
         net(x, y).backward()
         opt.step()
-    files = lambda t: t.untyped_storage().filename   # noqa: E731
-    out = {"params": [files(p) for p in net.parameters()],
-           "grads": [files(p.grad) for p in net.parameters()],
-           "momentum": [files(opt.state[p]["momentum_buffer"]) for p in net.parameters()],
-           "tier": str(tier.directory)}
+        out[f"grads{step}"] = [files(p.grad) for p in net.parameters()]
+    out["params"] = [files(p) for p in net.parameters()]
+    out["momentum"] = [files(opt.state[p]["momentum_buffer"]) for p in net.parameters()]
     tier.cleanup()
     return out
 
@@ -96,7 +96,7 @@ def test_the_disk_tier_holds_every_shard_its_gradient_and_its_moments(pools, lay
     """Nothing of the sharded state is left on the device: each tensor's memory is a file of
     the rank's tier directory."""
     for r in pools(2).run(where_the_state_lives, layout, str(tmp_path)):
-        for what in ("params", "grads", "momentum"):
+        for what in ("params", "grads0", "grads1", "momentum"):     # grads1: after zero_grad()
             assert r[what] and all(f is not None and f.startswith(r["tier"]) for f in r[what]), (what, r[what])
 
 
