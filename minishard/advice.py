@@ -168,8 +168,9 @@ class Advice:
         for simpler in PLANNED[:PLANNED.index(self._planned)]:
             alt = self._gain(simpler)
             if alt is not None and alt.fits and alt.step_s <= 1.03 * p.step_s:
-                return (f"{LABELS[simpler]} fits too ({_gib(alt.total_memory)}{_tight(alt)}) and is about as "
-                        f"fast ({alt.step_s:.2f} s against {p.step_s:.2f} s): a simpler system.")
+                speed = "faster" if alt.step_s < 0.97 * p.step_s else "about as fast"
+                return (f"{LABELS[simpler]} fits too ({_gib(alt.total_memory)}{_tight(alt)}) and is {speed} "
+                        f"({alt.step_s:.2f} s a step against {p.step_s:.2f} s): a simpler system.")
         return None
 
     def _hint_no_offload(self, p: Plan) -> str | None:
