@@ -299,7 +299,7 @@ R.close()
 # **练习：先预测，再运行。** 在启动任何 rank 之前，先写下 `hello` 会报告什么：all-reduce 之后每个 rank 持有的值，
 # 以及每个 rank 为此发送的字节数。检查程序随后在 2 个和 3 个真实 rank 上运行 `hello`，逐 rank 比对。
 # 答案写在下面的单元格里（或者编辑 [`minishard/course/exercises/ch00.py`](../minishard/course/exercises/ch00.py)
-# 里的存根），然后运行检查。参考答案在 [`solutions/ch00.py`](../solutions/ch00.py)：先自己试。
+# 里的桩函数），然后运行检查。参考答案在 [`solutions/ch00.py`](../solutions/ch00.py)：先自己试。
 #
 # </details>
 

@@ -25,7 +25,7 @@
 #
 # > **一个 8B 参数模型的 bf16 权重只有 16 GB，为什么在 80 GB 的 GPU 上，朴素的 DDP 连启动都启动不了？**
 #
-# 本章把这个问题回答两遍：先用解析的显存账本，再*实测*真实 rank 的账本，并检查两者是否一致。推理过程见
+# 本章把这个问题回答两遍：先用理论账本（按公式算），再用真实 rank 上的*实测*账本，并检查两者是否一致。推理过程见
 # [tutorial/zh/01-memory-ledger.md](../tutorial/zh/01-memory-ledger.md)；证据在下面。
 #
 # </details>
@@ -395,7 +395,7 @@ assert need == e8b.total and need > 80 * GB
 # **练习：写出一个 DDP rank 的账本。** 按账本类别写出 AdamW 在 fp32 和 bf16 混合精度下，一个 DDP rank 持有的
 # 模型状态字节数。检查程序先用 0.2 M 到 405 B 参数的模型把你的账本与 `estimate` 对比，再与 2 个真实 rank 上
 # *实测*的账本对比。答案写在下面的单元格里（或者编辑
-# [`minishard/course/exercises/ch01.py`](../minishard/course/exercises/ch01.py) 里的存根），然后运行检查。
+# [`minishard/course/exercises/ch01.py`](../minishard/course/exercises/ch01.py) 里的桩函数），然后运行检查。
 # 参考答案在 [`solutions/ch01.py`](../solutions/ch01.py)：先自己试。
 #
 # </details>

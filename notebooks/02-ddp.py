@@ -388,7 +388,7 @@ R4.close()
 # **练习：环形算法在线上的字节数。** 写出在 N 个 rank 上，对 S 字节做环形 all-reduce、reduce-scatter 和
 # all-gather 时，一个 rank 发送的字节数。检查程序先把你的公式与 minishard 的对比，再与操作系统统计的、每个
 # DDP rank 进程一步写出的字节数对比，分别在 2 个和 3 个 rank 上。答案写在下面的单元格里（或者编辑
-# [`minishard/course/exercises/ch02.py`](../minishard/course/exercises/ch02.py) 里的存根），然后运行检查。
+# [`minishard/course/exercises/ch02.py`](../minishard/course/exercises/ch02.py) 里的桩函数），然后运行检查。
 # 参考答案在 [`solutions/ch02.py`](../solutions/ch02.py)：先自己试。
 #
 # </details>

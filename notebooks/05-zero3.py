@@ -521,7 +521,7 @@ R2.close()
 # <details><summary>中文</summary>
 #
 # **练习：从分片收集出一个参数。** 在 ZeRO-3 下，一个参数沿 dim 0 被切成 N 块，每块 ceil(rows / N)
-# 行，最后几块用零填充；rank r 保留第 r 块。写出一个参数的反分片（unshard）：all-gather 所有块，去掉
+# 行，最后几块用零填充；rank r 保留第 r 块。写出一个参数的 unshard（收集完整参数）：all-gather 所有块，去掉
 # 填充，重建完整张量。检查程序在 1、2、3 个真实 rank 上对 nano GPT 分片，在每个分片上运行你的函数，
 # 并与 minishard 自己的收集（`fsdp.full_parameters`）以及 all-gather 的字节数对比。函数以源码形式
 # 发送到各个 rank：请让它自包含。

@@ -48,7 +48,7 @@
 #
 # <details><summary>中文</summary>
 #
-# **一行“语法”**——每个单元、每个 step 都走一遍：all-gather（`unshard`）→ 前向 → 释放（`reshard`）……
+# **一行"语法"**——每个单元、每个 step 都走一遍：all-gather（`unshard`）→ 前向 → 释放（`reshard`）……
 # all-gather（`unshard`）→ 反向 → reduce-scatter（`reduce_scatter_grads`）→ 释放（`reshard`）。
 # 代码里每个 transformer block 包成一个单元，最后的 `fully_shard(model)` 生成 root 单元，接管剩下的部分
 # （embedding、head）。
@@ -479,7 +479,7 @@ R2.close()
 #
 # > **要点。** FSDP 单元每个 step 都走一遍 gather → 前向 → 释放 → gather → 反向 → reduce-scatter → 释放；
 # > `manual=True` 让你亲手发起每次调用，hook 发起的调用完全相同（同样的集合通信，同样的比特）。关键技巧：
-# > 在 autograd 仍持有张量时释放完整参数的*存储*，反向前再填回来。按 block 包裹：整个模型一个单元会聚合
+# > 在 autograd 仍持有张量时释放完整参数的*存储*，反向前再填回来。按 block 包裹：整个模型一个单元会收集
 # > 全部参数（峰值时一点没省），每个 Linear 一个单元则让集合通信成倍增加。FSDP1 的扁平缓冲区和 FSDP2 的
 # > 逐参数分片训练结果完全一样，但只有逐参数分片能按参数保留名字、`requires_grad` 和 dtype。ZeRO-3 说的是
 # > 什么被分片；FSDP 是实现它的一种框架，能做的还不止这些。
@@ -535,10 +535,10 @@ R2.close()
 # <details><summary>中文</summary>
 #
 # **练习：手动走一遍生命周期。** 下面的单元用 `fully_shard(..., manual=True)` 创建：你不调用，就什么也不会
-# 聚合或释放。自己调用 `unshard()`、`reshard()` 和 `reduce_scatter_grads()`，写出一个训练 step。检查程序在
+# 收集或释放。自己调用 `unshard()`、`reshard()` 和 `reduce_scatter_grads()`，写出一个训练 step。检查程序在
 # 1 个和 2 个真实 rank 上把它与 `minishard.course.ch06.manual_step` 并排运行，比较 loss 和每个梯度分片，
 # 统计集合通信次数，并检查前向到达最后的 norm 时每个 block 都已释放。函数以源码形式发到各 rank，所以要
-# 自包含。写在下面的 cell 里（或编辑 `minishard/course/exercises/ch06.py` 里的桩函数），再运行检查；参考
+# 自包含。写在下面的单元格里（或编辑 `minishard/course/exercises/ch06.py` 里的桩函数），再运行检查；参考
 # 答案在 `solutions/ch06.py`，先自己试。
 #
 # </details>

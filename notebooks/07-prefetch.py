@@ -21,7 +21,7 @@
 #
 # <details><summary>中文</summary>
 #
-# > **FSDP 单元在计算前一刻才聚合自己的参数。参数在路上时，谁在干等？不想再等，又要付出什么代价？**
+# > **FSDP 单元在计算前一刻才收集自己的参数。参数在路上时，谁在干等？不想再等，又要付出什么代价？**
 #
 # 预取（prefetch）在当前单元计算时就发起后面单元的 all-gather（反向时是前面的单元）。本 notebook 在真实
 # rank 上测量它换来什么、花掉什么。中文讲解见 [tutorial/zh/07-prefetch.md](../tutorial/zh/07-prefetch.md)。
@@ -48,8 +48,8 @@
 #
 # <details><summary>中文</summary>
 #
-# **一行“语法”**——预取深度 k，N 个 rank，fp32 AdamW。峰值出现在反向开始时：所有激活值都还活着，root 在算
-# head，k 个 block 已经为反向聚合好。每个 rank 的峰值 = 16Ψ/N + root + k·block + 激活值；同时持有的完整
+# **一行"语法"**——预取深度 k，N 个 rank，fp32 AdamW。峰值出现在反向开始时：所有激活值都还在显存里，root 在算
+# head，k 个 block 已经为反向收集好。每个 rank 的峰值 = 16Ψ/N + root + k·block + 激活值；同时持有的完整
 # 参数 = root + (k+1)·block。`set_prefetch` 给 root 下的所有单元设置预取深度，
 # `set_modules_to_forward_prefetch` 则逐个单元显式指定。
 #
@@ -339,8 +339,8 @@ R2.close()
 #
 # <details><summary>中文</summary>
 #
-# > **要点。** 预取深度 k 在当前单元计算时发起后面 k 个单元（反向时是前面 k 个）的 all-gather，让字节在
-# > 计算下面传输，而不是挡在计算前面。代价是精确的：峰值时多驻留 k 个 block 的完整参数，反向开始时为
+# > **要点。** 预取深度 k 在当前单元计算时发起后面 k 个单元（反向时是前面 k 个）的 all-gather，让传输与
+# > 计算重叠，而不是挡在计算前面。代价是精确的：峰值时多驻留 k 个 block 的完整参数，反向开始时为
 # > 16Ψ/N + root + k·block + 激活值——测量精确到字节。深度 1 就能藏住能藏的大部分（一个单元的计算覆盖
 # > 一个单元的 gather）；只有各单元计算量不均匀时，更深才有用，而每加一级都要多花一个 block。所以开着
 # > 分片的 FSDP 还是 OOM 时，先查预取深度，再去怪分片：很多 FSDP 的 OOM 是预取太激进。
@@ -394,7 +394,7 @@ R2.close()
 #
 # **练习：预取调度。** 写出预取深度为 k 时，一个单元开始计算时要发起哪些单元的 gather，前向、反向各一份。
 # 检查程序在 2 个真实 rank 上用深度 0–3 训练 nano 模型，把你的调度与轨迹中在途的 all-gather 对比。写在
-# 下面的 cell 里（或编辑 `minishard/course/exercises/ch07.py` 里的桩函数），再运行检查；参考答案在
+# 下面的单元格里（或编辑 `minishard/course/exercises/ch07.py` 里的桩函数），再运行检查；参考答案在
 # `solutions/ch07.py`，先自己试。
 #
 # </details>

@@ -394,7 +394,7 @@ shutil.rmtree(WORK)
 # > 让它能在另一种布局上恢复的，是说明每个文件持有*哪个张量的哪些元素*的 metadata：有了它，
 # > 任何全局规模、任何策略都能算出自己该读什么（64 → 32 时，FSDP 下每个新 rank 读两个文件，ZeRO-1
 # > 下读全部 64 个），逐位一致地加载，然后接着训练。另外两条路要在用到之前规划好：
-# > resharding（趁训练正常时测试），以及导出完整的逐层权重（在早期 checkpoint 上跑一遍，
+# > 重分片（趁训练正常时测试），以及导出完整的逐层权重（在早期 checkpoint 上跑一遍，
 # > 严格加载进推理模型并比对）。
 #
 # </details>
@@ -445,14 +445,14 @@ shutil.rmtree(WORK)
 #
 # <details><summary>中文</summary>
 #
-# **练习：resharding 的读取计划。** 一个扁平张量由 N 个 rank 按 ceil(numel / N) 大小的块保存，再由 M
+# **练习：重分片的读取计划。** 一个扁平张量由 N 个 rank 按 ceil(numel / N) 大小的块保存，再由 M
 # 个 rank 按 ceil(numel / M) 大小的块加载。为每个新 rank 写出它要从哪些原 rank
 # 的文件里读哪些元素区间。检查程序会在能整除和不能整除的情况下（包括 64 → 32）把你的计划与 minishard
 # 的读取器（`checkpoint.plan_reads`）比较。
 #
 # 在下面的单元格里写（或编辑
 # [`minishard/course/exercises/ch09.py`](../minishard/course/exercises/ch09.py) 里的桩函数），
-# 然后运行检查。参考答案在 [`solutions/ch09.py`](../solutions/ch09.py)：先自己试试。
+# 然后运行检查。参考答案在 [`solutions/ch09.py`](../solutions/ch09.py)：先自己试。
 #
 # </details>
 

@@ -749,11 +749,11 @@ print("checkpoint on disk = 12Ψ bytes (fp32 parameters and both AdamW moments) 
 # A（Y = XA 中的 A）的若干列和第二个矩阵对应的行——换成 `nn.Linear` 的说法（它存的是 Aᵀ），就是第一个
 # Linear 权重的行、第二个 Linear 权重的列——然后对部分输出做一次 all-reduce。检查程序用 tiny GPT
 # 的第一个 MLP 在 1、2、4 个真实 rank 上运行它，与完整 MLP 和 `TensorParallelMLP` 比较，
-# 并确认线上只传了激活值、从未传过权重。这个函数会以源码形式发送给各 rank：请让它自成一体。
+# 并确认线上只传了激活值、从未传过权重。这个函数会以源码形式发送给各 rank：请让它自包含。
 #
 # 在下面的单元格里写（或编辑
 # [`minishard/course/exercises/ch10.py`](../minishard/course/exercises/ch10.py) 里的桩函数），
-# 然后运行检查。参考答案在 [`solutions/ch10.py`](../solutions/ch10.py)：先自己试试。
+# 然后运行检查。参考答案在 [`solutions/ch10.py`](../solutions/ch10.py)：先自己试。
 #
 # </details>
 

@@ -9,6 +9,7 @@
   uses a word the glossary's "wording we keep" table rules out.
 """
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,16 +90,35 @@ def glossary_rows() -> list[tuple[list[str], list[str]]]:
     return rows
 
 
+WORDING = "## Wording we keep"
+
+
+def wording() -> list[tuple[str, str, list[str]]]:
+    """(concept, the term we use, the variants we do not use) per row of the glossary's
+    "wording we keep" table; variants are separated by 、."""
+    text = GLOSSARY.read_text(encoding="utf-8").split(WORDING, 1)[-1]
+    rows = []
+    for m in re.finditer(r"^\| ([^|]+?) \| ([^|]+?) \| ([^|]+?) \|$", text, re.M):
+        if m.group(1).startswith(("concept", "---")):
+            continue
+        rows.append((m.group(1), m.group(2), [v.strip() for v in m.group(3).split("、") if v.strip()]))
+    return rows
+
+
 def avoided() -> list[str]:
-    text = GLOSSARY.read_text(encoding="utf-8").split("## Wording we keep", 1)[-1]
-    return [m.group(1).strip() for m in re.finditer(r"^\| ([^|]+?) \| [^|]+ \| [^|]+ \|$", text, re.M)
-            if not m.group(1).startswith(("avoid", "---"))]
+    return [v for _, _, variants in wording() for v in variants]
 
 
 def test_the_glossary_rules_out_words_the_sources_do_not_use():
-    assert {"包装粒度", "扁平参数"} <= set(avoided())
+    assert {"包装粒度", "扁平参数", "聚合", "反分片", "分析型账本", "重新分片"} <= set(avoided())
     names = {z for _, zh in glossary_rows() for z in zh}
     assert {"包裹粒度", "通信换显存", "启动开销", "自动包裹策略"} <= names
+    for concept, use, variants in wording():
+        assert variants, f"{concept}: no variant to avoid"
+        assert not any(v in use for v in variants), f"{concept}: {use} contains a variant it avoids"
+    # one term per concept: no term we use is a variant we avoid for another concept
+    uses_ = {u.strip() for _, use, _ in wording() for u in re.split(r"[、（）]", use) if u.strip()}
+    assert not uses_ & set(avoided()), f"both used and avoided: {uses_ & set(avoided())}"
 
 
 def uses(term: str, text: str) -> bool:
@@ -110,8 +130,6 @@ def test_chinese_pages_use_the_glossarys_words(page):
     if not zh_of(page).exists():
         pytest.skip("no Chinese edition yet")
     en_text, zh_text = prose(page.read_text()), prose(zh_of(page).read_text())
-    bad = [w for w in avoided() if w in zh_text]
-    assert not bad, f"zh/{page.name} uses {bad}: the glossary says which word to use instead"
     missing = []
     for en, zh in glossary_rows():
         if any(uses(t, en_text) for t in en) and not any(z.lower() in zh_text.lower() for z in zh + en):
@@ -133,3 +151,129 @@ def test_every_notebook_speaks_chinese_where_it_matters_without_doubling(py):
     assert all(re.search(r"[\u4e00-\u9fff]", b) for b in blocks), f"{py.name}: an empty 中文 block"
     zh_lines = sum(b.count("\n") + 2 for b in blocks)
     assert zh_lines < 0.25 * text.count("\n"), f"{py.name}: the Chinese blocks are {zh_lines} lines"
+
+
+# ------------------------------------------------------------------ one word per concept
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def chinese_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of the Chinese prose of a page or of a notebook's 中文 blocks (plus any
+    other line of the notebook with Chinese in it), without code, inline code and link targets."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".py":
+        inside = set()
+        for m in ZH_BLOCK.finditer(text):
+            first = text[:m.start()].count("\n") + 1
+            inside |= set(range(first, first + m.group(0).count("\n") + 1))
+        keep = lambda n, line: n in inside or CJK.search(line)  # noqa: E731
+    else:
+        keep = lambda n, line: True  # noqa: E731
+    out, fenced = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip("# ").startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or not keep(n, line):
+            continue
+        out.append((n, re.sub(r"`[^`]*`|\$\$.*?\$\$|\$[^$]*\$", " ", prose(line))))   # code, math
+    return out
+
+
+def variant_in(variant: str, line: str) -> bool:
+    if CJK.search(variant):
+        return variant in line
+    # an English variant: a whole word, and not the English name in parentheses after a term
+    line = re.sub(r"（[\x20-\x7e]*）|\([\x20-\x7e]*\)", " ", line)
+    return re.search(rf"(?<![\w-]){re.escape(variant)}s?(?![\w-])", line, re.I) is not None
+
+
+ZH_PAGES = sorted(ZH.glob("*.md"))
+
+
+def rejected_uses(path: Path) -> list[str]:
+    """'file:line: variant → term' for every avoided variant, also where a line break splits it."""
+    lines = chinese_lines(path)
+    bad = []
+    for i, (n, line) in enumerate(lines):
+        after = re.sub(r"^[#>\s]+", "", lines[i + 1][1]) if i + 1 < len(lines) else ""
+        joined = line.rstrip() + after if CJK.search(line[-1:] or " ") else line.rstrip() + " " + after
+        for _, use, variants in wording():
+            for v in variants:
+                if variant_in(v, line) or (variant_in(v, joined) and not variant_in(v, after)):
+                    bad.append(f"{path.relative_to(ROOT)}:{n}: {v!r} → {use}")
+    return bad
+
+
+@pytest.mark.parametrize("path", ZH_PAGES + NOTEBOOK_SOURCES, ids=lambda p: p.name)
+def test_no_chinese_text_uses_a_variant_the_glossary_avoids(path):
+    bad = rejected_uses(path)
+    assert not bad, "the glossary's \"wording we keep\" table avoids these:\n" + "\n".join(bad)
+
+
+def test_the_variant_check_catches_a_planted_variant(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "05-zero3.md"
+    page.write_text("每个单元在前向之前先聚合参数，`聚合` 在代码里不算。\n"
+                    "```\n反分片\n```\n梯度桶（bucket）可以，bucket 不行。\n"
+                    "折行也算：这里是反分\n片。\n", encoding="utf-8")
+    lines = [(n, v) for n, line in chinese_lines(page) for _, _, vs in wording() for v in vs
+             if variant_in(v, line)]
+    assert lines == [(1, "聚合"), (5, "bucket")], lines
+    assert [b.split(":")[1] for b in rejected_uses(page)] == ["1", "5", "6"]
+
+
+def heading_titles(text: str) -> list[str]:
+    """Every heading outside code, without its '#', its chapter number and its (§n)."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6}\s+(.*)", line)
+        if m:
+            title = re.sub(r"\s*[（(]§[\d.]+[）)]\s*$", "", m.group(1))
+            out.append(re.sub(r"^\d\d\s*·\s*", "", title).strip())
+    return out
+
+
+def blocks(text: str) -> list[str]:
+    """The recurring labels: a bold line (**Questions**), a short bold label opening a quote
+    (> **Takeaway.**), an answer's summary."""
+    out = re.findall(r"^\*\*([^*]{1,20})\*\*\s*$", text, re.M)
+    out += re.findall(r"^> \*\*([^*]{1,12})\*\*", text, re.M)
+    out += re.findall(r"<summary>([^<]+)</summary>", text)
+    return out
+
+
+def test_the_same_heading_has_the_same_chinese_wording_in_every_chapter():
+    seen: dict[str, dict[str, set[str]]] = {}
+    for page in PAGES[:-1]:
+        en, zh = heading_titles(page.read_text()), heading_titles(zh_of(page).read_text())
+        assert len(en) == len(zh), page.name                       # (the section test says more)
+        pairs = list(zip(en, zh))
+        pairs += [(e.split(": ", 1)[0], re.split(r"[：:]", z, maxsplit=1)[0].strip())
+                  for e, z in zip(en, zh) if ": " in e]
+        eb, zb = blocks(page.read_text()), blocks(zh_of(page).read_text())
+        assert len(eb) == len(zb), f"{page.name}: {eb} against {zb}"
+        pairs += list(zip(eb, zb))
+        for e, z in pairs:
+            seen.setdefault(e, {}).setdefault(z, set()).add(page.name[:2])
+    differ = {e: zs for e, zs in seen.items() if len(zs) > 1}
+    assert not differ, "one English heading, several Chinese ones:\n" + "\n".join(
+        f"  {e!r}: " + "; ".join(f"{z!r} in {sorted(chs)}" for z, chs in zs.items())
+        for e, zs in differ.items())
+
+
+def notebook_labels(py: Path) -> list[str]:
+    """The short bold labels opening a notebook's 中文 blocks: one-line syntax, takeaway, exercise."""
+    labels = []
+    for block in ZH_BLOCK.findall(py.read_text()):
+        labels += re.findall(r"^# (?:> )?\*\*([^*：]{1,8})(?:\*\*|：)", block, re.M)
+    return labels
+
+
+def test_every_notebook_labels_its_chinese_blocks_alike():
+    labels = {py.name: notebook_labels(py) for py in NOTEBOOK_SOURCES}
+    kinds = {tuple(v) for v in labels.values()}
+    assert len(kinds) == 1, "the notebooks' 中文 labels differ:\n" + "\n".join(
+        f"  {k}: {v}" for k, v in labels.items())
