@@ -18,6 +18,9 @@ What it writes (``site/`` by default, git-ignored):
   rendered the same way. Its headings get the ids of the English page's headings, in order (same
   sections: ``tests/test_zh.py``), so ``#anchor`` is the same section in both; a page whose
   heading count differs from its English page's stops the build.
+* the cheat sheets (``tutorial/cheatsheet.html``, ``tutorial/zh/cheatsheet.html``) carry a print
+  stylesheet (``CHEATSHEET_PRINT``): each prints on one page, A4 or Letter; printed, no page
+  shows the navigation bar.
 * ``index.html`` — the course's table of contents (``tutorial/README.md``) plus every page.
 * the source files the pages link to (``minishard/ledger.py``, ``scripts/…``), copied as text.
 
@@ -68,6 +71,35 @@ nav.minishard-nav a { text-decoration: none; }
 nav.minishard-nav a.minishard-lang { margin-left: auto; }
 .minishard-widget { border: 1px dashed #9aa4ae; border-radius: 6px; padding: 8px 12px;
   color: #57606a; background: #f6f8fa; font: 13px/1.4 sans-serif; }
+@media print { nav.minishard-nav { display: none; } }
+"""
+
+# The cheat sheets (``tutorial/cheatsheet.md``, ``tutorial/zh/cheatsheet.md``) promise one printable
+# page: printed, each fits one sheet of A4 or Letter, portrait (tests/test_cheatsheet_print.py).
+# The page size is the printer's; the margins are set here (10 mm, which any printer can reach).
+# On screen the page reads like any other.
+CHEATSHEET = "cheatsheet.html"
+CHEATSHEET_PRINT = """
+@page { margin: 10mm; }
+@media print {
+  html { font-size: 6.8pt; }
+  body.minishard-cheatsheet { max-width: none; margin: 0; padding: 0; line-height: 1.2;
+    font-family: "Liberation Sans", Arial, Helvetica, "Noto Sans CJK SC", "WenQuanYi Micro Hei",
+    "Microsoft YaHei", "PingFang SC", sans-serif;
+    column-count: 2; column-gap: 4mm; column-rule: 0.5pt solid #d0d7de; column-fill: balance;
+    color: #000; -webkit-print-color-adjust: exact; print-color-adjust: exact; }
+  body.minishard-cheatsheet h1 { column-span: all; font-size: 1.6rem; margin: 0 0 0.3rem; }
+  body.minishard-cheatsheet h2 { font-size: 1.15rem; margin: 0.45rem 0 0.15rem;
+    break-after: avoid; page-break-after: avoid; }
+  body.minishard-cheatsheet p, body.minishard-cheatsheet ul, body.minishard-cheatsheet ol {
+    margin: 0.15rem 0; }
+  body.minishard-cheatsheet ul, body.minishard-cheatsheet ol { padding-left: 1.1em; }
+  body.minishard-cheatsheet li { margin: 0; }
+  body.minishard-cheatsheet table { margin: 0.2rem 0; font-size: 0.92em; break-inside: avoid; }
+  body.minishard-cheatsheet th, body.minishard-cheatsheet td { padding: 0.05rem 0.25rem; line-height: 1.15; }
+  body.minishard-cheatsheet code { font-size: 0.95em; }
+  body.minishard-cheatsheet a { color: #0645ad; text-decoration: none; }
+}
 """
 
 
@@ -378,10 +410,13 @@ def markdown_page(md_path: Path, page: str, ed: Editions, title: str,
                   copies: set[str], extra: str = "") -> str:
     body = rewrite_links(markdown_body(md_path), md_path.relative_to(ROOT).as_posix(), page, copies)
     lang = "zh-CN" if page.startswith(ZH) else "en"
+    style, cls = STYLE, "minishard-page"
+    if posixpath.basename(page) == CHEATSHEET:            # one printed page: CHEATSHEET_PRINT
+        style, cls = STYLE + CHEATSHEET_PRINT, cls + " minishard-cheatsheet"
     return (f'<!DOCTYPE html>\n<html lang="{lang}"><head><meta charset="utf-8">\n'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f"<title>{html.escape(title)}</title>\n{head_scripts(page)}<style>{STYLE}</style>\n</head>\n"
-            f'<body class="minishard-page">{nav(page, ed)}\n{body}\n{extra}</body></html>\n')
+            f"<title>{html.escape(title)}</title>\n{head_scripts(page)}<style>{style}</style>\n</head>\n"
+            f'<body class="{cls}">{nav(page, ed)}\n{body}\n{extra}</body></html>\n')
 
 
 def title_of(path: Path) -> str:
