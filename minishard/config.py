@@ -43,6 +43,10 @@ class TrainConfig:
     reshard_after_forward: bool = True   # free a unit's gathered parameters after its forward
     reshard_root: bool = False       # the root too (the textbook ZeRO-3 schedule; FSDP2 keeps it)
     prefetch: int = 0                # FSDP units gathered ahead, forward and backward
+    # DeepSpeed's ZeRO-3 bounds, in elements (fsdp/limits.py): None leaves FSDP's depth rule
+    prefetch_bucket_size: int | None = None   # stage3_prefetch_bucket_size: gathered ahead
+    max_live_parameters: int | None = None    # stage3_max_live_parameters: gathered at once
+    param_persistence_threshold: int | None = None   # stage3_param_persistence_threshold
     fsdp_accumulate_unsharded: bool = False   # accum > 1: keep full grads, one reduce-scatter
     shard_size: int = 2              # hsdp: ranks per shard group ("a node")
     # memory
@@ -74,6 +78,13 @@ class TrainConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
+        for name in ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} is a number of elements (an integer >= 0) or None, got {value!r}")
+            if value is not None and not strategy.offloads:
+                raise ValueError(f"{name} bounds ZeRO-3's gathers: it needs an FSDP strategy (fsdp, "
+                                 f"fsdp_flat, hsdp), not {strategy.name!r}")
         _one_of("model", self.model, tuple(CONFIGS))
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("precision", self.precision, PRECISIONS)

@@ -221,11 +221,13 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     if config.offload is not None:
         state_bytes = 16 * sum(p.numel() for p in net.parameters()) // comm.world_size
         tier = Tier(OffloadPolicy(config.offload, config.offload_dir), comm.rank, needed_bytes=state_bytes)
-    kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier, replicate=replicate, layout=layout)
+    kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier, replicate=replicate, layout=layout,
+              param_persistence_threshold=config.param_persistence_threshold)
     for name, m in wrap_targets(net, config.wrap):
         fsdp.fully_shard(m, reshard_after_forward=config.reshard_after_forward, name=name, **kw)
     fsdp.fully_shard(net, name="root", reshard_after_forward=True if config.reshard_root else None, **kw)
     fsdp.set_prefetch(net, config.prefetch, config.prefetch)
+    fsdp.set_stage3_limits(net, config.prefetch_bucket_size, config.max_live_parameters)
     # the step on the shards (with offload: the moments are made in the tier, the step runs there)
     opt = fsdp.ShardedOptimizer(net, opt_class([p for p in net.parameters() if p.requires_grad],
                                                **opt_kwargs), tier)

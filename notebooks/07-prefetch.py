@@ -410,3 +410,103 @@ def prefetch_targets(blocks, unit, depth, forward):
 from minishard.course.exercises import ch07
 
 ch07.check_prefetch_targets(prefetch_targets)
+
+# %% [markdown]
+# ## 7. ZeRO-3 à la DeepSpeed: three bounds beside the depth
+# DeepSpeed's ZeRO-3 bounds the same gathers with three config keys, and counts them in
+# *parameters* — numbers of elements, not bytes (× 4 in fp32, × 2 in bf16):
+#
+# | DeepSpeed config key | minishard | what it bounds |
+# |---|---|---|
+# | `stage3_prefetch_bucket_size` | `fsdp.set_stage3_limits(model, prefetch_bucket_size=n)` | elements gathered ahead of the unit computing, instead of a number of units |
+# | `stage3_max_live_parameters` | `fsdp.set_stage3_limits(model, max_live_parameters=n)` | elements gathered at once (unsharded or in flight, the root included): a prefetch that would cross it is not issued |
+# | `stage3_param_persistence_threshold` | `fully_shard(..., param_persistence_threshold=n)` | parameters of at most n elements are never sharded |
+#
+# [`stage3_train`](../minishard/course/ch07.py) is `train` with these set on its units. Tiny
+# model, 2 ranks, flat layout, micro-batch 1 (only the gathered parameters matter here), two
+# steps; first the prefetch bounds, next to FSDP's depth.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard.course.ch07 import stage3_train
+
+R = Ranks(2)
+EL_ROOT, EL_BLOCK = ROOT // 4, BLOCK // 4                            # elements, as DeepSpeed counts
+run_kw = dict(strategy="fsdp_flat", model="tiny", micro_batch=1, steps=2, track_activations=False)
+CAP = EL_ROOT + 5 * EL_BLOCK // 2                                    # root + 2.5 blocks
+settings = {                                   # name: (depth, limits, blocks gathered at the peak)
+    "depth 0": (0, {}, 1), "depth 1": (1, {}, 2), "depth 2": (2, {}, 3), "depth 3": (3, {}, 4),
+    "bucket = 1 block": (0, dict(prefetch_bucket_size=EL_BLOCK), 2),
+    "bucket = 1.5 blocks": (0, dict(prefetch_bucket_size=3 * EL_BLOCK // 2), 2),
+    "bucket = 2 blocks": (0, dict(prefetch_bucket_size=2 * EL_BLOCK), 3),
+    "depth 3, cap root+2.5 blocks": (3, dict(max_live_parameters=CAP), 2),
+    "depth 3, cap 1 element": (3, dict(max_live_parameters=1), 1),
+}
+print(f"one block {EL_BLOCK:,} elements, the root {EL_ROOT:,}; cap = {CAP:,} elements = {4 * CAP:,} B")
+print(f"{'':<30}{'gathered peak (B)':>19}{'root+j·block':>14}{'all-gathers/step':>18}")
+bounds = {}
+for name, (k, limits, j) in settings.items():
+    bounds[name] = R.run(stage3_train, TrainConfig(prefetch=k, **run_kw), **limits)
+    r = bounds[name][0]
+    peak = r["ledger"]["category_peaks"]["unsharded"]
+    gathers = r["by_op"]["all_gather"]["calls"] // 2
+    print(f"{name:<30}{peak:>19,}{f'j = {j}':>14}{gathers:>18}")
+    for o in bounds[name]:
+        assert o["ledger"]["category_peaks"]["unsharded"] == ROOT + j * BLOCK      # to the byte
+        assert o["by_op"]["all_gather"]["calls"] == 2 * (1 + 2 * len(TINY.blocks))
+assert ROOT + 2 * BLOCK <= 4 * CAP < ROOT + 3 * BLOCK               # the cap, in bytes
+
+# %% [markdown]
+# * **The bucket** is a window of elements: a bucket of exactly k blocks is depth k, byte for
+#   byte; a bucket between one and two blocks holds one (a block is gathered whole or not at
+#   all). Where units differ in size — a large embedding, MoE experts — the bucket keeps the
+#   bytes in flight steady where a depth would not.
+# * **The cap** stops depth 3 at the root and two blocks: the third would take the gathered
+#   elements past root + 2.5 blocks. A cap below one unit cannot stop the unit that must
+#   compute: it gathers anyway, and the run is depth 0. So the bound is the cap or the root plus
+#   the largest unit, whichever is larger.
+# * **Neither changes the number of collectives**: every setting issues 13 all-gathers per step
+#   (the root once, each of the 6 blocks twice). Bounds move gathers earlier or later; only the
+#   wrapping decides how many there are.
+#
+# DeepSpeed differs in one detail: at each fetch it spends a fresh bucket on parameters not yet
+# in flight (and may pass it by one parameter), so what is gathered ahead is bounded by
+# `stage3_max_live_parameters`, not by the bucket — with its default of 10⁹ elements, by
+# nothing a small model notices. Here the bucket bounds what is ahead; the cap bounds it all.
+#
+# Now the persistence threshold: 1,024 elements keeps every norm and bias whole on every rank.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+small = {n: p.numel() for n, p in TINY.named_parameters() if p.numel() <= 1024}
+P = sum(small.values())
+print(f"{len(small)} persistent parameters, P = {P:,} elements of Ψ = {PSI:,}")
+base = bounds["depth 0"][0]
+kept = R.run(stage3_train, TrainConfig(prefetch=0, **run_kw), param_persistence_threshold=1024)
+r = kept[0]
+for what, o in (("all sharded", base), ("threshold 1024", r)):
+    ops = {op: (v["calls"] // 2, v["payload"] // 2) for op, v in o["by_op"].items()}
+    print(f"{what:<15} params on a rank {o['ledger']['final']['params']:>11,} B; per step: "
+          + ", ".join(f"{op} ×{n} {b:,} B" for op, (n, b) in sorted(ops.items())))
+for o in kept:
+    for category in ("params", "grads", "exp_avg", "exp_avg_sq"):
+        assert o["ledger"]["final"][category] == 4 * ((PSI - P) // 2 + P)     # (Ψ − P)/N + P
+    assert o["by_op"]["all_gather"]["calls"] == base["by_op"]["all_gather"]["calls"]
+    assert o["by_op"]["all_reduce"]["calls"] == 2 * (1 + len(TINY.blocks))   # one per unit a step
+    assert o["by_op"]["all_reduce"]["payload"] == 2 * 4 * P
+    assert base["by_op"]["reduce_scatter"]["payload"] - o["by_op"]["reduce_scatter"]["payload"] == 2 * 4 * P
+print("state per rank: 16·((Ψ − P)/N + P) =", f"{16 * ((PSI - P) // 2 + P):,} B, was 16·Ψ/N = {16 * PSI // 2:,} B")
+R.close()
+
+# %% [markdown]
+# The P = 20,480 persistent elements leave every all-gather and reduce-scatter; their gradients
+# travel in one all-reduce per unit and step (7 more collectives, 4P bytes), and each rank holds
+# them whole — parameters, gradients and both Adam moments: 16P(1 − 1/N) bytes more per rank,
+# 163,840 on two ranks. The number of all-gathers does not move: minishard gathers by unit, and
+# every unit keeps large parameters to gather. What persistence buys is in the launches — a
+# unit made only of small parameters would need no all-gather at all, and `fully_shard` refuses
+# such a unit ("nothing left to shard": leave it to the unit above, which keeps those
+# parameters whole). DeepSpeed, which gathers parameter by parameter, drops a persistent
+# parameter's gathers outright, keeps its optimizer state sharded, reduce-scatters its gradient
+# like any other, and all-gathers the persistent parameters once after each optimizer step;
+# minishard replicates them outright, as DDP would (`replicate_params`).

@@ -16,6 +16,8 @@ for it).
   the unit state events.
 * :func:`gather_waits` and :func:`prefetch_timeline` put each all-gather next to the time
   compute spent waiting for it: the overlap that prefetch buys, as numbers and as a figure.
+* :func:`stage3_train` is ``train`` with DeepSpeed's ZeRO-3 bounds (``fsdp.limits``) set on
+  its units: a prefetch bucket, a cap on live parameters, a persistence threshold.
 """
 from __future__ import annotations
 
@@ -27,6 +29,23 @@ from ..model import GPT, batch, config
 from ..trace import phase_spans, rank_events, unit_spans
 
 PASSES = ("forward", "backward")
+
+
+# --------------------------------------------------------------------------- 07: DeepSpeed's bounds
+
+
+def stage3_train(rank, config, prefetch_bucket_size: int | None = None,
+                 max_live_parameters: int | None = None,
+                 param_persistence_threshold: int | None = None) -> dict:
+    """``train(rank, config)`` (an FSDP strategy) with DeepSpeed's three ZeRO-3 bounds, in
+    elements (``TrainConfig``'s fields of the same names, ``fsdp.limits``). Adds ``gathered``
+    (:func:`gathered_peaks` of this rank's trace)."""
+    from ..train import train
+    out = train(rank, config.replace(prefetch_bucket_size=prefetch_bucket_size,
+                                     max_live_parameters=max_live_parameters,
+                                     param_persistence_threshold=param_persistence_threshold))
+    out["gathered"] = gathered_peaks(rank.tracer.events, rank.rank)
+    return out
 
 
 # --------------------------------------------------------------------------- 07: a fair race

@@ -24,6 +24,7 @@ One file per idea, in the order of the lifecycle:
     state.py    what a unit holds (MemoryState) and what it is doing (TrainingState)
     layout.py   how a unit's parameters are laid out: per parameter (FSDP2) or flat (FSDP1)
     unit.py     FSDPUnit: unshard, reshard, forward, backward, reduce-scatter, prefetch, the root
+    limits.py   DeepSpeed's ZeRO-3 bounds: prefetch bucket, max live parameters, persistence
     hooks.py    every hook, each a single call to a named method of the unit
     api.py      fully_shard, prefetch settings, no_sync, clip_grad_norm_, full_parameters
     optim.py    ShardedOptimizer: the optimizer step on the shards (and in the offload tier)
@@ -31,6 +32,7 @@ One file per idea, in the order of the lifecycle:
 from .api import (clip_grad_norm_, full_parameters, fully_shard, no_sync,
                   set_modules_to_backward_prefetch, set_modules_to_forward_prefetch,
                   set_prefetch, units)
+from .limits import set_stage3_limits
 from .optim import ShardedOptimizer
 from .state import MemoryState, MixedPrecisionPolicy, TrainingState
 from .unit import FSDPUnit
@@ -38,4 +40,4 @@ from .unit import FSDPUnit
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "MemoryState", "TrainingState",
            "FSDPUnit", "ShardedOptimizer", "set_prefetch", "set_modules_to_forward_prefetch",
            "set_modules_to_backward_prefetch", "units", "no_sync", "clip_grad_norm_",
-           "full_parameters"]
+           "full_parameters", "set_stage3_limits"]

@@ -11,6 +11,7 @@ from ..ledger import LiveLedger
 from ..offload import Tier
 from . import hooks
 from .layout import FlatLayout, ParamSlot, PerParamLayout, collect_slots
+from .limits import persistent_names
 from .state import MixedPrecisionPolicy
 from .unit import FSDPUnit
 
@@ -19,7 +20,8 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
                 reshard_after_forward: bool | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, layout: str = "per_param",
                 manual: bool = False, name: str | None = None, offload: Tier | None = None,
-                replicate: Comm | None = None, replicate_params: tuple[str, ...] = ()) -> nn.Module:
+                replicate: Comm | None = None, replicate_params: tuple[str, ...] = (),
+                param_persistence_threshold: int | None = None) -> nn.Module:
     """Make ``module`` an FSDP unit owning its parameters that no child unit owns yet. Apply it
     bottom-up — blocks first, the root last. Returns the module itself (no class swapping).
 
@@ -32,7 +34,9 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     is the shard group (a node), ``replicate`` joins the ranks holding the same shard on other
     nodes (see ``Comm.split``). ``replicate_params``: names of parameters or submodules of
     ``module`` (``("ln1", "ln2")``) kept whole on every rank: never sharded, their gradients
-    all-reduced — for small tensors where a gather costs more than it saves."""
+    all-reduced — for small tensors where a gather costs more than it saves.
+    ``param_persistence_threshold``: DeepSpeed's ``stage3_param_persistence_threshold``, in
+    elements — every parameter of at most that many elements joins ``replicate_params``."""
     name = name or type(module).__name__
     if hasattr(module, "_fsdp_unit"):
         raise ValueError(f"{name} is already an FSDP unit: fully_shard a module once")
@@ -45,6 +49,10 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
         taken.update(u.claims())
     mp_policy = mp_policy or MixedPrecisionPolicy()
     slots = collect_slots(module, taken)
+    if isinstance(replicate_params, str):
+        replicate_params = (replicate_params,)
+    replicate_params = (*replicate_params,
+                        *persistent_names(slots, param_persistence_threshold, name, offload, mp_policy))
     whole, sharded = _split_replicated(slots, replicate_params, name, mp_policy, offload)
     if not sharded:
         raise ValueError(f"{name} has no parameters left to shard")

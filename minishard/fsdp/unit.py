@@ -24,7 +24,7 @@ from ..comm import Comm, Work
 from ..ledger import LiveLedger
 from ..local_grad import local
 from ..offload import Tier, TransferLog
-from . import hooks
+from . import hooks, limits
 from .layout import ParamSlot
 from .state import MemoryState, MixedPrecisionPolicy, TrainingState
 
@@ -362,23 +362,23 @@ class FSDPUnit:
 
     def _prefetch_targets(self, forward: bool) -> list["FSDPUnit"]:
         """The next ``depth`` units in the order forward runs them (reversed in backward), unless
-        this unit was given an explicit list."""
+        this unit was given an explicit list. With DeepSpeed's bounds set on the root
+        (``set_stage3_limits``, ``limits.py``): as many units as its prefetch bucket holds, and
+        any prefetch cut at its cap on live parameters."""
+        root = self.root
         explicit = self.forward_prefetch if forward else self.backward_prefetch
         if explicit is not None:
-            return explicit
-        root = self.root
-        depth = root.prefetch_depth[0 if forward else 1]
-        if depth == 0:
-            return []
+            return limits.under_cap(root, explicit)
         order = root.forward_order()
         if not forward:
             order = order[::-1]
         if self is root:                  # the root runs first in forward and in backward
-            return order[:depth]
-        if self not in order:             # (did not run in the recorded forward)
+            ahead = order
+        elif self in order:
+            ahead = order[order.index(self) + 1:]
+        else:                             # (did not run in the recorded forward)
             return []
-        i = order.index(self)
-        return order[i + 1:i + 1 + depth]
+        return limits.window(root, ahead, root.prefetch_depth[0 if forward else 1])
 
     # ------------------------------------------------------------------ the root's duties
     def lazy_init_as_root(self) -> None:

@@ -1,0 +1,120 @@
+"""ZeRO-3 à la DeepSpeed beside FSDP (``fsdp/limits.py``): a prefetch bucket instead of a depth,
+a cap on live gathered parameters, a persistence threshold — each counted in elements, as
+DeepSpeed's ``stage3_*`` keys count them — measured on real ranks against the formulas, to
+the byte, and against one process."""
+import pytest
+import torch
+
+from minishard import fsdp
+from minishard.comm import Comm
+from minishard.course.ch07 import stage3_train
+from minishard.model import GPT
+from minishard.offload import OffloadPolicy, Tier
+from minishard.train import TrainConfig
+
+from parity import assert_parity, reference
+
+# the tiny GPT with a vocabulary of 512: the root unit is smaller than a block (as test_prefetch)
+RUN = dict(model="tiny", model_overrides={"vocab_size": 512}, micro_batch=1, steps=2,
+           track_activations=False)
+BLOCK = 789_760                         # elements of one block (all its parameters sharded)
+ROOT = 512 * 256 * 2 + 128 * 256 + 2 * 256      # 295,424: embeddings, head, final norm
+PSI = ROOT + 6 * BLOCK
+SMALL_PER_BLOCK = 6 * 256 + 768 + 1024  # numel <= 1024: norms and biases, 3,328 per block
+SMALL = 6 * SMALL_PER_BLOCK + 2 * 256   # and the final norm: 20,480
+GATHERS = 1 + 2 * 6                     # per step: the root once, every block twice
+
+
+def _run(pool, prefetch=0, strategy="fsdp_flat", **limits):
+    return pool.run(stage3_train, TrainConfig(strategy=strategy, prefetch=prefetch, **RUN), **limits)
+
+
+def test_a_prefetch_bucket_of_k_blocks_is_depth_k(pools):
+    """The bucket counts elements ahead of the computing unit: k equal blocks fill it exactly
+    as depth k does; a bucket between k and k+1 blocks holds k. The all-gathers stay 13 a step:
+    prefetch moves them earlier, it never adds one."""
+    pool = pools(2)
+    for bucket, ahead in ((0, 0), (BLOCK, 1), (3 * BLOCK // 2, 1), (2 * BLOCK, 2)):
+        r = _run(pool, prefetch_bucket_size=bucket)[0]
+        assert r["ledger"]["category_peaks"]["unsharded"] == 4 * (ROOT + (1 + ahead) * BLOCK), bucket
+        assert r["by_op"]["all_gather"]["calls"] == 2 * GATHERS
+    # the per-parameter layout: the k blocks ahead wait in packed buffers, one unpacked at a time
+    g = _run(pool, strategy="fsdp", prefetch_bucket_size=2 * BLOCK)[0]["gathered"]
+    assert (g["unsharded"], g["in_flight"]) == (4 * (ROOT + BLOCK), 4 * 2 * BLOCK)
+
+
+@pytest.mark.parametrize("N", [2, 4])
+def test_max_live_parameters_caps_a_deep_prefetch(pools, N):
+    """Depth 3 would hold root + 4 blocks; a cap of root + 2.5 blocks stops the prefetch at
+    root + 2 blocks — under the cap, to the byte — and a cap below one unit still gathers the
+    unit that must compute (root + 1 block, as no prefetch)."""
+    pool = pools(N)
+    deep = _run(pool, prefetch=3)[0]["ledger"]["category_peaks"]["unsharded"]
+    assert deep == 4 * (ROOT + 4 * BLOCK)
+    cap = ROOT + 5 * BLOCK // 2
+    for r in _run(pool, prefetch=3, max_live_parameters=cap):
+        assert r["ledger"]["category_peaks"]["unsharded"] == 4 * (ROOT + 2 * BLOCK) <= 4 * cap
+        assert r["by_op"]["all_gather"]["calls"] == 2 * GATHERS
+    low = _run(pool, prefetch=3, max_live_parameters=1)[0]
+    assert low["ledger"]["category_peaks"]["unsharded"] == 4 * (ROOT + BLOCK)
+
+
+@pytest.mark.parametrize("N", [2, 4])
+def test_persistent_parameters_leave_the_gathers_and_cost_their_full_size(pools, N):
+    """Threshold 1024 elements: 20,480 small parameters kept whole. The state per rank becomes
+    16 ((Psi - P)/N + P) bytes; the all-gathers and reduce-scatters carry P elements less, and
+    one all-reduce per unit a step (7) carries their gradients, 4 P bytes."""
+    pool = pools(N)
+    base = _run(pool)[0]
+    for r in _run(pool, param_persistence_threshold=1024):
+        for category in ("params", "grads", "exp_avg", "exp_avg_sq"):
+            assert r["ledger"]["final"][category] == 4 * ((PSI - SMALL) // N + SMALL)
+            assert base["ledger"]["final"][category] == 4 * PSI // N
+        ops, was = r["by_op"], base["by_op"]
+        steps = RUN["steps"]
+        assert ops["all_gather"]["calls"] == was["all_gather"]["calls"] == steps * GATHERS
+        assert was["all_gather"]["payload"] - ops["all_gather"]["payload"] == \
+            steps * 4 * (2 * 256 + 2 * 6 * SMALL_PER_BLOCK)          # root once, blocks twice
+        assert was["reduce_scatter"]["payload"] - ops["reduce_scatter"]["payload"] == steps * 4 * SMALL
+        assert (ops["all_reduce"]["calls"], ops["all_reduce"]["payload"]) == (steps * 7, steps * 4 * SMALL)
+        assert "all_reduce" not in was
+        assert r["ledger"]["category_peaks"]["unsharded"] == 4 * (ROOT + BLOCK - 512 - SMALL_PER_BLOCK)
+
+
+@pytest.mark.parametrize("N", [2, 4])
+def test_the_three_bounds_keep_parity(pools, N):
+    kw = dict(model="nano", steps=3, optimizer="sgd_momentum", lr=0.05)
+    nano_block = sum(p.numel() for p in GPT("nano", device="meta").blocks[0].parameters())
+    for strategy in ("fsdp", "fsdp_flat"):
+        ours = pools(N).run(stage3_train, TrainConfig(strategy=strategy, micro_batch=2, prefetch=2,
+                                                      return_params=True, **kw),
+                            prefetch_bucket_size=nano_block, max_live_parameters=3 * nano_block,
+                            param_persistence_threshold=256)
+        assert_parity(ours, reference(N, 2, **kw), what=strategy)
+
+
+def _sharded(threshold=None, **kw):
+    net = GPT("nano")
+    for b in net.blocks:
+        fsdp.fully_shard(b, comm=Comm(), param_persistence_threshold=threshold, **kw)
+    return net
+
+
+def test_the_bounds_are_counted_in_elements_and_refused_when_wrong():
+    net = _sharded(256)
+    fsdp.fully_shard(net, comm=Comm(), param_persistence_threshold=256)
+    kept = sum(len(u.replicated) for u in fsdp.units(net))
+    assert kept == sum(p.numel() <= 256 for p in GPT("nano", device="meta").parameters()) == 3 * 8 + 2
+    for bad in (-1, 1.5, True, "1e6"):
+        with pytest.raises(ValueError, match="number of parameters .elements"):
+            fsdp.set_stage3_limits(net, prefetch_bucket_size=bad)
+        with pytest.raises(ValueError, match="number of parameters .elements"):
+            fsdp.set_stage3_limits(net, max_live_parameters=bad)
+    with pytest.raises(ValueError, match="keeps every parameter whole .the largest has 16384"):
+        _sharded(16384)
+    tier = Tier(OffloadPolicy("host"), 0, needed_bytes=0)
+    with pytest.raises(ValueError, match="param_persistence_threshold with offload"):
+        _sharded(256, offload=tier)
+    _sharded(32, offload=tier)          # nothing that small: nothing persistent, nothing refused
+    with pytest.raises(ValueError, match="param_persistence_threshold with param_dtype"):
+        _sharded(256, mp_policy=fsdp.MixedPrecisionPolicy(torch.bfloat16))
