@@ -12,14 +12,19 @@ def norms(rank, strategies: list, max_norm: float) -> dict:
     """For each strategy, after one backward on step 0's batch: the sum of squares of the
     gradient this rank holds (its own share), and the norm the strategy's clip reports."""
     out = {}
+    for s, built in _after_backward(rank, strategies):
+        out[s] = {"local": _own_share(built), "total": built.clip_grad_norm(max_norm).item()}
+    return out
+
+
+def _after_backward(rank, strategies: list):
+    """(strategy, the nano model built under it after one backward on step 0's batch)."""
     cfg = config("nano")
     x, y = batch(cfg, 0, MB, rank.rank, rank.world_size)
     for s in strategies:
         built = build(GPT(cfg, seed=0), TrainConfig(s, model="nano", optimizer="sgd"), Comm(rank.tracer))
         built.model(x, y).backward()
-        mine = _own_share(built)
-        out[s] = {"local": mine, "total": built.clip_grad_norm(max_norm).item()}
-    return out
+        yield s, built
 
 
 def _own_share(built) -> float:
@@ -34,11 +39,7 @@ def torch_clip(rank, strategies: list) -> dict:
     """``torch.nn.utils.clip_grad_norm_(model.parameters())`` after a backward under each
     strategy: the norm it returns, or the error it raises."""
     out = {}
-    cfg = config("nano")
-    x, y = batch(cfg, 0, MB, rank.rank, rank.world_size)
-    for s in strategies:
-        built = build(GPT(cfg, seed=0), TrainConfig(s, model="nano", optimizer="sgd"), Comm(rank.tracer))
-        built.model(x, y).backward()
+    for s, built in _after_backward(rank, strategies):
         try:
             out[s] = torch.nn.utils.clip_grad_norm_(built.model.parameters(), 1.0).item()
         except RuntimeError as e:
