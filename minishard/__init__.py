@@ -10,13 +10,19 @@ from .comm import Comm, ring_wire_bytes
 from .config import TrainConfig
 from .ddp import DDP, NaiveDDP
 from .fsdp import MixedPrecisionPolicy, fully_shard
-from .launch import RankContext, RankError, Ranks, run
+from .launch import RankContext, RankError, Ranks, release_captured_groups, run
 from .ledger import LiveLedger, conventions, count_params, estimate, gpt_activation_bytes
 from .model import CONFIGS, GPT, GPTConfig, batch, config
 from .parity import drift
 from .trace import Tracer, TraceFormatError
 from .train import train, train_step
 from .zero import ZeroOptimizer
+
+# A process group that torch's own modules captured as a default argument outlives
+# destroy_process_group, and its threads can abort the process at exit; whoever made the group,
+# minishard drops those references (and imports torch.distributed.nn before any group exists, so
+# that the first optimizer's import of torch._dynamo captures nothing): see launch.init_group.
+release_captured_groups()
 
 __version__ = "0.1.0"
 __all__ = ["checkpoint", "strategies", "Comm", "ring_wire_bytes", "TrainConfig", "DDP", "NaiveDDP",
