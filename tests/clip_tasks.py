@@ -45,3 +45,18 @@ def torch_clip(rank, strategies: list) -> dict:
         except RuntimeError as e:
             out[s] = str(e)
     return out
+
+
+def fsdp_with_whole_norms(rank, max_norm: float) -> float:
+    """``fsdp.clip_grad_norm_`` on a nano GPT whose LayerNorms every rank keeps whole
+    (``replicate_params``): the norm it reports after one backward on step 0's batch."""
+    from minishard import fsdp
+    cfg = config("nano")
+    comm = Comm(rank.tracer)
+    net = GPT(cfg, seed=0)
+    for i, b in enumerate(net.blocks):
+        fsdp.fully_shard(b, comm=comm, name=f"blocks.{i}", replicate_params=("ln1", "ln2"))
+    fsdp.fully_shard(net, comm=comm, name="root", replicate_params=("ln_f",))
+    x, y = batch(cfg, 0, MB, rank.rank, rank.world_size)
+    net(x, y).backward()
+    return fsdp.clip_grad_norm_(net, max_norm).item()

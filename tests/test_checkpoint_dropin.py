@@ -86,3 +86,26 @@ def test_ranks_holding_different_replicas_are_refused_not_mixed(pools, tmp_path)
         assert answer and "tok_emb.weight differs between rank 0 and rank 1" in answer, answer
         assert "Wrap the model (DDP, ZeroOptimizer, fully_shard)" in answer
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_model_with_both_fsdp_layouts_is_saved_as_fsdp_mixed_and_loads_into_either(tmp_path):
+    """One process (a world of one): blocks per parameter, the root flat."""
+    from minishard import GPT, fsdp
+    from minishard.model import config
+
+    def sharded(layouts, seed):
+        net = GPT(config("nano"), seed=seed)
+        for i, b in enumerate(net.blocks):
+            fsdp.fully_shard(b, layout=layouts[0], name=f"blocks.{i}")
+        fsdp.fully_shard(net, layout=layouts[1], name="root")
+        return net
+
+    net = sharded(("per_param", "flat"), seed=0)
+    checkpoint.save(net, None, tmp_path / "ck", step=0)
+    assert checkpoint.read_metadata(tmp_path / "ck")["strategy"] == "fsdp_mixed"
+    want = fsdp.full_parameters(net, torch.float32)
+    for layouts in (("per_param", "per_param"), ("flat", "flat")):
+        other = sharded(layouts, seed=1)
+        checkpoint.load(other, None, tmp_path / "ck")
+        got = fsdp.full_parameters(other, torch.float32)
+        assert all(torch.equal(got[n], want[n]) for n in want), layouts

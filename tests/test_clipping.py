@@ -58,3 +58,37 @@ def test_torchs_clip_on_a_ranks_part_of_the_gradient_is_refused_by_name(pools):
         for s in ("zero1", "fsdp", "fsdp_flat"):
             assert isinstance(r[s], str) and "minishard.fsdp.clip_grad_norm_(model, max_norm)" in r[s] \
                 and "optimizer.clip_grad_norm_(max_norm)" in r[s], (s, r[s])
+
+
+@pytest.mark.parametrize("N", [2, 3])
+def test_parameters_kept_whole_count_once_in_the_global_norm(pools, N):
+    """LayerNorms kept whole on every rank (``replicate_params``) are in every rank's gradient:
+    their squares are added once, not once per rank."""
+    whole = _one_process_norm(N)
+    for total in pools(N).run(clip_tasks.fsdp_with_whole_norms, MAX_NORM):
+        assert abs(total - whole) <= 1e-4 * whole, (total, whole)
+
+
+def test_every_norm_of_a_ranks_part_of_the_gradient_is_refused():
+    """Each way of taking a norm — functional, method, multi-tensor, torch's total — raises on
+    a gradient a rank holds only part of, and nothing else does."""
+    from minishard.local_grad import LocalGradient, local
+    g = local(torch.arange(6.0).reshape(2, 3))
+    forms = {"Tensor.norm": lambda: g.norm(), "torch.norm": lambda: torch.norm(g),
+             "linalg.vector_norm": lambda: torch.linalg.vector_norm(g),
+             "linalg.norm": lambda: torch.linalg.norm(g), "_foreach_norm": lambda: torch._foreach_norm([g]),
+             "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_([_param_with(g)], 1.0)}
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        forms["get_total_norm"] = lambda: torch.nn.utils.get_total_norm([g])
+    for name, form in forms.items():
+        with pytest.raises(RuntimeError, match="minishard.fsdp.clip_grad_norm_"):
+            form()
+    plain = (g * 2).sum() + g.double().pow(2).sum()            # everything else: plain tensors
+    assert type(plain) is torch.Tensor and isinstance(g, LocalGradient)
+    assert torch.equal(g.as_subclass(torch.Tensor).norm(), torch.arange(6.0).norm())
+
+
+def _param_with(grad: torch.Tensor) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.zeros(grad.shape))
+    p.grad = grad
+    return p

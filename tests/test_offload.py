@@ -85,6 +85,7 @@ def where_the_state_lives(rank, layout: str, directory: str) -> dict:
         net(x, y).backward()
         opt.step()
         out[f"grads{step}"] = [files(p.grad) for p in net.parameters()]
+        out[f"local{step}"] = all(type(p.grad).__name__ == "LocalGradient" for p in net.parameters())
     out["params"] = [files(p) for p in net.parameters()]
     out["momentum"] = [files(opt.state[p]["momentum_buffer"]) for p in net.parameters()]
     tier.cleanup()
@@ -96,6 +97,9 @@ def test_the_disk_tier_holds_every_shard_its_gradient_and_its_moments(pools, lay
     """Nothing of the sharded state is left on the device: each tensor's memory is a file of
     the rank's tier directory."""
     for r in pools(2).run(where_the_state_lives, layout, str(tmp_path)):
+        # the shard's gradient refuses a norm of its own (minishard.local_grad), before and
+        # after zero_grad() dropped it
+        assert r["local0"] and r["local1"]
         for what in ("params", "grads0", "grads1", "momentum"):     # grads1: after zero_grad()
             assert r[what] and all(f is not None and f.startswith(r["tier"]) for f in r[what]), (what, r[what])
 

@@ -75,6 +75,19 @@ def test_ranks_started_from_different_weights_train_like_one_process_from_rank_0
         assert_parity(ours, ref, rtol=1e-3, what=f"{strategy}, N={N}, ranks seeded 0..{N - 1}")
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_flat"])
+def test_parameters_kept_whole_start_from_rank_0s_weights_too(pools, strategy):
+    """Parameters a unit keeps whole on every rank (here every one of at most 4,096 elements:
+    the LayerNorms, the biases, each attention output projection and the position embedding —
+    the last two drawn from each rank's seed) never enter a gather: they too must start from
+    rank 0's."""
+    kw = dict(model="nano", steps=2, optimizer="sgd", lr=0.5, param_persistence_threshold=4096)
+    ours = pools(2).run(train, TrainConfig(strategy=strategy, micro_batch=MB, return_params=True,
+                                           rank_seeds=True, **kw))
+    ref_kw = {k: v for k, v in kw.items() if k != "param_persistence_threshold"}
+    assert_parity(ours, reference(2, MB, **ref_kw), rtol=1e-3, what=f"{strategy}, whole norms, seeds 0..1")
+
+
 def test_hybrid_sharding_starts_every_replica_group_from_rank_0s_weights(pools):
     kw = dict(model="nano", steps=2, optimizer="sgd", lr=0.5, shard_size=2)
     ours = pools(4).run(train, TrainConfig(strategy="hsdp", micro_batch=MB, return_params=True,
