@@ -51,9 +51,11 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     slots = collect_slots(module, taken)
     if isinstance(replicate_params, str):
         replicate_params = (replicate_params,)
-    replicate_params = (*replicate_params,
-                        *persistent_names(slots, param_persistence_threshold, name, offload, mp_policy))
-    whole, sharded = _split_replicated(slots, replicate_params, name, mp_policy, offload)
+    persistent = persistent_names(slots, param_persistence_threshold, name)
+    knob = " and ".join(k for k, asked in (("replicate_params", replicate_params),
+                                           ("param_persistence_threshold", persistent)) if asked)
+    whole, sharded = _split_replicated(slots, (*replicate_params, *persistent), name, mp_policy,
+                                       offload, knob)
     if not sharded:
         raise ValueError(f"{name} has no parameters left to shard")
     devices = {s.module._parameters[s.name].device for s in slots}
@@ -89,8 +91,8 @@ def _units_inside(module: nn.Module) -> list[FSDPUnit]:
 
 
 def _split_replicated(slots: list[ParamSlot], names: tuple[str, ...], unit: str,
-                      mp_policy: MixedPrecisionPolicy, offload: Tier | None):
-    """(the slots kept whole, the slots to shard)."""
+                      mp_policy: MixedPrecisionPolicy, offload: Tier | None, knob: str = "replicate_params"):
+    """(the slots kept whole, the slots to shard); ``knob``: the argument that asked, for errors."""
     if not names:
         return [], slots
     if isinstance(names, str):
@@ -102,11 +104,11 @@ def _split_replicated(slots: list[ParamSlot], names: tuple[str, ...], unit: str,
                          f"(its parameters: {[s.fqn for s in slots][:6]}...)")
     whole = [s for s in slots if any(match(s, n) for n in names)]
     if offload is not None:
-        raise ValueError("replicate_params with offload: the tier holds the sharded state, a "
-                         "replicated parameter would stay on the device; shard it instead")
+        raise ValueError(f"{knob} with offload: the tier holds the sharded state, a parameter kept "
+                         f"whole would stay on the device; shard it instead")
     if mp_policy.param_dtype not in (None, *{s.dtype for s in whole}):
-        raise ValueError(f"replicate_params with param_dtype {mp_policy.param_dtype}: replicated "
-                         f"parameters compute in their own dtype; cast them yourself")
+        raise ValueError(f"{knob} with param_dtype {mp_policy.param_dtype}: parameters kept whole "
+                         f"compute in their own dtype; cast them yourself")
     for s in whole:
         s.module._parameters[s.name]._fsdp_replicated = True
     return whole, [s for s in slots if s not in whole]

@@ -109,20 +109,15 @@ def set_stage3_limits(model, prefetch_bucket_size: int | None = None,
     model._fsdp_unit.stage3_limits = Stage3Limits(bucket, _count(max_live_parameters, "max_live_parameters"))
 
 
-def persistent_names(slots, threshold: int | None, unit: str, offload, mp_policy) -> tuple[str, ...]:
-    """The names of the parameters at most ``threshold`` elements big (refusing what
-    ``replicate_params`` refuses, and a unit that would keep every parameter whole)."""
+def persistent_names(slots, threshold: int | None, unit: str) -> tuple[str, ...]:
+    """The names of the parameters at most ``threshold`` elements big (``fully_shard`` keeps
+    them whole, refusing what keeping parameters whole refuses), refusing a unit that would
+    keep every parameter whole."""
     if _count(threshold, "param_persistence_threshold") is None:
         return ()
     small = [s for s in slots if s.numel <= threshold]
     if not small:
         return ()
-    if offload is not None:
-        raise ValueError("param_persistence_threshold with offload: the tier holds the sharded "
-                         "state, a persistent parameter would stay on the device; drop one of them")
-    if mp_policy.param_dtype not in (None, *{s.dtype for s in small}):
-        raise ValueError(f"param_persistence_threshold with param_dtype {mp_policy.param_dtype}: "
-                         f"persistent parameters compute in their own dtype; drop one of them")
     if len(small) == len(slots):
         raise ValueError(f"{unit}: param_persistence_threshold={threshold} keeps every parameter "
                          f"whole (the largest has {max(s.numel for s in slots)} elements): nothing "
