@@ -49,13 +49,9 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
         taken.update(u.claims())
     mp_policy = mp_policy or MixedPrecisionPolicy()
     slots = collect_slots(module, taken)
-    if isinstance(replicate_params, str):
-        replicate_params = (replicate_params,)
-    persistent = persistent_names(slots, param_persistence_threshold, name)
-    knob = " and ".join(k for k, asked in (("replicate_params", replicate_params),
-                                           ("param_persistence_threshold", persistent)) if asked)
-    whole, sharded = _split_replicated(slots, (*replicate_params, *persistent), name, mp_policy,
-                                       offload, knob)
+    whole, sharded = _split_replicated(slots, replicate_params,
+                                       persistent_names(slots, param_persistence_threshold, name),
+                                       name, mp_policy, offload)
     if not sharded:
         raise ValueError(f"{name} has no parameters left to shard")
     devices = {s.module._parameters[s.name].device for s in slots}
@@ -90,13 +86,16 @@ def _units_inside(module: nn.Module) -> list[FSDPUnit]:
     return inside
 
 
-def _split_replicated(slots: list[ParamSlot], names: tuple[str, ...], unit: str,
-                      mp_policy: MixedPrecisionPolicy, offload: Tier | None, knob: str = "replicate_params"):
-    """(the slots kept whole, the slots to shard); ``knob``: the argument that asked, for errors."""
+def _split_replicated(slots: list[ParamSlot], asked: tuple[str, ...] | str, persistent: tuple[str, ...],
+                      unit: str, mp_policy: MixedPrecisionPolicy, offload: Tier | None):
+    """(the slots kept whole, the slots to shard): those ``replicate_params`` names (``asked``)
+    and those under the persistence threshold (``persistent``)."""
+    asked = (asked,) if isinstance(asked, str) else tuple(asked)
+    names = (*asked, *persistent)
     if not names:
         return [], slots
-    if isinstance(names, str):
-        names = (names,)
+    knob = " and ".join(k for k, by in (("replicate_params", asked),
+                                        ("param_persistence_threshold", persistent)) if by)
     match = lambda s, n: s.fqn == n or s.fqn.startswith(n + ".")            # noqa: E731
     missing = [n for n in names if not any(match(s, n) for s in slots)]
     if missing:
