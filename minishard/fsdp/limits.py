@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .state import MemoryState
+
 
 @dataclass
 class Stage3Limits:
@@ -44,23 +46,14 @@ def elements(unit) -> int:
 def live_elements(root) -> int:
     """Elements gathered now under ``root``: every unit not back to its shard (unsharding,
     unsharded, or reduce-scattering with its parameters still whole)."""
-    from .state import MemoryState
     return sum(elements(u) for u in root.units if u.state is not MemoryState.SHARDED)
-
-
-NONE = Stage3Limits()
-
-
-def of(root) -> Stage3Limits:
-    """The root's limits (set by :func:`set_stage3_limits`; none by default)."""
-    return getattr(root, "stage3_limits", NONE)
 
 
 def window(root, ahead: list, depth: int) -> list:
     """The units to prefetch from ``ahead`` (the units after the one computing, in the order
     they will run): the next ``depth`` — or, with a bucket, as many as fit in it — then cut at
     the cap on live parameters."""
-    limits = of(root)
+    limits = root.stage3_limits
     if limits.prefetch_bucket_size is None:
         chosen = ahead[:depth]
     else:
@@ -76,8 +69,7 @@ def window(root, ahead: list, depth: int) -> list:
 def under_cap(root, targets: list) -> list:
     """``targets`` up to the first unit whose gather would take the live elements over the
     cap (units already gathered or in flight cost nothing more)."""
-    from .state import MemoryState
-    cap = of(root).max_live_parameters
+    cap = root.stage3_limits.max_live_parameters
     if cap is None:
         return list(targets)
     live, kept = live_elements(root), []

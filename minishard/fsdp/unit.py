@@ -65,6 +65,7 @@ class FSDPUnit:
         self.forward_prefetch: list[FSDPUnit] | None = None
         self.backward_prefetch: list[FSDPUnit] | None = None
         self.prefetch_depth = (0, 0)               # (forward, backward); read on the root
+        self.stage3_limits = limits.Stage3Limits()  # DeepSpeed's bounds; read on the root
         self.exposed_s = 0.0                       # seconds compute waited for this unit's comm
         # offload: the shards and their gradients live in a tier off the device (offload.py)
         self.tier, self.transfers = tier, TransferLog()
