@@ -24,6 +24,12 @@ What it writes (``site/`` by default, git-ignored):
 * ``index.html`` — the course's table of contents (``tutorial/README.md``) plus every page.
 * the source files the pages link to (``minishard/ledger.py``, ``scripts/…``), copied as text.
 
+A measured number in a chapter is a link that names a figure its notebook recorded
+(``[2.53×](../notebooks/05-zero3.ipynb#nano-cpu-ratio)``, ``minishard.course.glue``): the page
+shows the text the executed notebook recorded under that name, not the Markdown's copy, and the
+link lands on the cell that printed it (each such cell carries an ``id`` per figure it recorded;
+every cell keeps nbconvert's ``cell-id=…``). The records themselves are not drawn.
+
 Links between the files are rewritten to the pages they became (``../tutorial/02-ddp.md`` →
 ``../tutorial/02-ddp.html``, ``notebooks/x.ipynb`` → ``notebooks/x.html``). No page loads
 anything from the network: no CDN require.js, no CDN plotly.js, no CDN MathJax. Every page's
@@ -42,6 +48,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from minishard.course.glue import figures as _figures, is_record  # noqa: E402  (what a notebook recorded)
+from functools import cache  # noqa: E402
+
+figures = cache(_figures)
+
+FIGURE_LINK = re.compile(r"\[([^\[\]\n]*)\]\((?:\.\./)*notebooks/([0-9][0-9]-[\w-]+)\.ipynb#([^)\s]+)\)")
 MARKER = ".minishard-site"                    # a directory we may wipe and rebuild
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 REPLAY_JS = "minishard-replay.js"             # the offline player's script (minishard/offline_player.js)
@@ -274,6 +287,8 @@ def nav(page: str, ed: Editions) -> str:
 def static_outputs(nb):
     """A copy of ``nb`` whose outputs need no kernel and no network.
 
+    * a recorded figure (``minishard.course.glue``) is not drawn: its cell gets its name as an
+      anchor instead (``cell.metadata["minishard_figures"]``, read by ``figure_anchors``);
     * a plotly output (``application/vnd.plotly.v1+json``, with its frames) becomes plain HTML
       that draws it with the page's plotly.js — its Play button and slider work in the page;
     * the CDN loader that ``notebook_connected`` leaves behind is dropped;
@@ -286,9 +301,12 @@ def static_outputs(nb):
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        outputs = []
+        outputs, names = [], []
         for out in cell.outputs:
             data = out.get("data", {})
+            if is_record(out):
+                names.append(out["metadata"]["scrapbook"]["name"])
+                continue
             if PLOTLY_MIME in data:
                 counter += 1
                 fig = data[PLOTLY_MIME]
@@ -306,7 +324,34 @@ def static_outputs(nb):
                 continue                       # notebook_connected's CDN loader
             outputs.append(out)
         cell.outputs = outputs
+        if names:
+            cell.metadata["minishard_figures"] = list(dict.fromkeys(names))
     return nb
+
+
+def figure_anchors(body: str, nb) -> str:
+    """Give each cell that recorded figures one anchor per name, at the top of the cell."""
+    for cell in nb.cells:
+        names = cell.get("metadata", {}).get("minishard_figures")
+        if names and cell.get("id"):
+            anchors = "".join(f'<span class="minishard-figure" id="{html.escape(n)}"></span>' for n in names)
+            body = re.sub(rf'(<div class="jp-Cell [^"]*" id="cell-id={re.escape(cell.id)}">)',
+                          lambda m: m.group(1) + anchors, body, count=1)
+    return body
+
+
+def named_figures(text: str) -> str:
+    """The Markdown with each named figure's link text replaced by the text its notebook recorded."""
+    def one(m):
+        label, notebook, name = m.group(1), m.group(2), m.group(3)
+        if not name or ".ipynb" in label:
+            return m.group(0)
+        path = ROOT / "notebooks" / f"{notebook}.ipynb"
+        fig = figures(path).get(name) if path.exists() else None
+        if fig is None:
+            return m.group(0)
+        return m.group(0)[:m.start(1) - m.start(0)] + fig.text + m.group(0)[m.end(1) - m.start(0):]
+    return FIGURE_LINK.sub(one, text)
 
 
 def notebook_page(nb_path: Path, page: str, ed: Editions, copies: set[str]) -> str:
@@ -315,6 +360,8 @@ def notebook_page(nb_path: Path, page: str, ed: Editions, copies: set[str]) -> s
 
     nb = static_outputs(nbformat.read(nb_path, as_version=4))
     nb.metadata.pop("widgets", None)
+    for cell in nb.cells:            # nbconvert 7 writes a cell's id as its anchor; old cells lack one
+        cell.setdefault("id", f"c{nb.cells.index(cell)}")
     exporter = HTMLExporter(template_name="lab")
     exporter.exclude_input_prompt = exporter.exclude_output_prompt = True
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": nb_path.stem},
@@ -325,6 +372,7 @@ def notebook_page(nb_path: Path, page: str, ed: Editions, copies: set[str]) -> s
     body = re.sub(r'<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->', "", body, flags=re.S)
     body = re.sub(r'<script type="module">\s*document\.addEventListener\("DOMContentLoaded".*?</script>',
                   "", body, flags=re.S)
+    body = figure_anchors(body, nb)
     body = shared_replay_script(rewrite_links(body, f"notebooks/{nb_path.name}", page, copies), page)
     body = body.replace("</head>", head_scripts(page) + f"<style>{STYLE}</style>\n</head>", 1)
     return re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav(page, ed), body, count=1)
@@ -397,9 +445,10 @@ def markdown_body(md_path: Path) -> str:
     """The page's HTML. A Chinese page's headings get its English page's ids, and a line break
     between two Chinese characters or next to Chinese punctuation goes (outside ``<pre>``)."""
     rel = md_path.relative_to(ROOT).as_posix()
+    text = named_figures(md_path.read_text(encoding="utf-8"))
     if not rel.startswith(ZH):
-        return markdown_to_html(md_path.read_text(encoding="utf-8"))
-    body = markdown_to_html(md_path.read_text(encoding="utf-8"), unicode_ids=True)
+        return markdown_to_html(text)
+    body = markdown_to_html(text, unicode_ids=True)
     parts = re.split(r"(<pre\b.*?</pre>)", body, flags=re.S)
     body = "".join(p if i % 2 else CJK_BREAK.sub("", p) for i, p in enumerate(parts))
     en = ROOT / "tutorial" / md_path.name

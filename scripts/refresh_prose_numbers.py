@@ -1,126 +1,71 @@
-"""After re-executing notebooks: carry the prose's measured numbers over to the new outputs.
+"""After re-executing notebooks: copy each named figure's new text into the written course.
 
-Each measured number in the written course is a link to the notebook that printed it
-(``tests/test_prose_numbers.py``). When a notebook is re-executed, timings move and those links
-go stale. For every stale link this finds where its numbers stood in the notebook as committed
-(``--base``, default HEAD): the cell, and which number of that cell's output each one was. It
-takes the number at the same place in the new output, but only when the words around it are
-the same (so a cell whose output changed shape is reported, never guessed), and rewrites the link.
+A measured number in ``tutorial/`` and ``tutorial/zh/`` is a link that names a figure its notebook
+recorded (``[2.53×](../notebooks/05-zero3.ipynb#nano-cpu-ratio)``, ``minishard.course.glue``).
+When a notebook is re-executed its timings move and the links' texts go stale
+(``tests/test_prose_numbers.py`` fails). This rewrites every link's text to the text its notebook
+recorded under that name, in both editions, and prints each change.
 
     python scripts/refresh_prose_numbers.py              # rewrite tutorial/*.md and tutorial/zh/*.md
     python scripts/refresh_prose_numbers.py --dry-run    # only say what would change
+    python scripts/refresh_prose_numbers.py --only 05 06 # pages whose name starts with these
 
-Read each change it prints: a number that moved may need a sentence that says something else.
+Read each change it prints: a number that moved may need a sentence that says something else
+("slower", "within the earlier runs' range"). A link that names no recorded figure is reported,
+never guessed.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from test_prose_numbers import MEASURED, NUMBER, printed  # noqa: E402  (one definition of a link)
+from test_prose_numbers import LINK, NUMBER, PAGES, recorded  # noqa: E402  (one definition of a link)
 
 
-def cell_texts(nb: dict) -> list[str]:
-    """The text of every cell's outputs, by cell index (empty for cells without output)."""
-    out = []
-    for cell in nb["cells"]:
-        text = []
-        for o in cell.get("outputs", []):
-            if o.get("output_type") == "stream":
-                text.append("".join(o["text"]) if isinstance(o["text"], list) else o["text"])
-            elif "data" in o:
-                t = o["data"].get("text/plain", "")
-                text.append("".join(t) if isinstance(t, list) else t)
-        out.append("\n".join(text))
-    return out
+def refresh(md: Path, dry_run: bool) -> tuple[int, list[str]]:
+    text, changed, unresolved = md.read_text(encoding="utf-8"), 0, []
 
-
-def tokens(text: str) -> list[tuple[str, str]]:
-    """(number, the words just before it) for every number of an output, in order."""
-    out, last = [], 0
-    for m in NUMBER.finditer(text):
-        out.append((m.group(0), text[max(last, m.start() - 24):m.start()]))
-        last = m.end()
-    return out
-
-
-def locate(number: str, old_cells: list[str], new_cells: list[str], hint: int | None) -> tuple[int, str] | None:
-    """Where ``number`` stood in the old outputs (preferring cell ``hint``), and the number at the
-    same place in the new outputs when the words before it are unchanged."""
-    order = ([hint] if hint is not None else []) + [i for i in range(len(old_cells)) if i != hint]
-    for i in order:
-        if i >= len(new_cells):
-            continue
-        old, new = tokens(old_cells[i]), tokens(new_cells[i])
-        for k, (n, before) in enumerate(old):
-            if n == number and k < len(new) and new[k][1] == before:
-                return i, new[k][0]
-    return None
-
-
-def refresh(md: Path, base: str, dry_run: bool) -> tuple[int, list[str]]:
-    text, changed, unresolved = md.read_text(), 0, []
-    old_nb, new_nb = {}, {}
-
-    def fix(m: re.Match) -> str:
+    def fix(m):
         nonlocal changed
-        label, name = m.group(1), m.group(2)
-        if ".ipynb" in label:
+        label, notebook, name = m.group(1), m.group(2), m.group(3)
+        if ".ipynb" in label or not NUMBER.search(label):
             return m.group(0)
-        if name not in new_nb:
-            path = ROOT / "notebooks" / f"{name}.ipynb"
-            new_nb[name] = cell_texts(json.loads(path.read_text()))
-            committed = subprocess.run(["git", "show", f"{base}:notebooks/{name}.ipynb"], cwd=ROOT,
-                                       capture_output=True, text=True)
-            old_nb[name] = cell_texts(json.loads(committed.stdout)) if committed.returncode == 0 else []
-        # Follow the number's place even when it is still printed somewhere else: a timing
-        # that happens to reappear in another column is a coincidence, not the same number.
-        numbers = NUMBER.findall(label)
-        current = any(all(printed(n, c) for n in numbers) for c in new_nb[name])
-        hint = next((i for i, c in enumerate(old_nb[name]) if all(printed(n, c) for n in numbers)), None)
-        new_label, pos = "", 0
-        for nm in NUMBER.finditer(label):
-            found = locate(nm.group(0), old_nb[name], new_nb[name], hint) if hint is not None else None
-            if found is None:
-                if not current:
-                    unresolved.append(f"{md.relative_to(ROOT)}: [{label}]({name}) — {nm.group(0)} not found")
-                return m.group(0)
-            new_label += label[pos:nm.start()] + found[1]
-            pos = nm.end()
-        new_label += label[pos:]
-        if new_label == label:
+        fig = recorded(notebook).get(name or "")
+        if fig is None:
+            unresolved.append(f"[{label}](…{notebook}#{name or ''}): no such recorded figure")
+            return m.group(0)
+        if fig.text == label:
             return m.group(0)
         changed += 1
-        print(f"{md.relative_to(ROOT)}: [{label}] -> [{new_label}]  ({name})")
-        return m.group(0).replace(f"[{label}]", f"[{new_label}]", 1)
+        print(f"  {md.relative_to(ROOT)}: #{name}: {label!r} -> {fig.text!r}")
+        return m.group(0)[:m.start(1) - m.start(0)] + fig.text + m.group(0)[m.end(1) - m.start(0):]
 
-    new_text = MEASURED.sub(fix, text)
+    new = LINK.sub(fix, text)
     if changed and not dry_run:
-        md.write_text(new_text)
+        md.write_text(new, encoding="utf-8")
     return changed, unresolved
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="HEAD", help="the commit whose executed notebooks the prose matched")
-    ap.add_argument("--dry-run", action="store_true", help="print the changes, write nothing")
-    args = ap.parse_args()
-    chapters = sorted((ROOT / "tutorial").glob("[0-9][0-9]-*.md")) + \
-        sorted((ROOT / "tutorial" / "zh").glob("*.md"))
-    total, unresolved = 0, []
-    for md in chapters:
-        n, u = refresh(md, args.base, args.dry_run)
-        total, unresolved = total + n, unresolved + u
-    print(f"{total} links {'would change' if args.dry_run else 'changed'}; {len(unresolved)} to fix by hand")
-    for u in unresolved:
-        print("  " + u)
-    return 1 if unresolved else 0
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="chapters whose file name starts with these")
+    args = ap.parse_args(argv)
+    total, missing = 0, []
+    for md in PAGES:
+        if args.only is not None and not md.name.startswith(tuple(args.only)):
+            continue
+        n, bad = refresh(md, args.dry_run)
+        total += n
+        missing += [f"{md.relative_to(ROOT)}: {b}" for b in bad]
+    print(f"{total} link(s) {'would change' if args.dry_run else 'rewritten'}")
+    for b in missing:
+        print("  unresolved:", b)
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":
