@@ -32,6 +32,7 @@ CHAPTERS = sorted((ROOT / "tutorial").glob("[0-9][0-9]-*.md"))
 PAGES = sorted((ROOT / "tutorial").glob("*.md")) + sorted((ROOT / "tutorial" / "zh").glob("*.md"))
 LINK = re.compile(r"\[([^\[\]\n]*)\]\((?:\.\./)*notebooks/([0-9][0-9]-[\w-]+)\.ipynb(?:#([^)\s]*))?\)")
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+PLACE = re.compile(r"^(?:\d\d )?§[\d.]+$")           # "[§2](…)", "[05 §4](…)": a section, not a figure
 RUN_WORDS = re.compile(r"committed run|run committed|in one run|this run|our run", re.I)
 
 
@@ -73,6 +74,11 @@ def links(text: str) -> list[tuple[str, str, str]]:
     return [(t, nb, frag or "") for t, nb, frag in LINK.findall(text) if ".ipynb" not in t]
 
 
+def is_number(label: str) -> bool:
+    """Does a link's text state a figure (not a file name, not a section sign)?"""
+    return bool(NUMBER.search(label)) and not PLACE.match(label)
+
+
 def problems(text: str) -> list[str]:
     """What is wrong with the links of one page's Markdown (empty: nothing)."""
     out = []
@@ -81,7 +87,7 @@ def problems(text: str) -> list[str]:
             out.append(f"[{label}]: no notebook {notebook}")
             continue
         figs = recorded(notebook)
-        if not NUMBER.search(label):           # a link to a place: a figure's cell or a heading
+        if not is_number(label):               # a link to a place: a figure's cell or a heading
             if name and name not in figs and name not in heading_anchors(notebook):
                 out.append(f"[{label}](#{name}): {notebook} records no figure and has no heading {name!r}")
             continue
@@ -98,7 +104,7 @@ def problems(text: str) -> list[str]:
 
 
 def named(text: str) -> Counter:
-    return Counter((nb, name) for label, nb, name in links(text) if NUMBER.search(label))
+    return Counter((nb, name) for label, nb, name in links(text) if is_number(label))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT / "tutorial")))
@@ -118,6 +124,14 @@ def test_both_editions_name_the_same_figures(md):
     en_names, zh_names = named(md.read_text()), named(zh.read_text(encoding="utf-8"))
     assert en_names == zh_names, (f"{md.name}: only in English {sorted((en_names - zh_names).elements())}; "
                                   f"only in Chinese {sorted((zh_names - en_names).elements())}")
+
+
+@pytest.mark.parametrize("sheet", ["cheatsheet.md", "zh/cheatsheet.md"])
+def test_each_cheat_sheet_line_lands_on_the_cell_that_measures_it(sheet):
+    places = [(nb, name) for label, nb, name in links((ROOT / "tutorial" / sheet).read_text(encoding="utf-8"))]
+    assert len(places) >= 20
+    off = [f"{nb}#{name}" for nb, name in places if name not in recorded(nb)]
+    assert not off, f"{sheet}: these links land on a heading or the notebook's top, not a measuring cell: {off}"
 
 
 @pytest.mark.parametrize("md", CHAPTERS, ids=lambda p: p.stem)

@@ -146,6 +146,30 @@ def test_every_local_link_resolves(site):
         warnings.warn("links to files missing from the repository: " + ", ".join(sorted(missing_in_repo)))
 
 
+def test_a_named_figure_shows_the_recorded_text_and_lands_on_its_cell(site, tmp_path):
+    """A chapter's link ``[…](../notebooks/05-zero3.ipynb#name)`` shows the text the notebook
+    recorded under ``name`` — even when the Markdown's copy is stale — and lands on an element
+    with that id in the cell that printed it; the record itself is not drawn."""
+    from minishard.course.glue import figures
+    checked = 0
+    for nb in NOTEBOOKS:
+        page = (site / "notebooks" / f"{nb.stem}.html").read_text()
+        assert "papermill.record" not in page
+        for name in figures(nb):
+            assert re.search(rf'<span class="minishard-figure" id="{re.escape(name)}">', page), \
+                f"{nb.stem}.html: no anchor for figure {name}"
+            checked += 1
+    assert checked >= 100
+    # a stale copy in the Markdown: the page still shows what the notebook recorded
+    figs = figures(ROOT / "notebooks" / "05-zero3.ipynb")
+    fig = next(iter(figs.values()))
+    stale = f"See [999.999](../notebooks/05-zero3.ipynb#{fig.name}).\n"
+    assert build_site.named_figures(stale) == stale.replace("999.999", fig.text)
+    chapter = (site / "tutorial" / "05-zero3.html").read_text()
+    landed = set(re.findall(r'href="\.\./notebooks/05-zero3\.html#([^"]+)"', chapter))
+    assert landed & set(figs), "the chapter's measured numbers land on their cells"
+
+
 # ------------------------------------------------------------------ both editions
 def zh_pages(site: Path) -> list[Path]:
     return sorted((site / "tutorial" / "zh").glob("*.html"))
