@@ -57,6 +57,7 @@ from IPython.display import display
 
 from minishard import RankError, Ranks
 from minishard.course.ch00 import fail_on_rank, hello
+from minishard.course.glue import glue
 from minishard.train import TrainConfig, train
 from minishard.viz import Player, static_player_figure, timeline_figure
 
@@ -66,7 +67,7 @@ WORK = Path(tempfile.mkdtemp(prefix="minishard-00-"))
 # %% [markdown]
 # ## 1. A warm pool of ranks
 # `Ranks(2)` starts two processes from a forkserver that has already imported torch, joins them
-# into one process group, and keeps them. Starting costs about a second (the cell prints this
+# into one process group, and keeps them. Starting costs a second or two (the cell prints this
 # run's time); every `R.run` after that reuses the same processes.
 
 # %%
@@ -78,7 +79,7 @@ first = R.run(hello, payload_mb=1.0)
 t0 = time.perf_counter()
 second = R.run(hello, payload_mb=1.0)
 task_s = time.perf_counter() - t0
-print(f"pool up in {start_s:.2f} s; a task on the warm pool takes {task_s:.2f} s")
+print(f"pool up in {glue('pool-start-s', start_s, '{:.2f}')} s; a task on the warm pool takes {task_s:.2f} s")
 print("rank pids:", [r["pid"] for r in first])
 assert [r["pid"] for r in first] == [r["pid"] for r in second] == R.pids   # the same processes
 
@@ -90,7 +91,8 @@ assert [r["pid"] for r in first] == [r["pid"] for r in second] == R.pids   # the
 # %%
 # NBVAL_CHECK_OUTPUT
 for r in second:
-    print(f"rank {r['rank']} of {r['world_size']}: value {r['value']}, sent {r['wire']:,} bytes")
+    sent = glue("hello-sent-bytes", r["wire"], "{:,}") if r["rank"] == 0 else f"{r['wire']:,}"
+    print(f"rank {r['rank']} of {r['world_size']}: value {r['value']}, sent {sent} bytes")
 assert all(r["value"] == 1 + 2 for r in second)
 assert all(r["wire"] == 2 * (2 - 1) * 2**20 // 2 for r in second)
 
@@ -114,7 +116,8 @@ live.flush()
 # %%
 kinds = collections.Counter(e["kind"] for e in R.last_events)
 ops = collections.Counter((e["op"], e.get("step")) for e in R.last_events if e["kind"] == "collective")
-print(f"{live.replay.n} events streamed:", dict(sorted(kinds.items())))
+glue("live-collectives", kinds["collective"])     # printed as the dict's 'collective' entry
+print(f"{glue('live-events', live.replay.n)} events streamed:", dict(sorted(kinds.items())))
 print("collectives (op, step):", dict(ops))
 assert live.replay.n == len(R.last_events) and live.replay.ranks == [0, 1]
 assert {op for op, step in ops if step is None} == {"broadcast"}          # set-up only
@@ -186,6 +189,8 @@ assert torchrun_losses == [round(sum(o["losses"][s] for o in out) / len(out), 4)
 same = collections.Counter(e["kind"] for e in replay.replay.events)
 print("events by kind, pool :", dict(sorted(kinds.items())))
 print("events by kind, torchrun:", dict(sorted(same.items())))
+print("losses of the global batch, torchrun:",
+      glue("torchrun-losses", tuple(torchrun_losses), "{:.4f} {:.4f}"), "(the pool's, rounded alike: the same)")
 assert same == kinds
 assert at_backward(replay) == snap                 # the same ledger at the same moment
 

@@ -52,6 +52,7 @@ import psutil
 from IPython.display import display
 
 from minishard import GPT, Ranks, config, conventions, estimate, gpt_activation_bytes
+from minishard.course.glue import glue
 from minishard.train import TrainConfig, train
 from minishard.viz import LedgerCalculator, ledger_bars
 
@@ -68,8 +69,12 @@ GB = 1e9
 # claim: L1
 llama = GPT("llama3-8b", device="meta")
 e8b = estimate(llama, world_size=1, strategy="ddp", precision="bf16_mixed", optimizer="adamw")
-print(f"llama3-8b: {e8b.n_params:,} parameters, {e8b.bytes_per_param:g} bytes per parameter")
-print(e8b.table(unit=GB, unit_name="GB"))
+print(f"llama3-8b: {glue('llama3-8b-params', e8b.n_params, '{:,}')} parameters, "
+      f"{e8b.bytes_per_param:g} bytes per parameter")
+table = e8b.table(unit=GB, unit_name="GB")
+print(table)
+assert glue("llama3-8b-state-gb", e8b.total / GB, "{:.3f} GB") in table           # the total row
+assert glue("llama3-8b-weights-gb", e8b.per_rank["params"] / GB, "{:.3f} GB") in table   # params row
 assert e8b.n_params == 8_030_261_248 and e8b.bytes_per_param == 16
 assert e8b.per_rank["params"] == 2 * e8b.n_params          # the "16 GB" of the question
 assert round(e8b.total / GB, 1) == 128.5
@@ -138,7 +143,8 @@ for label, key, values in rows:
 # NBVAL_CHECK_OUTPUT
 for T in (2048, 4096, 8192):
     a = gpt_activation_bytes(config("llama3-8b"), micro_batch=1, seq_len=T, dtype_bytes=2)
-    print(f"llama3-8b, micro-batch 1, T = {T:>4}: activations {a / GB:6.1f} GB")
+    shown = glue("llama3-8b-activations-t4096", a / GB, "{:.1f}") if T == 4096 else f"{a / GB:.1f}"
+    print(f"llama3-8b, micro-batch 1, T = {T:>4}: activations {shown:>6} GB")
 
 # %% [markdown]
 # ### The literature's formula, measured
@@ -175,9 +181,10 @@ for b in (2, 4):
     korthikanti = s * b * h * 34 + 5 * a * s * s * b          # with dropout
     no_dropout = 32 * s * b * h + 2 * a * s * s * b
     small = s * s + 2 * 2 * s * b * 2                           # causal mask, norm statistics
-    print(f"s={s}, b={b}, h={h}, a={a}: sbh(34 + 5as/h) = {korthikanti:,}; without dropout "
-          f"32sbh + 2as²b = {no_dropout:,}; measured one layer = {layer:,} = that + {layer - no_dropout:,} "
-          f"(s² mask + 4sb statistics = {small:,})")
+    print(f"s={s}, b={b}, h={h}, a={a}: sbh(34 + 5as/h) = {glue(f'layer-with-dropout-b{b}', korthikanti, '{:,}')}; "
+          f"without dropout 32sbh + 2as²b = {glue(f'layer-no-dropout-b{b}', no_dropout, '{:,}')}; "
+          f"measured one layer = {glue(f'layer-measured-b{b}', layer, '{:,}')} = that + "
+          f"{glue(f'layer-extra-b{b}', layer - no_dropout, '{:,}')} (s² mask + 4sb statistics = {small:,})")
     assert layer == no_dropout + small                         # measured, to the byte
     assert layer == (gpt_activation_bytes(config("tiny", n_layer=2), b, dtype_bytes=2)
                      - gpt_activation_bytes(config("tiny", n_layer=1), b, dtype_bytes=2))
@@ -229,8 +236,12 @@ with Ranks(4) as R4:
 # claim: L3, L4
 tiny = GPT("tiny", device="meta")
 
-def compare(out, precision, act_dtype_bytes):
-    """Print predicted vs measured peak per category and rank; return the largest relative gap."""
+def compare(out, precision, act_dtype_bytes, names=None):
+    """Print predicted vs measured peak per category and rank; return the largest relative gap.
+    ``names``: {category or "peak": figure name} of rank 0's measured values the chapter quotes."""
+    names = names or {}
+    def shown(cat, rank, got):
+        return glue(names[cat], got, "{:,}") if rank == 0 and cat in names else f"{got:,}"
     N = len(out)
     act = gpt_activation_bytes(config("tiny"), micro_batch=4, dtype_bytes=act_dtype_bytes)
     pred = estimate(tiny, world_size=N, strategy="ddp", precision=precision, optimizer="adamw",
@@ -240,14 +251,15 @@ def compare(out, precision, act_dtype_bytes):
     gaps = {}
     for cat, p in pred.per_rank.items():
         got = [o["ledger"]["peak_snapshot"].get(cat, 0) for o in out]
-        print(f"{cat:<12}{p:>13,}" + "".join(f"{g:>13,}" for g in got))
+        print(f"{cat:<12}{p:>13,}" + "".join(f"{shown(cat, r, g):>13}" for r, g in enumerate(got)))
         gaps[cat] = max(abs(g - p) / p for g in got)
     peaks = [o["ledger"]["peak"] for o in out]
-    print(f"{'peak':<12}{pred.total:>13,}" + "".join(f"{g:>13,}" for g in peaks))
+    print(f"{'peak':<12}{pred.total:>13,}" + "".join(f"{shown('peak', r, g):>13}" for r, g in enumerate(peaks)))
     return gaps
 
 for N, out in measured.items():
-    gaps = compare(out, "fp32", 4)
+    gaps = compare(out, "fp32", 4, names={"params": "ddp-fp32-state-bytes", "activations": "ddp-fp32-activations",
+                                          "peak": "ddp-fp32-peak"} if N == 4 else None)
     assert max(gaps.values()) <= 0.02            # the course's bar: within 2% ...
     assert max(gaps.values()) == 0               # ... and in fact exact, every category, every rank
 
@@ -267,7 +279,7 @@ ledger_bars({o["rank"]: o["ledger"]["peak_snapshot"] for o in measured[4]},
 # NBVAL_CHECK_OUTPUT
 # claim: L1
 mixed = R2.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny", micro_batch=4, precision="bf16_mixed"))
-gaps = compare(mixed, "bf16_mixed", 2)
+gaps = compare(mixed, "bf16_mixed", 2, names={"activations": "ddp-bf16-activations", "peak": "ddp-bf16-peak"})
 split = {c: mixed[0]["ledger"]["peak_snapshot"][c] / mixed[0]["n_params"]
          for c in ("params", "grads", "master", "exp_avg", "exp_avg_sq")}
 print("bytes per parameter:", " + ".join(f"{b:g} ({c})" for c, b in split.items()), "=", sum(split.values()))
@@ -299,7 +311,7 @@ for B in (2, 4, 8):
     got = [o["ledger"]["peak_snapshot"]["activations"]
            for o in R2.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny", micro_batch=B))]
     want = gpt_activation_bytes(config("tiny"), micro_batch=B)
-    print(f"micro-batch {B}: predicted {want:>11,}  measured {got}")
+    print(f"micro-batch {B}: predicted {glue(f'tiny-activations-b{B}', want, '{:,}'):>11}  measured {got}")
     assert got == [want, want]
 R2.close()
 
@@ -316,9 +328,11 @@ R2.close()
 # NBVAL_IGNORE_OUTPUT
 n_tensors = len(list(tiny.parameters()))
 peak = measured[4][0]["ledger"]["peak"]
-print(f"Adam step counters: {n_tensors} tensors x 4 bytes = {4 * n_tensors} bytes")
-print("resident memory of each rank process (MiB):", [round(r / 2**20) for r in rss],
-      f"vs ledger peak {peak / 2**20:.0f} MiB")
+print(f"Adam step counters: {glue('adam-step-tensors', n_tensors)} tensors x 4 bytes = "
+      f"{glue('adam-step-bytes', 4 * n_tensors)} bytes")
+rss_mib = tuple(round(r / 2**20) for r in rss)       # a link's text holds no brackets: no list repr
+print("resident memory of each rank process:", glue("rank-peaks-mib", rss_mib, ", ".join(["{}"] * len(rss_mib)) + " MiB"),
+      f"vs ledger peak {glue('ledger-peak-mib', peak / 2**20, '{:.0f} MiB')}")
 assert n_tensors == 77 and all(r > peak for r in rss)
 
 # %% [markdown]
@@ -337,7 +351,7 @@ def state_per_param(out):
 assert state_per_param(measured[2]) == state_per_param(measured[4])   # per rank, whatever N
 need = state_per_param(mixed) * e8b.n_params
 print(f"measured: {state_per_param(mixed):g} bytes of state per parameter on every rank")
-print(f"llama3-8b under DDP: {need / GB:.1f} GB per rank before activations, on any number of ranks;"
+print(f"llama3-8b under DDP: {glue('llama3-8b-ddp-state-gb', need / GB, '{:.1f}')} GB per rank before activations, on any number of ranks;"
       f" its bf16 weights alone: {2 * e8b.n_params / GB:.1f} GB; the GPU: 80 GB")
 assert need == e8b.total and need > 80 * GB
 

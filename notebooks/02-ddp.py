@@ -57,6 +57,7 @@ import torch
 from IPython.display import display
 
 from minishard import GPT, Ranks
+from minishard.course.glue import glue
 from minishard.parity import bitwise_equal, drift, params_of, max_diff
 from minishard.train import TrainConfig, train
 from minishard.viz import Player, ring_figure, ring_schedule, timeline_figure
@@ -94,8 +95,12 @@ def fingerprint(params: dict) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 
 for o in run:
-    print(f"rank {o['rank']}: losses {[round(x, 4) for x in o['losses']]}, "
-          f"parameter sha256 {fingerprint(o['params'])}")
+    losses = [round(x, 4) for x in o["losses"]]
+    first = glue(f"rank{o['rank']}-first-loss", losses[0])          # the list prints it as its repr
+    sha = fingerprint(o["params"])
+    sha = glue("params-sha256", sha) if o["rank"] == 0 else sha
+    print(f"rank {o['rank']}: losses [{', '.join([first] + [repr(x) for x in losses[1:]])}], "
+          f"parameter sha256 {sha}")
 assert fingerprint(run[0]["params"]) == fingerprint(run[1]["params"])
 assert all(torch.equal(run[0]["params"][n], run[1]["params"][n]) for n in run[0]["params"])
 assert run[0]["losses"] != run[1]["losses"]               # ... although each saw its own data
@@ -114,17 +119,20 @@ bucketed = R2.run(train, TrainConfig(strategy="ddp", steps=3, model="tiny"))    
 # %%
 # NBVAL_CHECK_OUTPUT
 print(f"{'strategy':<26}{'collectives/step':>17}{'bytes sent/step':>17}")
-for name, out in [("ddp_naive", naive), ("ddp, 4 MiB buckets", run), ("ddp, 25 MiB buckets", bucketed)]:
-    print(f"{name:<26}{out[0]['calls'][-1]:>17}{out[0]['wire'][-1]:>17,}")
+for name, key, out in [("ddp_naive", "naive", naive), ("ddp, 4 MiB buckets", "bucket-4mib", run),
+                       ("ddp, 25 MiB buckets", "bucket-25mib", bucketed)]:
+    calls = glue(f"{key}-collectives-per-step", out[0]["calls"][-1])
+    sent = glue("bytes-per-step", out[0]["wire"][-1], "{:,}") if key == "naive" else f"{out[0]['wire'][-1]:,}"
+    print(f"{name:<26}{calls:>17}{sent:>17}")
 assert naive[0]["calls"] == [N_TENSORS] * 3                # one all-reduce per parameter tensor
 assert run[0]["calls"] == [6] * 3 and bucketed[0]["calls"] == [2] * 3
 assert naive[0]["wire"] == run[0]["wire"] == bucketed[0]["wire"] == [GRAD_BYTES] * 3
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-for name, out in [("ddp_naive", naive), ("ddp (25 MiB buckets)", bucketed)]:
+for name, key, out in [("ddp_naive", "naive", naive), ("ddp (25 MiB buckets)", "bucket-25mib", bucketed)]:
     t = statistics.median(o["step_times"][-1] for o in out)
-    print(f"{name:<22} step time {t * 1e3:6.0f} ms (last step, median over ranks; a shared 2-core CPU)")
+    print(f"{name:<22} step time {glue(f'{key}-step-ms', t * 1e3, '{:.0f}'):>6} ms (last step, median over ranks; a shared 2-core CPU)")
 
 # %% [markdown]
 # The player's timeline shows where the bucketed all-reduces run: each starts *during* backward,
@@ -227,7 +235,8 @@ print(f"{'N':>2}{'2(N-1)/N x 4Ψ':>16}{'recorded (wire)':>17}{'ratio to 4Ψ':>14
 for N, out in per_n.items():
     formula = 2 * (N - 1) / N * GRAD_BYTES
     wire = out[0]["wire"][-1]
-    print(f"{N:>2}{formula:>16,.0f}{wire:>17,}{wire / GRAD_BYTES:>14.4f}")
+    shown = glue("ring-formula-bytes-n3", formula, "{:,.0f}") if N == 3 else f"{formula:,.0f}"
+    print(f"{N:>2}{shown:>16}{glue(f'wire-bytes-n{N}', wire, '{:,}'):>17}{wire / GRAD_BYTES:>14.4f}")
     for o in out:                                     # every rank, every step
         assert all(abs(w - formula) <= o["calls"][0] for w in o["wire"])   # exact up to rounding per bucket
 
@@ -236,7 +245,7 @@ for N, out in per_n.items():
 # claim: W1
 for N, out in per_n.items():
     extra = [w - x for o in out for w, x in zip(o["wchar"], o["wire"])]
-    print(f"N={N}: the OS counted {min(extra):,} to {max(extra):,} bytes more than recorded per rank per step "
+    print(f"N={N}: the OS counted {min(extra):,} to {glue(f'os-extra-bytes-max-n{N}', max(extra), '{:,}')} bytes more than recorded per rank per step "
           f"(message headers), on {out[0]['wire'][-1]:,}")
     assert all(0 <= x < 16 * 1024 for x in extra)
 
@@ -299,7 +308,8 @@ single_sgd = train(None, TrainConfig(strategy="single", steps=3, model="tiny", m
 torch.set_num_threads(threads)
 ours_sgd = R2.run(train, TrainConfig(strategy="ddp", steps=3, model="tiny", micro_batch=4, optimizer="sgd", lr=0.1, return_params=True))
 sgd = drift(ours_sgd[0]["params"], single_sgd["params"], INIT)
-print(f"whole model, gap / movement after 3 steps: SGD {sgd.overall:.1e}, AdamW {adamw.overall:.1e}")
+print(f"whole model, gap / movement after 3 steps: SGD {glue('sgd-drift', sgd.overall, '{:.1e}')}, "
+      f"AdamW {glue('adamw-drift', adamw.overall, '{:.1e}')}")
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -321,7 +331,7 @@ torch.set_num_threads(1)
 single_acc = train(None, TrainConfig(strategy="single", steps=2, model="tiny", micro_batch=8, accum=2, return_params=True))
 torch.set_num_threads(threads)
 print(f"accum=2: {acc[0]['calls']} all-reduces per step (accum=1: {bucketed[0]['calls'][:2]}), "
-      f"{acc[0]['wire'][0]:,} bytes per step")
+      f"{glue('accum-bytes-per-step', acc[0]['wire'][0], '{:,}')} bytes per step")
 assert acc[0]["calls"] == bucketed[0]["calls"][:2] and acc[0]["wire"] == [GRAD_BYTES] * 2
 mean_acc = [sum(o["losses"][s] for o in acc) / 2 for s in range(2)]
 assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mean_acc, single_acc["losses"]))

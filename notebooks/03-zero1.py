@@ -58,6 +58,7 @@ import torch
 from IPython.display import display
 
 from minishard import GPT, Ranks, estimate
+from minishard.course.glue import glue
 from minishard.parity import bitwise_equal, drift, params_of, max_diff
 from minishard.train import TrainConfig, train
 from minishard.viz import Player, replay_html, ring_schedule
@@ -67,7 +68,7 @@ pio.renderers.default = "plotly_mimetype+notebook_connected"
 PSI = GPT("nano", device="meta").num_params()               # the course's smallest model
 STATE = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 GB = 1e9
-print(f"nano GPT: Ψ = {PSI:,} parameters")
+print(f"nano GPT: Ψ = {glue('nano-params', PSI, '{:,}')} parameters")
 assert PSI == 217_664
 R4 = Ranks(4)                                               # one warm pool per world size
 
@@ -108,7 +109,9 @@ for c in STATE:
     assert all(after[r][c] == after[0][c] for r in range(4))      # every rank holds the same share
     assert b / a == (4 if c in ("master", "exp_avg", "exp_avg_sq") else 1)
 tot_b, tot_a = (sum(s[0][c] for c in STATE) for s in (before, after))
-print(f"{'total':<12}{tot_b:>14,}{tot_a:>16,}{tot_b / tot_a:>7.3g}   {tot_b / PSI:g} → {tot_a / PSI:g}")
+print(f"{'total':<12}{glue('ddp-state-bytes-rank0', tot_b, '{:,}'):>14}"
+      f"{glue('zero1-state-bytes-rank0', tot_a, '{:,}'):>16}{tot_b / tot_a:>7.3g}   "
+      f"{glue('bytes-per-param-ddp-to-zero1', (tot_b / PSI, tot_a / PSI), '{:g} → {:g}')}")
 assert (tot_b, tot_a) == (16 * PSI, 4 * PSI + 12 * PSI // 4)
 
 # %% [markdown]
@@ -131,8 +134,10 @@ def optimizer_allocs(player, rank=0, step=0):
 
 allocs_by_run = {"DDP": optimizer_allocs(ddp_player), "ZeRO-1": optimizer_allocs(live)}
 for name, allocs in allocs_by_run.items():
-    print(f"{name}: {len(allocs)} allocations on rank 0, "
-          f"e.g. {allocs[0]['tag']} ({allocs[0]['bytes']:,} bytes); "
+    key = {"DDP": "ddp", "ZeRO-1": "zero1"}[name]
+    example = f"{allocs[0]['bytes']:,}" if key == "ddp" else glue("zero1-moment-bytes", allocs[0]["bytes"], "{:,}")
+    print(f"{name}: {glue(f'{key}-optimizer-allocs', len(allocs))} allocations on rank 0, "
+          f"e.g. {allocs[0]['tag']} ({example} bytes); "
           f"by category: " + ", ".join(f"{c} {sum(e['bytes'] for e in allocs if e['category'] == c):,}"
                                        for c in ("exp_avg", "exp_avg_sq")))
 n_tensors = len(list(GPT("nano", device="meta").parameters()))
@@ -197,7 +202,9 @@ rp = live.replay
 for i in rp.collectives:
     e = rp.events[i]
     if e["rank"] == 0 and e.get("step") == 1:
-        print(f"  {rp.phase(i):<9} {e['op']:<15} {e['tag']:<8} {e['payload']:>9,} bytes ({e['dtype']})")
+        payload = (glue("allgather-bytes", e["payload"], "{:,}") if e["op"] == "all_gather"
+                   else f"{e['payload']:,}")
+        print(f"  {rp.phase(i):<9} {e['op']:<15} {e['tag']:<8} {payload:>9} bytes ({e['dtype']})")
 ops = [(rp.phase(i), rp.events[i]["op"]) for i in rp.collectives
        if rp.events[i]["rank"] == 0 and rp.events[i].get("step") == 1]
 assert ops == [("backward", "reduce_scatter"), ("optimizer", "all_gather")]
@@ -239,7 +246,8 @@ for (N, s), out in traffic.items():
     formula = k * (N - 1) * PSI_B / N
     wire = out[0]["wire"][0]
     ops = " + ".join(out[0]["by_op"])
-    print(f"{N:>2} {s:<16}{ops:<30}{wire:>12,}{formula:>12,.0f}{wire / PSI_B:>7.3f}")
+    sent = glue(f"wire-bytes-{s.replace('_', '-')}-n4", wire, "{:,}") if N == 4 and s != "ddp" else f"{wire:,}"
+    print(f"{N:>2} {s:<16}{ops:<30}{sent:>12}{formula:>12,.0f}{wire / PSI_B:>7.3f}")
     for o in out:                                  # every rank; padding to N chunks: < N elements
         assert o["wire"] == out[0]["wire"] and abs(o["wire"][0] - formula) <= k * 4 * N
     if s == "zero1":
@@ -260,11 +268,15 @@ for N in (2, 4):
     torch_z = pools[N].run(train, TrainConfig(strategy="torch_zero1", **one_step))
     for s in ("ddp", "zero1_allreduce", "zero1"):
         extra = max(o["wchar"][0] - o["wire"][0] for o in traffic[(N, s)])
-        print(f"N={N} {s:<16} OS count {traffic[(N, s)][0]['wchar'][0] / PSI_B:.3f} × 4Ψ "
+        os_count = traffic[(N, s)][0]["wchar"][0] / PSI_B
+        os_text = glue("ddp-os-count-n2", os_count, "{:.3f}") if (N, s) == (2, "ddp") else f"{os_count:.3f}"
+        print(f"N={N} {s:<16} OS count {os_text} × 4Ψ "
               f"(recorded + at most {extra:,} bytes of headers)")
         assert all(0 <= o["wchar"][0] - o["wire"][0] < 16 * 1024 for o in traffic[(N, s)])
     ratios = [o["wchar"][0] / PSI_B for o in torch_z]
-    print(f"N={N} torch_zero1      OS count {min(ratios):.3f}–{max(ratios):.3f} × 4Ψ per rank")
+    os_range = (glue("torch-zero1-os-count-n2", (min(ratios), max(ratios)), "{:.3f}–{:.3f}") if N == 2
+                else f"{min(ratios):.3f}–{max(ratios):.3f}")
+    print(f"N={N} torch_zero1      OS count {os_range} × 4Ψ per rank")
     assert all(abs(x - 3 * (N - 1) / N) < 0.1 for x in ratios)   # the all-reduce version's 3(N-1)/N
 
 # %% [markdown]
@@ -301,7 +313,11 @@ for N, out in mem.items():
     f = out[0]["ledger"]["final"]
     opt = f["master"] + f["exp_avg"] + f["exp_avg_sq"]
     measured = sum(f.get(c, 0) for c in STATE)
-    print(f"{N:>2}{f['params']:>10,}{f['grads']:>10,}{opt:>12,}{measured:>11,}{formula:>11,.0f}"
+    measured_text, formula_text = f"{measured:,}", f"{formula:,.0f}"
+    if N == 3:                                     # the padded case the chapter quotes
+        measured_text = glue("zero1-state-bytes-n3", measured, "{:,}")
+        formula_text = glue("zero1-formula-bytes-n3", formula, "{:,.0f}")
+    print(f"{N:>2}{f['params']:>10,}{f['grads']:>10,}{opt:>12,}{measured_text:>11}{formula_text:>11}"
           f"{(measured - formula) / formula:>8.4%}")
 
 # %% [markdown]
@@ -330,9 +346,11 @@ for s, out in parity.items():
     mean_loss = [sum(o["losses"][k] for o in out) / 2 for k in range(3)]
     rows[s] = dict(loss_gap=max(abs(a - b) / b for a, b in zip(mean_loss, single["losses"])),
                    drift=drift(out[0]["params"], single["params"], INIT))
+    worst = (glue("zero1-worst-tensor-drift", rows[s]["drift"].worst, "{:.1e}") if s == "zero1"
+             else f"{rows[s]['drift'].worst:.1e}")
     print(f"{s:<16} loss within {rows[s]['loss_gap']:.1e} (relative) of one process; params: largest "
           f"element gap {rows[s]['drift'].max_abs:.1e}, worst tensor's gap / its movement "
-          f"{rows[s]['drift'].worst:.1e}; {max_diff(out[0]['params'], ZRO):.1e} from ZeroRedundancyOptimizer")
+          f"{worst}; {max_diff(out[0]['params'], ZRO):.1e} from ZeroRedundancyOptimizer")
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -376,7 +394,10 @@ for N, paper in PAPER.items():
         digits = len(str(theirs).partition(".")[2])
         assert abs(ours - theirs) <= 0.5 * 10 ** -digits + 1e-9, (N, ours, theirs)
     assert row[0] == 120
-print("Figure 1 of the paper, 64 GPUs:", [round(x, 1) for x in table[64]], "GB")
+fig1 = [round(x, 1) for x in table[64]]
+print("Figure 1 of the paper, 64 GPUs:",
+      "[" + ", ".join([repr(fig1[0])] + [glue(f"{s}-gb-n64", x) for s, x in zip(("zero1", "zero2", "zero3"), fig1[1:])])
+      + "]", "GB")
 assert [round(x, 1) for x in table[64]] == [120, 31.4, 16.6, 1.9]
 
 # %%

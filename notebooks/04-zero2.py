@@ -53,6 +53,7 @@ import torch
 from IPython.display import display
 
 from minishard import GPT, Ranks, batch, config, estimate
+from minishard.course.glue import glue
 from minishard.ddp import plan_buckets
 from minishard.parity import drift, params_of
 from minishard.train import TrainConfig, train
@@ -110,7 +111,9 @@ for rank in (0, 1):
         ops = collectives_by_phase(events, rank, step)
         rs = [during for op, during in ops if op == "reduce_scatter"]
         ag = [during for op, during in ops if op == "all_gather"]
-        print(f"rank {rank} step {step}: {sum(rs)} of {len(rs)} bucket reduce-scatters launched "
+        in_bw, launched = ((glue("rs-in-backward-rank0-step0", sum(rs)), glue("rs-launched-rank0-step0", len(rs)))
+                           if (rank, step) == (0, 0) else (sum(rs), len(rs)))
+        print(f"rank {rank} step {step}: {in_bw} of {launched} bucket reduce-scatters launched "
               f"during backward; {sum(ag)} of {len(ag)} all-gathers")
         assert len(rs) == len(ag) == n_buckets == 6 and all(rs) and not any(ag)
 
@@ -153,7 +156,8 @@ for _, line, held in rows:
 worst_i, _, worst = max(rows, key=lambda r: r[2])
 grads = run[0]["ledger"]["final"]["grads"]
 print(f"gradient shard, held throughout: {grads:,} bytes = 4Ψ/2 (fp32); "
-      f"bucket buffers: at most {worst:,}; a full fp32 gradient: {4 * TINY:,}")
+      f"bucket buffers: at most {glue('bucket-buffers-peak-4mib', worst, '{:,}')}; "
+      f"a full fp32 gradient: {glue('tiny-grad-bytes', 4 * TINY, '{:,}')}")
 assert grads == 4 * TINY // 2 and rows[-1][2] == 0 and worst < 4 * TINY
 live.jump(worst_i)
 
@@ -179,7 +183,8 @@ for cap, (out, evs) in by_cap.items():
     largest = 4 * 2 * max(chunk for _, _, chunk in out[0]["layout"]["buckets"])   # N x chunk, fp32
     most = max(held for _, _, held in bucket_buffers(evs))
     n = len(out[0]["layout"]["buckets"])
-    print(f"{cap:>7} MiB{n:>9}{largest:>12,}{most:>12,}{most / (4 * TINY):>12.2f}")
+    print(f"{cap:>7} MiB{n:>9}{largest:>12,}{most:>12,}"
+          f"{glue(f'bucket-buffers-share-{cap}mib', most / (4 * TINY), '{:.2f}'):>12}")
     assert most <= 3 * largest
 assert max(h for *_, h in bucket_buffers(by_cap[1][1])) < worst / 2
 
@@ -217,9 +222,19 @@ for N, out in mem.items():
         assert "comm_buffers" not in f                     # and all gone after the step
     f = out[0]["ledger"]["final"]
     measured = sum(f.get(c, 0) for c in STATE)
+    buffers = out[0]["ledger"]["peak_snapshot"].get("comm_buffers", 0)
+    measured_text, formula_text = f"{measured:,}", f"{formula:,.0f}"
+    buffers_text, largest_text = f"{buffers:,}", f"{largest:,}"
+    if N in (3, 4):                                # the rows the chapter quotes
+        measured_text = glue(f"zero2-state-bytes-n{N}", measured, "{:,}")
+    if N == 3:
+        formula_text = glue("zero2-formula-bytes-n3", formula, "{:,.0f}")
+    if N == 2:
+        buffers_text = glue("comm-buffers-peak-n2", buffers, "{:,}")
+        largest_text = glue("nano-bucket-bytes-n2", largest, "{:,}")
     print(f"{N:>2}{f['params']:>10,}{f['grads']:>10,}{f['master'] + f['exp_avg'] + f['exp_avg_sq']:>12,}"
-          f"{measured:>11,}{formula:>11,.0f}{(measured - formula) / formula:>9.4%}"
-          f"{out[0]['ledger']['peak_snapshot'].get('comm_buffers', 0):>14,}{largest:>9,}")
+          f"{measured_text:>11}{formula_text:>11}{(measured - formula) / formula:>9.4%}"
+          f"{buffers_text:>14}{largest_text:>9}")
 
 # %% [markdown]
 # The state matches the formula (exact at N = 1, 2, 4; at N = 3 each bucket is padded by up to two
@@ -246,7 +261,9 @@ for (N, s), out in traffic.items():
     formula = 2 * (N - 1) * PSI_B / N
     wire = out[0]["wire"][0]
     calls = " + ".join(f"{v['calls']} {op}" for op, v in out[0]["by_op"].items())
-    print(f"{N:>2} {s:<9}{calls:<28}{wire:>12,}{formula:>13,.0f}{wire / PSI_B:>7.3f}")
+    sent = (glue(f"wire-bytes-{s}-n{N}", wire, "{:,}") if (N, s) in ((4, "zero2"), (3, "zero2"), (3, "ddp"))
+            else f"{wire:,}")
+    print(f"{N:>2} {s:<9}{calls:<28}{sent:>12}{formula:>13,.0f}{wire / PSI_B:>7.3f}")
     n_buckets = len(traffic[(N, "zero2")][0]["layout"]["buckets"])
     for o in out:       # padding each bucket to N equal chunks: under N elements per bucket
         assert abs(o["wire"][0] - formula) <= 2 * 4 * N * n_buckets
@@ -279,7 +296,11 @@ print(f"{'':<9}{'accum=1':>13}{'accum=2':>14}{'accum=1':>13}{'accum=2':>14}")
 for s in ("ddp", "zero1", "zero2"):
     (c1, w1), (c2, w2) = gradient_traffic(acc[(s, 1)]), gradient_traffic(acc[(s, 2)])
     grads = acc[(s, 2)][0]["ledger"]["final"]["grads"]
-    print(f"{s:<9}{c1:>13}{c2:>14}{w1:>13,}{w2:>14,}{grads:>12,}")
+    texts = [str(c1), str(c2), f"{w1:,}", f"{w2:,}"]
+    if s == "zero2":                               # the row the chapter quotes
+        texts = [glue("zero2-grad-collectives-accum1", c1), glue("zero2-grad-collectives-accum2", c2),
+                 glue("zero2-grad-bytes-accum1", w1, "{:,}"), glue("zero2-grad-bytes-accum2", w2, "{:,}")]
+    print(f"{s:<9}{texts[0]:>13}{texts[1]:>14}{texts[2]:>13}{texts[3]:>14}{grads:>12,}")
     assert (c2, w2) == ((2 * c1, 2 * w1) if s == "zero2" else (c1, w1))
     assert grads == (PSI_B // 2 if s == "zero2" else PSI_B)
 
@@ -337,8 +358,10 @@ MAX_NORM = 1.0
 print(f"slice norms ‖g_0‖ = {local[0]:.4f}, ‖g_1‖ = {local[1]:.4f}")
 print(f"sqrt(‖g_0‖² + ‖g_1‖²) = {sum(n * n for n in local) ** 0.5:.4f}; "
       f"torch's norm of the whole gradient = {total:.4f}")
-print(f"max_norm {MAX_NORM}: the global scale is {MAX_NORM / total:.4f} on every rank; clipping each "
-      f"slice by its own norm would scale them by {MAX_NORM / local[0]:.4f} and {MAX_NORM / local[1]:.4f}")
+print(f"max_norm {MAX_NORM}: the global scale is {glue('clip-global-scale', MAX_NORM / total, '{:.4f}')} "
+      f"on every rank; clipping each slice by its own norm would scale them by "
+      f"{glue('clip-slice0-scale', MAX_NORM / local[0], '{:.4f}')} and "
+      f"{glue('clip-slice1-scale', MAX_NORM / local[1], '{:.4f}')}")
 
 # %% [markdown]
 # (Those digits come from this machine's float kernels; the relations are what holds everywhere.)
@@ -371,7 +394,7 @@ unclipped = train(None, TrainConfig(strategy="single", micro_batch=2, **dict(cli
 torch.set_num_threads(threads)
 norm_op = clipped[0]["by_op"]["all_reduce"]
 print(f"extra collective: {norm_op['calls']} all-reduces in 2 steps, "
-      f"{norm_op['payload'] // norm_op['calls']} bytes each")
+      f"{glue('clip-allreduce-bytes', norm_op['payload'] // norm_op['calls'])} bytes each")
 mean = [sum(o["losses"][k] for o in clipped) / 2 for k in range(2)]
 print("ZeRO-2 + clipping matches one process clipping the whole gradient:",
       all(abs(a - b) <= 1e-6 * b for a, b in zip(mean, single_clip["losses"]))
@@ -395,7 +418,7 @@ for N in (4, 64, 1024):
     e3 = estimate(n_params=BIG, world_size=N, strategy="zero3", precision="bf16_mixed")
     share = e2.per_rank["params"] / e2.state_bytes
     print(f"N = {N:>4}: ZeRO-2 {e2.state_bytes / GB:6.2f} GB per rank, of which replicated weights "
-          f"{e2.per_rank['params'] / GB:.1f} GB ({share:.0%});  ZeRO-3: {e3.state_bytes / GB:6.2f} GB")
+          f"{e2.per_rank['params'] / GB:.1f} GB ({glue(f'zero2-weights-share-n{N}', share, '{:.0%}')});  ZeRO-3: {e3.state_bytes / GB:6.2f} GB")
     assert e2.per_rank["params"] == 2 * BIG and not e2.sharded["params"] and e3.sharded["params"]
 assert round(e2.state_bytes / GB, 1) == 15.1 and share > 0.99
 

@@ -54,7 +54,7 @@ from functools import cache  # noqa: E402
 
 figures = cache(_figures)
 
-FIGURE_LINK = re.compile(r"\[([^\[\]\n]*)\]\((?:\.\./)*notebooks/([0-9][0-9]-[\w-]+)\.ipynb#([^)\s]+)\)")
+FIGURE_LINK = re.compile(r"\[((?:[^\[\]\n]|\[[^\[\]\n]*\])*)\]\((?:\.\./)*notebooks/([0-9][0-9]-[\w-]+)\.ipynb#([^)\s]+)\)")
 MARKER = ".minishard-site"                    # a directory we may wipe and rebuild
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 REPLAY_JS = "minishard-replay.js"             # the offline player's script (minishard/offline_player.js)
