@@ -68,6 +68,7 @@ from minishard.launch import RankError
 from minishard.ledger import gpt_activation_bytes
 from minishard.course.ch07 import (gather_waits, gathered_peaks, prefetch_race,
                                         prefetch_timeline, who_is_gathered)
+from minishard.course.glue import glue
 from minishard.train import TrainConfig, train
 from minishard.viz import Player
 
@@ -79,7 +80,7 @@ BLOCK = 4 * sum(p.numel() for p in TINY.blocks[0].parameters())      # fp32 byte
 ACT = gpt_activation_bytes(config("tiny"), 4)                        # micro-batch 4
 STATE = 16 * PSI // 2                                                # 16 Ψ / N, N = 2
 print(f"tiny GPT, 2 ranks, micro-batch 4: 16Ψ/N = {STATE:,} B, root unit {ROOT:,} B, "
-      f"one block {BLOCK:,} B, activations {ACT:,} B")
+      f"one block {glue('block-bytes', BLOCK, '{:,}')} B, activations {ACT:,} B")
 R2 = Ranks(2)                                                        # one warm pool for the chapter
 
 # %% [markdown]
@@ -138,7 +139,8 @@ def formula(k):
 print(f"{'k':>2}{'formula':>14}{'peak flat':>14}{'peak per-param':>16}{'flat − formula':>16}")
 for k in DEPTHS:
     flat, pp = (sweep[s, k][0]["ledger"]["peak"] for s in ("fsdp_flat", "fsdp"))
-    print(f"{k:>2}{formula(k):>14,}{flat:>14,}{pp:>16,}{flat - formula(k):>16,}")
+    print(f"{k:>2}{formula(k):>14,}{glue(f'peak-flat-k{k}', flat, '{:,}'):>14}"
+          f"{glue('peak-per-param-k0', pp, '{:,}') if k == 0 else f'{pp:,}':>16}{flat - formula(k):>16,}")
     for s in ("fsdp_flat", "fsdp"):
         for o in sweep[s, k]:
             assert abs(o["ledger"]["peak"] - formula(k)) <= 0.02 * formula(k)
@@ -148,6 +150,8 @@ for k in DEPTHS:
         assert pp == flat                                          # the same peak in both layouts
 for k in DEPTHS[1:]:                                               # one block per unit of depth
     assert sweep["fsdp_flat", k][0]["ledger"]["peak"] - sweep["fsdp_flat", k - 1][0]["ledger"]["peak"] == BLOCK
+flat0, pp0 = (sweep[s, 0][0]["ledger"]["peak"] for s in ("fsdp_flat", "fsdp"))
+print(f"k=0: the per-parameter peak is {glue('per-param-k0-excess', pp0 / flat0 - 1, '{:.1%}')} above the flat one")
 
 # %% [markdown]
 # The formula is exact to the byte for the flat layout; the per-parameter layout peaks at the
@@ -199,7 +203,7 @@ prefetch_timeline({"k = 0 (no prefetch)": traces["fsdp_flat", 0], "k = 1": trace
                   title="rank 0, step 1, flat layout: all-gathers, compute, and compute waiting").show()
 
 # %% [markdown]
-# Without prefetch every block's pale bar sits *before* its teal bar, with red across it: compute
+# Without prefetch every block's pale bar sits *before* its teal bar, red wherever compute
 # stopped until the bytes arrived. With k = 1 the pale bar of block i+1 lies under the teal bar
 # of block i — it traveled while block i computed — and most red is gone. Measured per
 # all-gather (the root's, issued first in the step, can hide behind nothing):
@@ -210,8 +214,9 @@ for k in (0, 1):
     rows = [r for r in gather_waits(traces["fsdp_flat", k], rank=0, step=1) if r["unit"] != "root"]
     for p in ("forward", "backward"):
         rs = [r for r in rows if r["pass"] == p]
+        waited = glue(f"block-wait-k{k}-{p}", sum(r["waited"] for r in rs) * 1e3, "{:.1f}")
         print(f"k={k} {p:<9}: {len(rs)} block all-gathers, {sum(r['seconds'] for r in rs) * 1e3:6.1f} ms "
-              f"in flight, compute waited {sum(r['waited'] for r in rs) * 1e3:6.1f} ms "
+              f"in flight, compute waited {waited:>6} ms "
               f"({statistics.mean(r['hidden'] for r in rs):.0%} hidden on average)")
 
 # %% [markdown]
@@ -235,7 +240,8 @@ player.jump(next(i for i, e in enumerate(player.replay.events)
                  and e["name"] == "blocks.0" and e["state"] == "unsharded"))
 title = player.replay.title(player.index)
 print(title[:title.rindex("·")].strip())                 # (the event's index depends on the interleaving)
-print("rank 0 now holds unsharded:", f"{player.snapshot()[0]['unsharded']:,} B = root + one block")
+print("rank 0 now holds unsharded:",
+      f"{glue('blocks0-unsharded-bytes', player.snapshot()[0]['unsharded'], '{:,}')} B = root + one block")
 assert "blocks.0" in title and "forward" in title
 assert player.snapshot()[0]["unsharded"] == ROOT + BLOCK  # blocks.0 arrived; blocks.1 not yet issued
 ag = [e for e in player.replay.events if e["kind"] == "collective" and e["op"] == "all_gather"
@@ -270,7 +276,8 @@ med = {key: {k: statistics.median(max(a, b) for a, b in zip(race[0][key][k], rac
              for k in RACE} for key in ("step_s", "exposed_s", "cpu_s")}
 print(f"{'k':>2}{'step (ms)':>11}{'waited (ms)':>13}{'CPU (ms)':>10}")
 for k in RACE:
-    print(f"{k:>2}{med['step_s'][k] * 1e3:>11.0f}{med['exposed_s'][k] * 1e3:>13.1f}{med['cpu_s'][k] * 1e3:>10.0f}")
+    print(f"{k:>2}{glue(f'race-step-k{k}', med['step_s'][k] * 1e3, '{:.0f}'):>11}"
+          f"{glue(f'race-waited-k{k}', med['exposed_s'][k] * 1e3, '{:.1f}'):>13}{med['cpu_s'][k] * 1e3:>10.0f}")
 print("exposed communication with k=1 below k=0:", med["exposed_s"][1] < med["exposed_s"][0])
 
 # %% [markdown]
@@ -281,7 +288,7 @@ print("exposed communication with k=1 below k=0:", med["exposed_s"][1] < med["ex
 # threads copy the bytes over loopback on the same two cores the ranks compute on, and other
 # processes take turns on them too. What prefetch still hides here is mostly *skew*: a gather
 # cannot complete until the slower rank has joined it, and without prefetch the faster rank
-# idles at every unit. In our runs the waits drop as soon as k ≥ 1 (§3's single step shows
+# idles at every unit. In most of our runs the waits drop as soon as k ≥ 1 (§3's single step shows
 # them almost gone for the blocks), while the step time follows less clearly and deeper prefetch
 # sometimes helps a little more, sometimes not — under this much noise, not a claim to assert.
 # The memory cost of §2, in contrast, is exact on every run. (`scripts/gpu_check.py` is where the GPU side gets measured.)
@@ -295,8 +302,9 @@ print("exposed communication with k=1 below k=0:", med["exposed_s"][1] < med["ex
 # NBVAL_CHECK_OUTPUT
 BUDGET = 129 * 2**20                                                 # 135,266,304 bytes
 for k in DEPTHS:
-    verdict = "fits" if formula(k) <= BUDGET else f"over by {formula(k) - BUDGET:,} B"
-    print(f"k={k}: peak {formula(k):,} B -> {verdict}")
+    verdict = "fits" if formula(k) <= BUDGET else f"over by {glue(f'budget-over-k{k}', formula(k) - BUDGET, '{:,}')} B"
+    peak = glue("budget-peak-k1", formula(k), "{:,}") if k == 1 else f"{formula(k):,}"
+    print(f"k={k}: peak {peak} B -> {verdict}")
 assert [formula(k) <= BUDGET for k in DEPTHS] == [True, True, False, False]
 
 # %% [markdown]
@@ -442,15 +450,19 @@ settings = {                                   # name: (depth, limits, blocks ga
     "depth 3, cap root+2.5 blocks": (3, dict(max_live_parameters=CAP), 2),
     "depth 3, cap 1 element": (3, dict(max_live_parameters=1), 1),
 }
-print(f"one block {EL_BLOCK:,} elements, the root {EL_ROOT:,}; cap = {CAP:,} elements = {4 * CAP:,} B")
+print(f"one block {EL_BLOCK:,} elements, the root {EL_ROOT:,}; cap = {CAP:,} elements = "
+      f"{glue('stage3-cap-bytes', 4 * CAP, '{:,}')} B")
 print(f"{'':<30}{'gathered peak (B)':>19}{'root+j·block':>14}{'all-gathers/step':>18}")
+quoted = {"depth 3": "stage3-peak-depth-3", "bucket = 1 block": "stage3-peak-bucket-1-block",
+          "bucket = 2 blocks": "stage3-peak-bucket-2-blocks"}          # the figures the chapter names
 bounds = {}
 for name, (k, limits, j) in settings.items():
     bounds[name] = R.run(stage3_train, TrainConfig(prefetch=k, **run_kw), **limits)
     r = bounds[name][0]
     peak = r["ledger"]["category_peaks"]["unsharded"]
     gathers = r["by_op"]["all_gather"]["calls"] // 2
-    print(f"{name:<30}{peak:>19,}{f'j = {j}':>14}{gathers:>18}")
+    shown = glue(quoted[name], peak, "{:,}") if name in quoted else f"{peak:,}"
+    print(f"{name:<30}{shown:>19}{f'j = {j}':>14}{glue('stage3-all-gathers-per-step', gathers):>18}")
     for o in bounds[name]:
         assert o["ledger"]["category_peaks"]["unsharded"] == ROOT + j * BLOCK      # to the byte
         assert o["by_op"]["all_gather"]["calls"] == 2 * (1 + 2 * len(TINY.blocks))
@@ -480,7 +492,8 @@ assert ROOT + 2 * BLOCK <= 4 * CAP < ROOT + 3 * BLOCK               # the cap, i
 # NBVAL_CHECK_OUTPUT
 small = {n: p.numel() for n, p in TINY.named_parameters() if p.numel() <= 1024}
 P = sum(small.values())
-print(f"{len(small)} persistent parameters, P = {P:,} elements of Ψ = {PSI:,}")
+print(f"{glue('persistent-params', len(small))} persistent parameters, "
+      f"P = {glue('persistent-elements', P, '{:,}')} elements of Ψ = {PSI:,}")
 base = bounds["depth 0"][0]
 kept = R.run(stage3_train, TrainConfig(prefetch=0, **run_kw), param_persistence_threshold=1024)
 r = kept[0]
@@ -495,7 +508,8 @@ for o in kept:
     assert o["by_op"]["all_reduce"]["calls"] == 2 * (1 + len(TINY.blocks))   # one per unit a step
     assert o["by_op"]["all_reduce"]["payload"] == 2 * 4 * P
     assert base["by_op"]["reduce_scatter"]["payload"] - o["by_op"]["reduce_scatter"]["payload"] == 2 * 4 * P
-print("state per rank: 16·((Ψ − P)/N + P) =", f"{16 * ((PSI - P) // 2 + P):,} B, was 16·Ψ/N = {16 * PSI // 2:,} B")
+print("state per rank: 16·((Ψ − P)/N + P) =", f"{glue('state-with-persistence', 16 * ((PSI - P) // 2 + P), '{:,}')} B, "
+      f"was 16·Ψ/N = {glue('state-all-sharded', 16 * PSI // 2, '{:,}')} B")
 R.close()
 
 # %% [markdown]

@@ -71,6 +71,7 @@ from minishard import GPT, Ranks
 from minishard.costmodel import DEVICES, LINKS, Cluster, plan
 from minishard.launch import RankError
 from minishard.course.ch08 import disk_tier_files, transfer_table
+from minishard.course.glue import glue
 from minishard.train import TrainConfig, train
 
 TINY = GPT("tiny", device="meta")
@@ -80,8 +81,9 @@ BLOCK_SHARD = 4 * math.ceil(sum(p.numel() for p in TINY.blocks[0].parameters()) 
 ROOT_SHARD = 4 * math.ceil(sum(p.numel() for n, p in TINY.named_parameters()
                                if not n.startswith("blocks.")) / N)
 L = len(TINY.blocks)
-print(f"tiny GPT, {N} ranks: 16Ψ/N = {16 * PSI // N:,} B of state per rank; one block's shard "
-      f"{BLOCK_SHARD:,} B, the root's {ROOT_SHARD:,} B")
+print(f"tiny GPT, {N} ranks: 16Ψ/N = {glue('state-bytes-per-rank', 16 * PSI // N, '{:,}')} B of state per rank; "
+      f"one block's shard {glue('block-shard-bytes', BLOCK_SHARD, '{:,}')} B, "
+      f"the root's {glue('root-shard-bytes', ROOT_SHARD, '{:,}')} B")
 R2 = Ranks(2)
 
 # %% [markdown]
@@ -97,14 +99,17 @@ plain = R2.run(train, TrainConfig(**KW))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"needs {plain[0]['ledger']['peak']:,} B per rank at its peak; the device has {BUDGET:,} B")
+print(f"needs {glue('plain-peak-bytes', plain[0]['ledger']['peak'], '{:,}')} B per rank at its peak; "
+      f"the device has {glue('budget-bytes', BUDGET, '{:,}')} B")
 try:
     R2.run(train, TrainConfig(device_budget=BUDGET, **KW))
     raise AssertionError("plain FSDP should not fit")
 except RankError as e:
     print(e.error.split(" would take")[0] + " ... over its budget")
     held = e.error[e.error.index("held now"):].rstrip("')")
-    print("  " + held)
+    head, items = held.split(": ", 1)                    # "held now (MiB): activations 16.1, ..."
+    print("  " + head + ": " + ", ".join(
+        f"{c} {glue('oom-held-' + c.replace('_', '-'), v)}" for c, v in (i.rsplit(" ", 1) for i in items.split(", "))))
     assert e.error.startswith("DeviceOutOfMemory") and "exp_avg" in held
 assert plain[0]["ledger"]["peak"] > BUDGET
 R2 = Ranks(2)                       # a rank that failed closed the pool: start a fresh one (warm)
@@ -123,7 +128,9 @@ disk = R2.run(train, TrainConfig(offload="disk", offload_dir=offload_dir, device
 # %%
 # NBVAL_CHECK_OUTPUT
 for name, out in [("no offload", plain), ("offload='host'", host), ("offload='disk'", disk)]:
-    print(f"{name:<16} device peak {out[0]['ledger']['peak']:>11,} B   losses bit-identical to no offload: "
+    peak = out[0]["ledger"]["peak"]
+    peak = glue("host-device-peak", peak, "{:,}") if name == "offload='host'" else f"{peak:,}"
+    print(f"{name:<16} device peak {peak:>11} B   losses bit-identical to no offload: "
           f"{[o['losses'] for o in out] == [o['losses'] for o in plain]}")
 for out in (host, disk):
     assert all(o["ledger"]["peak"] <= BUDGET for o in out)
@@ -143,7 +150,10 @@ STATE = ("params", "grads", "exp_avg", "exp_avg_sq")
 print(f"{'':<16}" + "".join(f"{c:>13}" for c in STATE) + f"{'where':>9}")
 for name, out in [("no offload", plain), ("offload='host'", host), ("offload='disk'", disk)]:
     for dev, cats in out[0]["ledger"]["by_device"].items():
-        print(f"{name:<16}" + "".join(f"{cats.get(c, 0):>13,}" for c in STATE) + f"{dev:>9}")
+        cols = {c: f"{cats.get(c, 0):,}" for c in STATE}
+        if name == "no offload":                         # the size the chapter quotes, one of four alike
+            cols["params"] = glue("state-category-bytes", cats["params"], "{:,}")
+        print(f"{name:<16}" + "".join(f"{cols[c]:>13}" for c in STATE) + f"{dev:>9}")
 assert plain[0]["ledger"]["by_device"] == {"device": dict.fromkeys(STATE, 4 * PSI // N)}
 assert host[0]["ledger"]["by_device"] == {"host": dict.fromkeys(STATE, 4 * PSI // N)}
 assert disk[0]["ledger"]["by_device"] == {"disk": dict.fromkeys(STATE, 4 * PSI // N)}
@@ -157,7 +167,8 @@ assert disk[0]["ledger"]["by_device"] == {"disk": dict.fromkeys(STATE, 4 * PSI /
 # NBVAL_CHECK_OUTPUT
 for name, out in [("no offload", plain), ("offload='host'", host)]:
     snap = out[0]["ledger"]["peak_snapshot"]
-    print(f"{name:<16} peak {sum(snap.values()):>11,} B: " + ", ".join(f"{c} {b:,}" for c, b in snap.items()))
+    parts = {c: glue("host-peak-" + c.replace("_", "-"), b, "{:,}") if out is host else f"{b:,}" for c, b in snap.items()}
+    print(f"{name:<16} peak {sum(snap.values()):>11,} B: " + ", ".join(f"{c} {b}" for c, b in parts.items()))
 snap = host[0]["ledger"]["peak_snapshot"]
 assert not set(STATE) & set(snap)                       # no state on the device, ever
 assert plain[0]["ledger"]["peak"] - host[0]["ledger"]["peak"] == 16 * PSI // N   # exactly the state
@@ -170,7 +181,8 @@ assert plain[0]["ledger"]["peak"] - host[0]["ledger"]["peak"] == 16 * PSI // N  
 # %%
 # NBVAL_CHECK_OUTPUT
 files = R2.run(disk_tier_files, tempfile.mkdtemp(prefix="minishard-offload-"))
-print(f"rank 0: {files[0]['files']} files, {files[0]['bytes']:,} B; sizes {sorted(set(files[0]['sizes']))}")
+print(f"rank 0: {glue('disk-tier-files', files[0]['files'])} files, {glue('disk-tier-bytes', files[0]['bytes'], '{:,}')} B; "
+      f"sizes {sorted(set(files[0]['sizes']))}")
 assert files[0]["files"] == 4 * (L + 1)                  # params, grads, m, v for every unit
 assert files[0]["bytes"] == 16 * PSI // N and not files[0]["left_behind"]
 
@@ -185,7 +197,8 @@ assert files[0]["bytes"] == 16 * PSI // N and not files[0]["left_behind"]
 # NBVAL_CHECK_OUTPUT
 h2d = (2 * L * BLOCK_SHARD + ROOT_SHARD)
 d2h = (L * BLOCK_SHARD + ROOT_SHARD)
-print(f"formula: in {h2d:,} B = (2·{L}·{BLOCK_SHARD:,} + {ROOT_SHARD:,}), out {d2h:,} B = 4Ψ/N")
+print(f"formula: in {glue('transfer-in-bytes', h2d, '{:,}')} B = (2·{L}·{BLOCK_SHARD:,} + {ROOT_SHARD:,}), "
+      f"out {glue('transfer-out-bytes', d2h, '{:,}')} B = 4Ψ/N")
 for name, out in [("host", host), ("disk", disk)]:
     for o in out:
         print(f"{name} rank {o['rank']}: in", [s["h2d_bytes"] for s in o["transfer"]],
@@ -232,12 +245,19 @@ replay_html(host_events, title="FSDP, offload='host', 2 ranks (offline player)",
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+rates = {}
 for name, out in [("host", host), ("disk", disk)]:
     for d in ("h2d", "d2h"):
         sec = statistics.median(s[f"{d}_s"] for s in out[0]["transfer"])
         nbytes = out[0]["transfer"][-1][f"{d}_bytes"]
-        print(f"{name} {d}: {nbytes / 1e6:6.2f} MB per step in {sec * 1e3:5.2f} ms -> {nbytes / sec / 1e9:5.2f} GB/s "
-              f"(measured: memcpy in RAM{' via the page cache' if name == 'disk' else ''})")
+        rates[name, d] = (nbytes, sec, f"{nbytes / sec / 1e9:.2f}")
+lo = min(rates, key=lambda key: float(rates[key][2]))      # the range the chapter quotes, as printed
+hi = max(rates, key=lambda key: float(rates[key][2]))
+for (name, d), (nbytes, sec, rate) in rates.items():
+    rate = (glue("transfer-rate-min", rate) if (name, d) == lo else
+            glue("transfer-rate-max", rate) if (name, d) == hi else rate)
+    print(f"{name} {d}: {nbytes / 1e6:6.2f} MB per step in {sec * 1e3:5.2f} ms -> {rate:>5} GB/s "
+          f"(measured: memcpy in RAM{' via the page cache' if name == 'disk' else ''})")
 for name, out in [("no offload", plain), ("host", host), ("disk", disk)]:
     print(f"{name:<11} median step {statistics.median(out[0]['step_times']) * 1e3:6.0f} ms (measured, busy 2-core CPU)")
 
@@ -272,8 +292,15 @@ def seconds(s: float) -> str:
 
 print(f"{'shards in, per rank per step':<30}{'bytes':>12}" + "".join(f"{k:>15}" for k in [*PCIE, *HBM]))
 for name, (i, o) in cases:
-    print(f"{name:<30}{i / 1e9:>9.3f} GB" + "".join(f"{seconds(i / bw):>15}" for bw in [*PCIE.values(), *HBM.values()]))
-print(f"HBM3 / PCIe 5.0 x16 = {HBM['H100 SXM HBM3'] / PCIE['PCIe 5.0 x16']:.0f}x")
+    cols = {k: seconds(i / bw) for k, bw in {**PCIE, **HBM}.items()}
+    gb = f"{i / 1e9:.3f}"
+    if name.startswith("Llama-3-70B"):                   # the row the chapter quotes
+        gb = glue("llama70b-shards-in-gb", gb)
+        for k, fig in (("PCIe 5.0 x16", "llama70b-in-pcie5"), ("PCIe 4.0 x16", "llama70b-in-pcie4"),
+                       ("H100 SXM HBM3", "llama70b-in-h100-hbm3")):
+            cols[k] = glue(fig, cols[k])
+    print(f"{name:<30}{gb:>9} GB" + "".join(f"{c:>15}" for c in cols.values()))
+print(f"HBM3 / PCIe 5.0 x16 = {glue('hbm3-pcie5-ratio', HBM['H100 SXM HBM3'] / PCIE['PCIe 5.0 x16'], '{:.0f}')}x")
 assert HBM["H100 SXM HBM3"] / PCIE["PCIe 5.0 x16"] > 10            # more than an order of magnitude
 
 # %% [markdown]
@@ -293,8 +320,11 @@ assert HBM["H100 SXM HBM3"] / PCIE["PCIe 5.0 x16"] > 10            # more than a
 node = Cluster(DEVICES["h100-80gb"], gpus_per_node=8)
 for off in (False, True):
     p = plan("llama3-70b", node, "fsdp", recompute=True, offload=off)
-    print(f"offload={off!s:<5}: {p.total_memory / 2**30:6.1f} GiB per GPU -> {'fits' if p.fits else 'does not fit'}"
-          f"   (state on the device: {sum(v for c, v in p.memory.items() if c in STATE + ('master',)) / 2**30:.1f} GiB)")
+    state = sum(v for c, v in p.memory.items() if c in STATE + ("master",))
+    total = glue(f"plan-{'offload' if off else 'no-offload'}-gib", p.total_memory / 2**30, "{:.1f}")
+    state = glue("plan-no-offload-state-gib", state / 2**30, "{:.1f}") if not off else f"{state / 2**30:.1f}"
+    print(f"offload={off!s:<5}: {total:>6} GiB per GPU -> {'fits' if p.fits else 'does not fit'}"
+          f"   (state on the device: {state} GiB)")
     assert p.fits == off
 psi70 = GPT("llama3-70b", device="meta").num_params()
 F = 0.4 * DEVICES["h100-80gb"].flops            # achieved FLOP/s: 40% of the dense bf16 peak
@@ -302,9 +332,14 @@ T = 8192                                        # tokens per GPU per step
 compute = 6 * psi70 * T / F                     # forward + backward (recomputation adds more)
 i, o = cases[1][1]
 t_in = i / PCIE["PCIe 5.0 x16"]
-print(f"host memory the node needs for the offloaded state: 16Ψ = {16 * psi70 / 1e12:.2f} TB")
-print(f"per GPU per step: compute {compute:.1f} s; shards in over PCIe 5.0 {i / 1e9:.1f} GB = {t_in:.2f} s "
-      f"({t_in / compute:.0%} of the compute); gradients out {o / 1e9:.1f} GB the other way")
+print(f"host memory the node needs for the offloaded state: 16Ψ = {glue('host-state-tb', 16 * psi70 / 1e12, '{:.2f}')} TB")
+print(f"per GPU per step: compute {glue('compute-s', compute, '{:.1f}')} s; "
+      f"shards in over PCIe 5.0 {glue('shards-in-gb', i / 1e9, '{:.1f}')} GB = {glue('shards-in-s', t_in, '{:.2f}')} s "
+      f"({glue('transfer-share', t_in / compute, '{:.0%}')} of the compute); "
+      f"gradients out {glue('grads-out-gb', o / 1e9, '{:.1f}')} GB the other way")
+recompute = 8 * psi70 * T / F                   # with recomputation's extra forward
+print(f"with recomputation's extra forward: compute {glue('compute-recompute-s', recompute, '{:.1f}')} s, "
+      f"the shards in {glue('transfer-share-recompute', t_in / recompute, '{:.0%}')} of it")
 
 # %% [markdown]
 # On the device it needs 160.9 GiB per GPU; with the state offloaded, 29.5 GiB. The host must then
@@ -327,7 +362,8 @@ print(f"per GPU per step: compute {compute:.1f} s; shards in over PCIe 5.0 {i / 
 # NBVAL_CHECK_OUTPUT
 B = PCIE["PCIe 5.0 x16"]
 for n, tokens in [(8, 8192), (8, 1024), (2, 1024)]:
-    print(f"N={n}, {tokens:>5} tokens per GPU per step: transfer / compute ≈ {4 * F / (3 * n * tokens * B):5.2f}")
+    ratio = glue(f"transfer-compute-n{n}-t{tokens}", 4 * F / (3 * n * tokens * B), "{:.2f}")
+    print(f"N={n}, {tokens:>5} tokens per GPU per step: transfer / compute ≈ {ratio:>5}")
 assert abs(4 * F / (3 * 8 * T * B) - t_in / compute) < 0.05 * t_in / compute   # the one-liner, checked
 
 # %%
