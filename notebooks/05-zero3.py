@@ -66,6 +66,7 @@ from IPython.display import display
 
 from minishard import GPT, Ranks, config, estimate
 from minishard.course.ch05 import race, unit_states_at, unsharded_series, with_unit_states
+from minishard.course.glue import glue
 from minishard.train import TrainConfig, train
 from minishard.viz import Player, timeline_figure
 
@@ -95,9 +96,11 @@ for label, model, N, prec, unit, name in [("tiny, N = 2, fp32", TINY, 2, "fp32",
     print(f"{'strategy':<8}" + "".join(f"{c:>12}" for c in ("params", "grads", "master", "exp_avg", "exp_avg_sq", "total")))
     for s in STAGES:
         e = estimate(model, world_size=N, strategy=s, precision=prec)
+        total = (glue(f"llama3-8b-state-gb-{s}", e.state_bytes / unit, "{:.2f}") if name == "GB"
+                 else f"{e.state_bytes / unit:.2f}")
         print(f"{s:<8}" + "".join(f"{e.per_rank.get(c, 0) / unit:>12.2f}"
                                   for c in ("params", "grads", "master", "exp_avg", "exp_avg_sq"))
-              + f"{e.state_bytes / unit:>12.2f}")
+              + f"{total:>12}")
     z3 = estimate(model, world_size=N, strategy="zero3", precision=prec)
     assert z3.state_bytes == 16 * z3.n_params // N               # 16 Ψ / N (Ψ divisible by N here)
 
@@ -117,7 +120,9 @@ print(f"{'strategy':<8}{'predicted':>14}{'rank 0':>14}{'rank 1':>14}{'x 1/Ψ':>8
 for s, out in runs.items():
     pred = estimate(TINY, world_size=2, strategy=s.replace("fsdp", "zero3"), precision="fp32").state_bytes
     got = [sum(o["ledger"]["final"].values()) for o in out]
-    print(f"{s:<8}{pred:>14,}{got[0]:>14,}{got[1]:>14,}{got[0] / PSI:>8g}")
+    k = s.replace("fsdp", "zero3")
+    rank0 = glue("zero3-state-bytes", got[0], "{:,}") if k == "zero3" else f"{got[0]:,}"
+    print(f"{s:<8}{pred:>14,}{rank0:>14}{got[1]:>14,}{glue(f'{k}-bytes-per-param', got[0] / PSI, '{:g}'):>8}")
     assert got == [pred, pred]
     assert all(o["ledger"]["final"] == {c: v for c, v in o["ledger"]["estimate"].items()
                                         if c != "activations"} for o in out)
@@ -134,7 +139,7 @@ R4 = Ranks(4)
 nano_psi = GPT("nano", device="meta").num_params()
 four = R4.run(train, TrainConfig(strategy="fsdp", steps=2, model="nano", micro_batch=1))
 state4 = [sum(o["ledger"]["final"].values()) for o in four]
-print(f"nano on 4 ranks: {state4} bytes of state per rank = {state4[0] / nano_psi:g} x Ψ")
+print(f"nano on 4 ranks: {state4} bytes of state per rank = {glue('nano-state-per-psi-n4', state4[0] / nano_psi, '{:g} x Ψ')}")
 assert state4 == [16 * nano_psi // 4] * 4
 
 # %% [markdown]
@@ -169,9 +174,11 @@ replay_html(events, title="ZeRO-3 (fsdp), 2 ranks, tiny model, 2 steps (offline 
 # %%
 # NBVAL_CHECK_OUTPUT
 series = unsharded_series(events, rank=0, step=1)
+first = {"root → unsharded": "root-unsharded-mb", "blocks.0 → unsharded": "root-and-block-unsharded-mb"}
 for t, b, label in series:
     if label.endswith(("→ unsharded", "→ sharded")):
-        print(f"{label:<26} unsharded = {b / MB:6.2f} MB")
+        mb = glue(first.pop(label), b / MB, "{:.2f}") if label in first else f"{b / MB:.2f}"
+        print(f"{label:<26} unsharded = {mb:>6} MB")
 levels = {b for _, b, _ in series}
 assert max(levels) == 4 * (ROOT + BLOCK)                       # the root and one block, never more
 assert levels == {0, 4 * ROOT, 4 * (ROOT + BLOCK)}
@@ -216,8 +223,10 @@ ddp_run = R2.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny"))
 print(f"{'category':<14}{'ddp':>14}{'zero3 (fsdp)':>14}")
 peaks = {s: out[0]["ledger"]["peak_snapshot"] for s, out in [("ddp", ddp_run), ("fsdp", fsdp_run)]}
 for c in ("params", "grads", "exp_avg", "exp_avg_sq", "unsharded", "comm_buffers", "activations"):
-    print(f"{c:<14}{peaks['ddp'].get(c, 0):>14,}{peaks['fsdp'].get(c, 0):>14,}")
-print(f"{'peak':<14}{ddp_run[0]['ledger']['peak']:>14,}{fsdp_run[0]['ledger']['peak']:>14,}")
+    d = glue("ddp-activation-bytes", peaks["ddp"][c], "{:,}") if c == "activations" else f"{peaks['ddp'].get(c, 0):,}"
+    print(f"{c:<14}{d:>14}{peaks['fsdp'].get(c, 0):>14,}")
+print(f"{'peak':<14}{glue('ddp-peak-bytes', ddp_run[0]['ledger']['peak'], '{:,}'):>14}"
+      f"{glue('zero3-peak-bytes', fsdp_run[0]['ledger']['peak'], '{:,}'):>14}")
 assert fsdp_run[0]["ledger"]["peak"] < ddp_run[0]["ledger"]["peak"]
 assert peaks["fsdp"]["params"] == peaks["ddp"]["params"] // 2
 
@@ -254,8 +263,14 @@ for N, m in [(2, "tiny"), (4, "nano")]:
     psi = g.num_params()
     root = sum(p.numel() for n, p in g.named_parameters() if not n.startswith("blocks."))
     w = {k: out[0]["wire"][0] for k, out in wire[N].items()}
-    print(f"{N:>2} {m:<6}{w['ddp']:>13,}{w['textbook']:>17,}{w['textbook'] / w['ddp']:>7.3f}"
-          f"{w['default']:>15,}{w['default'] / w['ddp']:>7.3f}")
+    if m == "tiny":
+        cols = (glue("tiny-ddp-bytes", w["ddp"], "{:,}"), glue("tiny-textbook-bytes", w["textbook"], "{:,}"),
+                glue("tiny-textbook-ratio", w["textbook"] / w["ddp"], "{:.3f}"), f"{w['default']:,}",
+                glue("tiny-fsdp2-ratio", w["default"] / w["ddp"], "{:.3f}"))
+    else:
+        cols = (f"{w['ddp']:,}", f"{w['textbook']:,}", glue("nano-textbook-ratio", w["textbook"] / w["ddp"], "{:.3f}"),
+                f"{w['default']:,}", f"{w['default'] / w['ddp']:.3f}")
+    print(f"{N:>2} {m:<6}{cols[0]:>13}{cols[1]:>17}{cols[2]:>7}{cols[3]:>15}{cols[4]:>7}")
     assert w["ddp"] == 2 * (N - 1) * 4 * psi // N                   # 2 (N-1)/N Ψ, 4 bytes each
     assert w["textbook"] == 3 * (N - 1) * 4 * psi // N              # 3 (N-1)/N Ψ
     assert w["default"] == w["textbook"] - (N - 1) * 4 * root // N  # minus one pass of the root
@@ -278,7 +293,12 @@ for name, cfg in [("tiny", config("tiny")), ("tiny, d 512, 12 layers", config("t
     g = GPT(cfg, device="meta")
     psi = g.num_params()
     root = sum(p.numel() for n, p in g.named_parameters() if not n.startswith("blocks."))
-    print(f"{name:<24} Ψ = {psi:>13,}  root {root / psi:6.1%}  ->  FSDP2 / DDP = {1.5 - root / (2 * psi):.3f}")
+    key = {"tiny": "tiny", "gpt2-small": "gpt2-small", "llama3-8b": "llama3-8b"}.get(name)   # rows the chapter quotes
+    size = glue("gpt2-small-params", psi, "{:,}") if key == "gpt2-small" else f"{psi:,}"
+    share = glue(f"{key}-root-share", root / psi, "{:.1%}") if key in ("tiny", "gpt2-small") else f"{root / psi:.1%}"
+    ratio = (glue(f"{key}-fsdp2-ratio-formula", 1.5 - root / (2 * psi), "{:.3f}") if key in ("gpt2-small", "llama3-8b")
+             else f"{1.5 - root / (2 * psi):.3f}")
+    print(f"{name:<24} Ψ = {size:>13}  root {share:>6}  ->  FSDP2 / DDP = {ratio}")
     if name == "tiny":
         assert abs((1.5 - root / (2 * psi)) - wire[2]["default"][0]["wire"][0] / wire[2]["ddp"][0]["wire"][0]) < 1e-12
 
@@ -296,18 +316,25 @@ for name, cfg in [("tiny", config("tiny")), ("tiny, d 512, 12 layers", config("t
 # NBVAL_CHECK_OUTPUT
 nano = GPT("nano", device="meta").num_params()
 print(f"{'N':>2} {'case':<16}{'all_gather':>12}{'reduce_scatter':>16}{'all_reduce':>12}{'B/param x N/(N-1)':>19}{'vs zero3':>10}")
+QUOTED = {(2, "zero3 bf16/fp32", "all_gather"): "mixed-zero3-all-gather-bytes-n2",   # the cells the chapter quotes
+          (2, "ddp fp32 grads", "all_reduce"): "mixed-ddp-fp32-bytes-n2",
+          (2, "ddp bf16 grads", "all_reduce"): "mixed-ddp-bf16-bytes-n2"}
 for N, cases in mixed.items():
     z3 = cases["zero3 bf16/fp32"][0]["wire"][0]
     for case, out in cases.items():
         ops = out[0]["by_op"]
         sent = out[0]["wire"][0]
-        print(f"{N:>2} {case:<16}" + "".join(f"{ops.get(op, {}).get('wire', 0):>{w},}" for op, w in
-                                             [("all_gather", 12), ("reduce_scatter", 16), ("all_reduce", 12)])
+        cell = {op: ops.get(op, {}).get("wire", 0) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+        cell = {op: glue(QUOTED[N, case, op], v, "{:,}") if (N, case, op) in QUOTED else f"{v:,}"
+                for op, v in cell.items()}
+        print(f"{N:>2} {case:<16}{cell['all_gather']:>12}{cell['reduce_scatter']:>16}{cell['all_reduce']:>12}"
               + f"{sent * N / ((N - 1) * nano):>19g}{z3 / sent:>9.1f}x")
     ops = cases["zero3 bf16/fp32"][0]["by_op"]
     assert ops["all_gather"]["wire"] == 2 * (N - 1) * 2 * nano // N          # two bf16 gathers
     assert ops["reduce_scatter"]["wire"] == (N - 1) * 4 * nano // N           # one fp32 reduce-scatter
     assert z3 == cases["ddp fp32 grads"][0]["wire"][0] == 2 * cases["ddp bf16 grads"][0]["wire"][0]
+z3 = mixed[2]["zero3 bf16/fp32"][0]["wire"][0]
+print(f"zero3 bf16/fp32 on 2 ranks sends {glue('mixed-zero3-bytes-n2', z3, '{:,}')} bytes a step in all")
 
 # %% [markdown]
 # PyTorch's own FSDP2 on the same ranks, counted by the operating system (it does not go through
@@ -318,8 +345,9 @@ for N, cases in mixed.items():
 # %%
 # NBVAL_CHECK_OUTPUT
 theirs = R2.run(train, TrainConfig(strategy="torch_fsdp", model="tiny", **kw))
-print(f"torch FSDP2, 2 ranks: {theirs[0]['wchar'][0] / (4 * PSI):.2f} x 4Ψ bytes written per rank per step "
-      f"(minishard's FSDP: {wire[2]['default'][0]['wire'][0] / (4 * PSI):.2f}, DDP: 1.00)")
+print(f"torch FSDP2, 2 ranks: {glue('torch-fsdp2-wire-per-4psi', theirs[0]['wchar'][0] / (4 * PSI), '{:.2f}')} "
+      f"x 4Ψ bytes written per rank per step (minishard's FSDP: "
+      f"{glue('minishard-fsdp-wire-per-4psi', wire[2]['default'][0]['wire'][0] / (4 * PSI), '{:.2f}')}, DDP: 1.00)")
 assert 1.8 < theirs[0]["wchar"][0] / (4 * PSI) < 1.9
 
 # %% [markdown]
@@ -334,30 +362,44 @@ assert 1.8 < theirs[0]["wchar"][0] / (4 * PSI) < 1.9
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+# The ranges of fsdp / ddp that seven EARLIER runs gave (before minishard's gloo all-gather became
+# point-to-point): the chapter quotes them. They are earlier runs' ranges, not this run's figures.
+EARLIER = {("tiny", "wall"): (0.9, 2.1), ("tiny", "cpu"): (1.1, 1.2),
+           ("nano", "wall"): (1.9, 2.6), ("nano", "cpu"): (1.8, 3.0)}
+ratio = {}
 for m, steps in [("tiny", 5), ("nano", 20)]:
     out = R2.run(race, model=m, steps=steps)
     t = {k: [max(a, b) for a, b in zip(out[0][k], out[1][k])] for k in out[0]}   # the slower rank
-    for k, what in [("", "wall-clock"), ("cpu:", "CPU")]:
+    for k, what, key in [("", "wall-clock", "wall"), ("cpu:", "CPU", "cpu")]:
         pair = statistics.median(f / d for f, d in zip(t[k + "fsdp"], t[k + "ddp"]))
+        ratio[m, key] = round(pair, 2)                                  # as printed
         print(f"{m:<5}{what:>11}: ddp {statistics.median(t[k + 'ddp']) * 1e3:6.1f} ms, "
               f"fsdp {statistics.median(t[k + 'fsdp']) * 1e3:6.1f} ms per step (medians of {steps}); "
-              f"fsdp / ddp = {pair:.2f} (median of the step-by-step ratios)")
+              f"fsdp / ddp = {glue(f'{m}-{key}-ratio', pair, '{:.2f}')} (median of the step-by-step ratios)")
+print("fsdp / ddp in seven earlier runs (before the point-to-point all-gather), against this run:")
+for (m, key), (lo, hi) in EARLIER.items():
+    r = ratio[m, key]
+    where = "within" if lo <= r <= hi else ("below" if r < lo else "above")
+    print(f"{m:<5}{'wall-clock' if key == 'wall' else 'CPU':>11}: earlier runs "
+          f"{glue(f'{m}-{key}-range', (lo, hi), '{:.1f}–{:.1f}')}, this run {r:.2f}: {where}")
 
 # %%
 # NBVAL_CHECK_OUTPUT
 calls = {s: out[0]["calls"][-1] for s, out in [("ddp", ddp_run), ("fsdp", fsdp_run)]}
-print(f"tiny, collectives per step: ddp {calls['ddp']}, fsdp {calls['fsdp']}")
+print(f"tiny, collectives per step: ddp {glue('tiny-ddp-collectives', calls['ddp'])}, "
+      f"fsdp {glue('tiny-fsdp-collectives', calls['fsdp'])}")
 print(f"tiny, bytes per step:       ddp {ddp_run[0]['wire'][-1]:,}, fsdp {fsdp_run[0]['wire'][-1]:,}")
 assert calls["ddp"] == 2 and calls["fsdp"] == 2 * 6 + 1 + 6 + 1   # 13 gathers, 7 reduce-scatters
 assert fsdp_run[0]["wire"][-1] > 1.3 * ddp_run[0]["wire"][-1]
 
 # %% [markdown]
 # The race above prints one run's ratios; they change from run to run. Single wall-clock figures
-# on a shared 2-core machine are noisy: across our runs of the current code the tiny model's
-# wall-clock ratio ranged from about 0.9 to 2.1 — with only a few steps a burst of other load can
-# hide the gap or double it — while its CPU-time ratio stayed at 1.1–1.2, and the nano model's
-# ratios were 1.9–2.6 (wall clock) and 1.8–2.4 (CPU time). Stage 3 is slower here, and more so
-# the smaller the collectives.
+# on a shared 2-core machine are noisy: across seven earlier runs (before minishard's gloo
+# all-gather became point-to-point) the tiny model's wall-clock ratio ranged from about 0.9 to
+# 2.1 — with only a few steps a burst of other load can hide the gap or double it — while its
+# CPU-time ratio stayed at 1.1–1.2, and the nano model's ratios were 1.9–2.6 (wall clock) and
+# 1.8–3.0 (CPU time); the race's last lines say where this run falls. Stage 3 is slower here, and
+# more so the smaller the collectives.
 # Where does the time go? The timeline of one step shows it: DDP's two all-reduces run during
 # backward, while each of ZeRO-3's forward all-gathers sits on the critical path — a block cannot
 # compute before its weights have arrived (prefetch is off: `train(..., TrainConfig(prefetch=0))`, the
@@ -381,7 +423,8 @@ def blocked_in_all_gather(events, rank=0, step=1):
     return t1 - t0, ag
 
 fwd, ag = blocked_in_all_gather(events)
-print(f"rank 0, step 1: forward {fwd * 1e3:.0f} ms, of which {ag * 1e3:.0f} ms ({ag / fwd:.0%}) waiting in all-gathers")
+print(f"rank 0, step 1: forward {fwd * 1e3:.0f} ms, of which "
+      f"{glue('forward-wait', (ag * 1e3, ag / fwd), '{:.0f} ms ({:.0%})')} waiting in all-gathers")
 
 # %% [markdown]
 # And what did the extra time buy? The tiny model under plain DDP needs 176 MB per rank at its
@@ -429,14 +472,17 @@ measured = {"state ratio, zero3 / ddp (§1)": sum(runs["fsdp"][0]["ledger"]["fin
             "bytes ratio, bf16/fp32 policy vs fp32 DDP (§3)":
                 mixed[2]["zero3 bf16/fp32"][0]["wire"][0] / mixed[2]["ddp fp32 grads"][0]["wire"][0],
             "collectives per step, zero3 / ddp (§4)": calls["fsdp"] / calls["ddp"]}
-for k, v in measured.items():
-    print(f"measured  {k:<48}{v:>6.2f}")
+NAMES = ["state-ratio", "textbook-bytes-ratio", "mixed-bytes-ratio", "collectives-ratio"]
+for (k, v), n in zip(measured.items(), NAMES):
+    print(f"measured  {k:<48}{glue(n, v, '{:.2f}'):>6}")
 h100 = DEVICES["h100-80gb"]
-for label, cluster in [("1 node x 8 H100, NVLink", Cluster(h100, 8)),
-                       ("2 nodes x 8 H100, 100 Gb Ethernet", Cluster(h100, 8, 2, inter=LINKS["ethernet-100g"]))]:
+for label, key, cluster in [("1 node x 8 H100, NVLink", "nvlink", Cluster(h100, 8)),
+                            ("2 nodes x 8 H100, 100 Gb Ethernet", "ethernet",
+                             Cluster(h100, 8, 2, inter=LINKS["ethernet-100g"]))]:
     z1, z3 = (plan("llama3-8b", cluster, s, recompute=True) for s in ("zero1", "zero3"))
-    print(f"modelled  {label:<34} ZeRO-3 / ZeRO-1: memory {z3.total_memory / z1.total_memory:.2f}, "
-          f"step time {z3.step_s / z1.step_s:.2f}")
+    print(f"modelled  {label:<34} ZeRO-3 / ZeRO-1: "
+          f"memory {glue(f'{key}-memory-ratio', z3.total_memory / z1.total_memory, '{:.2f}')}, "
+          f"step time {glue(f'{key}-step-ratio', z3.step_s / z1.step_s, '{:.2f}')}")
 assert measured["state ratio, zero3 / ddp (§1)"] == 0.5 and measured["collectives per step, zero3 / ddp (§4)"] == 10
 assert measured["bytes ratio, textbook (§3)"] == 1.5 and measured["bytes ratio, bf16/fp32 policy vs fp32 DDP (§3)"] == 1.0
 

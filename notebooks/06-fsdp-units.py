@@ -69,6 +69,7 @@ from minishard import GPT, Ranks
 from minishard.course.ch05 import race, with_unit_states
 from minishard.course.ch06 import (layout_views, lifecycle_by_hand, lifecycle_order, mixed_dtypes,
                                    padding_table, unit_state_figure)
+from minishard.course.glue import glue
 from minishard.parity import bitwise_equal, drift, params_of
 from minishard.train import TrainConfig, train, wrap_targets
 from minishard.viz import Player
@@ -99,11 +100,12 @@ hand = R2.run(lifecycle_by_hand)
 SHORT = {"sharded": "S", "unsharding": "~", "unsharded": "U", "reduce_scattering": "R"}
 print(f"{'call':<32}{'root b0 b1 b2':<15}{'qkv seen':<10}{'full qkv':>9}{'unsharded':>10}{'grads':>9}"
       f"{'activ.':>11}  collective")
-for r in hand[0]["rows"]:
+for i, r in enumerate(hand[0]["rows"]):
     st = "   ".join(SHORT[s] for s in r["states"].values())
     led = r["ledger"]
+    grads = glue("at-rest-grad-bytes", led["grads"], "{:,}") if i == 0 else f"{led.get('grads', 0):,}"
     print(f"{r['call']:<32}{st:<15}{str(r['qkv_shape']):<10}{r['qkv_full_bytes']:>9,}"
-          f"{led.get('unsharded', 0):>10,}{led.get('grads', 0):>9,}{led.get('activations', 0):>11,}  "
+          f"{led.get('unsharded', 0):>10,}{grads:>9}{led.get('activations', 0):>11,}  "
           + " ".join(dict.fromkeys(r["collectives"])))
 rows = hand[0]["rows"]
 for r in rows:                        # the module computes with the full weight only while gathered
@@ -202,8 +204,12 @@ for w, out in [*sweep.items(), ("(ddp)", ddp)]:
     o = out[0]
     snap = o["ledger"]["peak_snapshot"]
     n_units = str(len(wrap_targets(GPT("nano", device="meta"), w)) + 1) if w in sweep else "-"
-    print(f"{w:<8}{n_units:>6}{o['calls'][-1]:>18}{o['wire'][-1]:>12,}{snap.get('unsharded', 0):>19,}"
-          f"{snap.get('params', 0) + snap.get('unsharded', 0):>18,}{o['ledger']['peak']:>11,}")
+    key = w.strip("()")
+    calls_w = glue(f"{key}-collectives", o["calls"][-1]) if key in ("model", "linear") else str(o["calls"][-1])
+    held = snap.get("params", 0) + snap.get("unsharded", 0)
+    held = glue(f"{key}-params-at-peak", held, "{:,}") if key in ("model", "ddp") else f"{held:,}"
+    print(f"{w:<8}{n_units:>6}{calls_w:>18}{o['wire'][-1]:>12,}{snap.get('unsharded', 0):>19,}"
+          f"{held:>18}{o['ledger']['peak']:>11,}")
 un = {w: out[0]["ledger"]["peak_snapshot"].get("unsharded", 0) for w, out in sweep.items()}
 calls = {w: out[0]["calls"][-1] for w, out in sweep.items()}
 assert un["model"] == 4 * PSI > un["block"] > un["linear"]       # whole model gathered at once
@@ -224,7 +230,9 @@ out = R2.run(race, {w: {"strategy": "fsdp", "wrap": w} for w in ("model", "block
              model="nano", steps=20, micro_batch=2)
 t = {k: [max(a, b) for a, b in zip(out[0][k], out[1][k])] for k in out[0]}     # the slower rank
 for w in ("model", "block", "linear"):
-    print(f"wrap={w:<7} median step {statistics.median(t[w]) * 1e3:5.1f} ms wall-clock, "
+    ms = statistics.median(t[w]) * 1e3
+    ms = glue(f"{w}-step-ms", ms, "{:.1f}") if w in ("block", "linear") else f"{ms:.1f}"
+    print(f"wrap={w:<7} median step {ms:>5} ms wall-clock, "
           f"{statistics.median(t['cpu:' + w]) * 1e3:5.1f} ms CPU; {calls[w]} collectives per step")
 
 # %% [markdown]
@@ -278,12 +286,12 @@ assert bitwise_equal(per_param[0]["params"], flat[0]["params"])
 # NBVAL_CHECK_OUTPUT
 views = R2.run(layout_views)
 v = views[0]
-print(f"per-parameter: {len(v['per_param']['parameters'])} parameters, the model's own names, "
+print(f"per-parameter: {glue('per-param-parameters', len(v['per_param']['parameters']))} parameters, the model's own names, "
       f"each a row block of the original:")
 for n, shape, dtype in v["per_param"]["parameters"][:6]:
     print(f"    {n:<28}{str(shape):<12}{dtype}")
 print(f"    ... ({len(v['per_param']['parameters']) - 6} more)")
-print(f"flat: {len(v['flat']['parameters'])} parameters, one 1-D buffer per unit:")
+print(f"flat: {glue('flat-parameters', len(v['flat']['parameters']))} parameters, one 1-D buffer per unit:")
 for n, shape, dtype in v["flat"]["parameters"]:
     print(f"    {n:<28}{str(shape):<12}{dtype}")
 print("state_dict keys: per-parameter", len(v["per_param"]["state_dict"]), "| flat", len(v["flat"]["state_dict"]),
@@ -314,7 +322,9 @@ for model, N in [("nano", 2), ("nano", 3), ("nano", 8), ("nano", 128), ("tiny", 
     pad = padding_table(model, N)
     psi = GPT(model, device="meta").num_params()
     pp, fl = pad["per_param"], pad["flat"]
-    print(f"{model:<10}{N:>5}{max(pp):>28,}{sum(pp) / psi:>12.2%}{max(fl):>13,}{sum(fl) / psi:>11.4%}")
+    share = (glue(f"{model}-per-param-padding-n{N}", sum(pp) / psi, "{:.2%}")
+             if (model, N) in (("nano", 128), ("llama3-8b", 1024)) else f"{sum(pp) / psi:.2%}")
+    print(f"{model:<10}{N:>5}{max(pp):>28,}{share:>12}{max(fl):>13,}{sum(fl) / psi:>11.4%}")
     n_units = GPT(model, device="meta").cfg.n_layer + 1
     assert max(fl) <= sum(fl) <= n_units * (N - 1)                 # < N elements per unit
 assert views[0]["per_param"]["padding"] == views[1]["per_param"]["padding"] == dict.fromkeys(
@@ -396,11 +406,15 @@ assert "one dtype per unit" in md["flat"]["error"]
 # NBVAL_CHECK_OUTPUT
 keep = R2.run(train, TrainConfig(strategy="fsdp", steps=2, model="nano", micro_batch=2, reshard_after_forward=False))
 print(f"{'':<30}{'collectives':>12}{'bytes/step':>12}{'unsharded at peak':>19}{'peak':>11}")
-for name, out in [("reshard_after_forward=True", sweep["block"]), ("reshard_after_forward=False", keep),
-                  ("(ddp)", ddp)]:
+for name, key, out in [("reshard_after_forward=True", "reshard", sweep["block"]),
+                       ("reshard_after_forward=False", "keep", keep), ("(ddp)", "ddp", ddp)]:
     o = out[0]
-    print(f"{name:<30}{o['calls'][-1]:>12}{o['wire'][-1]:>12,}"
-          f"{o['ledger']['peak_snapshot'].get('unsharded', 0):>19,}{o['ledger']['peak']:>11,}")
+    sent, peak = o["wire"][-1], o["ledger"]["peak"]
+    sent = glue(f"{key}-bytes-per-step", sent, "{:,}")
+    gathered = o["ledger"]["peak_snapshot"].get("unsharded", 0)
+    gathered = glue("keep-unsharded-at-peak", gathered, "{:,}") if key == "keep" else f"{gathered:,}"
+    peak = glue(f"{key}-peak-bytes", peak, "{:,}") if key != "ddp" else f"{peak:,}"
+    print(f"{name:<30}{o['calls'][-1]:>12}{sent:>12}{gathered:>19}{peak:>11}")
 assert keep[0]["wire"][-1] == ddp[0]["wire"][-1] == 2 * (2 - 1) * 4 * PSI // 2    # DDP's volume
 assert keep[0]["wire"][-1] < sweep["block"][0]["wire"][-1]
 assert keep[0]["ledger"]["peak_snapshot"]["unsharded"] == 4 * PSI                   # everything gathered
