@@ -75,6 +75,7 @@ import torch
 from minishard import GPT, Ranks, checkpoint
 from minishard.comm import Comm
 from minishard.course.ch09 import resume_and_compare
+from minishard.course.glue import glue
 from minishard.model import config
 from minishard.parity import bitwise_equal, drift, params_of
 from minishard.train import TrainConfig, train
@@ -87,7 +88,7 @@ STATE = 3 * 4 * PSI                  # fp32 parameters + Adam's two moments; gra
 WORK = Path(tempfile.mkdtemp(prefix="minishard-ch09-"))
 KW = dict(model="tiny", track_activations=False)
 GLOBAL = 12                          # sequences per step, whatever the world size: 4x3, 3x4, 2x6
-print(f"tiny GPT: Ψ = {PSI:,} parameters; parameters + AdamW moments = 12Ψ = {STATE:,} bytes")
+print(f"tiny GPT: Ψ = {glue('tiny-params', PSI, '{:,}')} parameters; parameters + AdamW moments = 12Ψ = {STATE:,} bytes")
 R4 = Ranks(4)
 
 # %% [markdown]
@@ -107,9 +108,10 @@ pieces = [p for t in meta["tensors"].values() for p in t["pieces"]]
 print(f"{'file':<20}{'bytes':>13}{'pieces':>8}{'tensor data':>14}")
 for f, info in sorted(meta["files"].items()):
     data = sum(p["numel"] * 4 for p in pieces if p["file"] == f)
-    print(f"{f:<20}{info['bytes']:>13,}{sum(p['file'] == f for p in pieces):>8}{data:>14,}")
+    data_text = glue("file-tensor-bytes", data, "{:,}") if f == "rank0.safetensors" else f"{data:,}"
+    print(f"{f:<20}{info['bytes']:>13,}{sum(p['file'] == f for p in pieces):>8}{data_text:>14}")
     assert info["bytes"] == os.path.getsize(ck / f) and data == STATE // 4     # exactly a quarter each
-print(f"{'metadata.json':<20}{os.path.getsize(ck / 'metadata.json'):>13,}")
+print(f"{'metadata.json':<20}{glue('metadata-bytes', os.path.getsize(ck / 'metadata.json'), '{:,}'):>13}")
 assert sum(p["numel"] * 4 for p in pieces) == STATE          # every element saved once: no padding, no copy
 assert meta["step"] == 3 and meta["optimizer"]["step"] == 3.0 and meta["world_size"] == 4
 
@@ -147,7 +149,10 @@ checks = {(2, "fsdp"): R2.run(resume_and_compare, str(ck), "fsdp"),
 print(f"{'load 4 ->':<16}{'rank':>5}{'holds (bytes)':>15}{'reads (bytes)':>15}{'tensors that differ':>21}")
 for (M, strategy), out in checks.items():
     for o in out:
-        print(f"{f'{M} x {strategy}':<16}{o['rank']:>5}{o['bytes']:>15,}{o['bytes_read']:>15,}"
+        held, read = f"{o['bytes']:,}", f"{o['bytes_read']:,}"
+        if (M, strategy, o["rank"]) == (3, "fsdp", 0):             # the rank the chapter quotes
+            held, read = glue("load3-rank0-holds", o["bytes"], "{:,}"), glue("load3-rank0-reads", o["bytes_read"], "{:,}")
+        print(f"{f'{M} x {strategy}':<16}{o['rank']:>5}{held:>15}{read:>15}"
               f"{len(o['differ']):>21}")
         assert o["differ"] == [] and o["step"] == 3
     if strategy == "zero1":                      # parameters whole on every rank, moments split
@@ -241,17 +246,18 @@ reshard_figure(plan32).show()
 # %%
 # NBVAL_CHECK_OUTPUT
 print(f"64 -> 32 (fsdp): new rank r reads saved ranks {plan32.files_read()[:3]} ...: 2r and 2r+1")
-print(f"  each new rank reads {plan32.bytes_read()[0]:,} bytes and needs {plan32.needed_bytes[0]:,}")
+print(f"  each new rank reads {glue('reshard32-bytes-read', plan32.bytes_read()[0], '{:,}')} bytes and needs {plan32.needed_bytes[0]:,}")
 assert plan32.files_read() == [[2 * r, 2 * r + 1] for r in range(32)]
 assert plan32.bytes_read() == plan32.needed_bytes           # whole pieces: nothing read in vain
 zero32 = checkpoint.plan(meta64, "zero1", 32)
-print(f"64 -> 32 (zero1): every new rank reads all 64 files, {zero32.bytes_read()[0]:,} bytes "
+print(f"64 -> 32 (zero1): every new rank reads all 64 files, {glue('zero1-reshard32-bytes-read', zero32.bytes_read()[0], '{:,}')} bytes "
       f"(parameters whole: 4Ψ = {4 * PSI:,}, plus 1/32 of the moments)")
 assert all(f == list(range(64)) for f in zero32.files_read())
 plan48 = checkpoint.plan(meta64, "fsdp", 48)
 extra = sum(plan48.bytes_read()) / sum(plan48.needed_bytes) - 1
 print(f"64 -> 48 (fsdp): new ranks read from {sorted({len(f) for f in plan48.files_read()})} files each; "
-      f"{sum(plan48.bytes_read()):,} bytes read for {sum(plan48.needed_bytes):,} needed (+{extra:.0%})")
+      f"{glue('reshard48-bytes-read', sum(plan48.bytes_read()), '{:,}')} bytes read for "
+      f"{glue('reshard48-bytes-needed', sum(plan48.needed_bytes), '{:,}')} needed (+{glue('reshard48-extra', extra, '{:.0%}')})")
 assert sum(plan48.needed_bytes) == STATE and 0 < extra < 1
 
 # %%
@@ -290,8 +296,9 @@ torch.set_num_threads(threads)
 for f in report["files"]:
     names = [n for n, file in index["weight_map"].items() if file == f]
     print(f"{f}  {len(names):>2} tensors  {os.path.getsize(release / f):>11,} bytes  e.g. {names[0]}")
-print(f"total_size {index['metadata']['total_size']:,} = 4Ψ; peak buffer {report['peak_buffer_bytes']:,} "
-      f"bytes, largest tensor {report['largest_tensor_bytes']:,}")
+print(f"total_size {index['metadata']['total_size']:,} = 4Ψ; "
+      f"peak buffer {glue('export-peak-buffer', report['peak_buffer_bytes'], '{:,}')} bytes, "
+      f"largest tensor {glue('largest-tensor-bytes', report['largest_tensor_bytes'], '{:,}')}")
 assert len(report["files"]) == 6 + 1 and index["metadata"]["total_size"] == 4 * PSI
 assert report["peak_buffer_bytes"] <= report["largest_tensor_bytes"] <= 2 * report["largest_tensor_bytes"]
 exact = all(torch.equal(p.detach(), run4[0]["params"][n]) for n, p in plain.named_parameters())
@@ -329,10 +336,22 @@ def copy_rate(f: str) -> float:
 
 with ThreadPoolExecutor(4) as pool:
     copies = list(pool.map(copy_rate, sorted(meta["files"])))
+save_rates = [s["bytes_written"] / s["seconds"] / 1e6 for s in saves]
+
+
+def rate(name, x, xs):
+    """A rate as the table prints it; the slowest and the fastest of ``xs`` recorded (the chapter quotes the range)."""
+    if x == min(xs):
+        return glue(f"{name}-slowest", x, "{:.0f}")
+    if x == max(xs):
+        return glue(f"{name}-fastest", x, "{:.0f}")
+    return f"{x:.0f}"
+
+
 print(f"{'rank':>4}{'save MB/s':>11}{'its file':>10}{'load MB/s':>11}{'copy MB/s':>11}")
-for r, (s, ld, c) in enumerate(zip(saves, loads, copies)):
-    print(f"{r:>4}{s['bytes_written'] / s['seconds'] / 1e6:>11.0f}{s['bytes_written'] / s['write_seconds'] / 1e6:>10.0f}"
-          f"{ld['bytes_read'] / ld['seconds'] / 1e6:>11.0f}{c:>11.0f}")
+for r, (s, sr, ld, c) in enumerate(zip(saves, save_rates, loads, copies)):
+    print(f"{r:>4}{rate('save-rate', sr, save_rates):>11}{s['bytes_written'] / s['write_seconds'] / 1e6:>10.0f}"
+          f"{ld['bytes_read'] / ld['seconds'] / 1e6:>11.0f}{rate('copy-rate', c, copies):>11}")
 assert all(s["bytes_written"] > 0 and ld["bytes_read"] > 0 for s, ld in zip(saves, loads))
 
 # %% [markdown]

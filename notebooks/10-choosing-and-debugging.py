@@ -70,6 +70,7 @@ from minishard.ledger import gpt_activation_bytes
 from minishard.course.ch10 import percentile, phase_seconds, profile, straggler, under_budget
 from minishard.model import config
 from minishard.course.ch10 import compare_with_fsdp
+from minishard.course.glue import glue
 from minishard.train import TrainConfig, train
 from minishard.viz import PlannerWidget
 
@@ -103,13 +104,20 @@ pw.widget
 
 # %%
 # NBVAL_CHECK_OUTPUT
-def strategy_table(widget):
+def strategy_table(widget, tag="", quote=()):
+    """The four plans side by side; the (strategy, column) cells in ``quote`` (the chapter's
+    figures) are recorded as f"{tag}-{strategy}-{column}", column "gib", "step" or "waiting"."""
+    def cell(s, column, value, fmt):
+        return glue(f"{tag}-{s}-{column}", value, fmt) if (s, column) in quote else fmt.format(value)
+
     print(f"{'':<15}{'GiB/GPU':>9}{'fits':>6}{'s/step':>8}{'tokens/s/GPU':>14}{'waiting':>9}")
     for s, p in widget.plans.items():
-        print(f"{s:<15}{p.total_memory / GiB:>9.1f}{'yes' if p.fits else 'no':>6}{p.step_s:>8.2f}"
-              f"{p.tokens_per_s_per_rank:>14,.0f}{p.exposed_comm_s / p.step_s:>9.0%}")
+        print(f"{s:<15}{cell(s, 'gib', p.total_memory / GiB, '{:.1f}'):>9}{'yes' if p.fits else 'no':>6}"
+              f"{cell(s, 'step', p.step_s, '{:.2f}'):>8}{p.tokens_per_s_per_rank:>14,.0f}"
+              f"{cell(s, 'waiting', p.exposed_comm_s / p.step_s, '{:.0%}'):>9}")
 
-strategy_table(pw)
+strategy_table(pw, "one-node", [("ddp", "gib"), ("zero1", "gib"), ("zero2", "gib"), ("fsdp", "gib"),
+                                ("zero1", "step"), ("fsdp", "step")])
 print(pw.verdict)
 for h in pw.hints:
     print(" -", h)
@@ -130,7 +138,12 @@ assert "Shard more: ZeRO-1" in pw.hints[0]
 # NBVAL_CHECK_OUTPUT
 pw.strategy = "fsdp"
 print(pw.verdict)
+lean = pw.plan_for("fsdp", recompute=False)                  # the plan the second hint describes
+lean_text = f"({lean.total_memory / GiB:.1f} GiB — {lean.device_share:.0%} of the device"
 for h in pw.hints:
+    if lean_text in h:
+        h = h.replace(lean_text, f"({glue('no-recompute-gib', lean.total_memory / GiB, '{:.1f}')} GiB — "
+                                 f"{glue('no-recompute-share', lean.device_share, '{:.0%}')} of the device")
     print(" -", h)
 assert pw.fits and any(h.startswith("ZeRO-1 fits too") for h in pw.hints)
 
@@ -147,10 +160,10 @@ assert pw.fits and any(h.startswith("ZeRO-1 fits too") for h in pw.hints)
 # %%
 # NBVAL_CHECK_OUTPUT
 pw.set(nodes=2, inter="ethernet-100g")
-strategy_table(pw)
+strategy_table(pw, "ethernet", [("zero1", "waiting"), ("fsdp", "waiting"), ("fsdp", "gib")])
 print(pw.verdict)
 for h in pw.hints:
-    print(" -", h)
+    print(" -", glue("planner-hint", h) if h.startswith("ZeRO-1 fits too") else h)
 eth = pw.plans
 assert eth["fsdp"].exposed_comm_s > eth["zero2"].exposed_comm_s > 0.5 * eth["zero2"].step_s
 assert any("Hybrid sharding" in h for h in pw.hints)
@@ -164,7 +177,7 @@ assert any("Hybrid sharding" in h for h in pw.hints)
 # %%
 # NBVAL_CHECK_OUTPUT
 pw.hybrid = True
-strategy_table(pw)
+strategy_table(pw, "hybrid", [("fsdp", "waiting"), ("fsdp", "gib")])
 print(pw.verdict)
 hy = pw.plans
 assert hy["fsdp"].exposed_comm_s < min(0.25 * hy["fsdp"].step_s, eth["fsdp"].exposed_comm_s / 3)
@@ -179,7 +192,7 @@ assert hy["fsdp"].total_memory == p8["fsdp"].total_memory           # exactly on
 # %%
 # NBVAL_CHECK_OUTPUT
 pw.set(model="llama3-70b", nodes=4, inter="ib-ndr-400", hybrid=False)
-strategy_table(pw)
+strategy_table(pw, "llama70b", [("fsdp", "gib")])
 print(pw.verdict)
 p70 = pw.plans
 assert [s for s, p in p70.items() if p.fits] == ["fsdp"]
@@ -256,11 +269,25 @@ for name, kw in WALK:
 CATS = ("unsharded", "comm_buffers", "activations", "grads")
 print(f"budget {BUDGET / MiB:.0f} MiB per rank; rank 0's live run, and the peak it reaches without a budget (MiB)")
 print(f"{'':<21}{'live run under the budget':<35}{'coll./step':>11}{'peak':>7}" + "".join(f"{c:>13}" for c in CATS))
+QUOTED = {("1. wrap per block", "alloc"): "wrap-fix-oom-alloc",          # the chapter's figures
+          ("1. wrap per block", "activations"): "wrap-fix-activations",
+          ("2. prefetch depth 1", "peak"): "prefetch-fix-peak",
+          ("2. prefetch depth 1", "activations"): "prefetch-fix-activations",
+          ("3. recompute", "activations"): "recompute-activations",
+          ("4. or: chunked loss", "peak"): "chunked-loss-peak"}
+
+
+def mib(row, column, value):
+    """``value`` MiB as the table prints it, recorded if the chapter quotes it."""
+    name = QUOTED.get((row, column))
+    return glue(name, value, "{:.1f}") if name else f"{value:.1f}"
+
+
 for name, (r0, r1) in walk.items():
     assert r0["fits"] == r1["fits"] and r0["peak"] == r1["peak"]    # the ranks fail at the same allocation
-    live = "fits" if r0["fits"] else f"OOM allocating {r0['alloc_mib']:.1f} of {r0['allocating']}"
-    print(f"{name:<21}{live:<35}{r0['calls']:>11}{r0['peak'] / MiB:>7.1f}"
-          + "".join(f"{r0['peak_snapshot'].get(c, 0) / MiB:>13.1f}" for c in CATS))
+    live = "fits" if r0["fits"] else f"OOM allocating {mib(name, 'alloc', r0['alloc_mib'])} of {r0['allocating']}"
+    print(f"{name:<21}{live:<35}{r0['calls']:>11}{mib(name, 'peak', r0['peak'] / MiB):>7}"
+          + "".join(f"{mib(name, c, r0['peak_snapshot'].get(c, 0) / MiB):>13}" for c in CATS))
 w = {name: r[0] for name, r in walk.items()}
 peak = {name: r["peak_snapshot"] for name, r in w.items()}
 assert [r["fits"] for r in w.values()] == [False, False, False, True, True]
@@ -304,8 +331,8 @@ assert w["all four mistakes"]["calls"] == 2 and w["1. wrap per block"]["calls"] 
 # %%
 # NBVAL_CHECK_OUTPUT
 one_block = gpt_activation_bytes(cfg, 4) - gpt_activation_bytes(config("tiny", n_layer=5), 4)
-print(f"one block recomputed: {one_block / MiB:.1f} MiB; recompute peak + that = "
-      f"{(w['3. recompute']['peak'] + one_block) / MiB:.1f} MiB of {BUDGET / MiB:.0f}")
+print(f"one block recomputed: {glue('one-block-recomputed', one_block / MiB, '{:.1f}')} MiB; recompute peak + that = "
+      f"{glue('recompute-peak-with-block', (w['3. recompute']['peak'] + one_block) / MiB, '{:.1f}')} MiB of {BUDGET / MiB:.0f}")
 assert w["3. recompute"]["peak"] + one_block < BUDGET
 
 # %% [markdown]
@@ -323,9 +350,9 @@ assert w["3. recompute"]["peak"] + one_block < BUDGET
 # NBVAL_CHECK_OUTPUT
 tp = R2.run(compare_with_fsdp)[0]
 full, acts = tp["full_weight_bytes"], tp["activation_bytes"]
-print(f"MLP weights {full:,} bytes; its input activations {acts:,} bytes (2 x 128 x 256 fp32)")
+print(f"MLP weights {glue('mlp-weight-bytes', full, '{:,}')} bytes; its input activations {acts:,} bytes (2 x 128 x 256 fp32)")
 print(f"{'':<20}{'weight bytes at peak':>22}{'bytes sent':>13}{'collectives':>13}{'same result':>13}")
-print(f"{'tensor parallel':<20}{tp['tp']['peak_weight_bytes']:>22,}{tp['tp']['wire']:>13,}{tp['tp']['calls']:>13}"
+print(f"{'tensor parallel':<20}{glue('tp-peak-weight-bytes', tp['tp']['peak_weight_bytes'], '{:,}'):>22}{tp['tp']['wire']:>13,}{tp['tp']['calls']:>13}"
       f"{str(tp['tp']['output_matches'] and tp['tp']['grad_x_matches']):>13}")
 print(f"{'FSDP':<20}{tp['fsdp']['peak_weight_bytes']:>22,}{tp['fsdp']['wire']:>13,}{tp['fsdp']['calls']:>13}"
       f"{str(tp['fsdp']['output_matches']):>13}")
@@ -365,7 +392,8 @@ with Ranks(4) as R4:
     scaling[4] = profile(R4.run(train, TrainConfig(**kw)), R4.last_events, tokens_per_rank, single_tps)
 print(f"{'ranks':>5}{'step (s)':>10}{'tokens/s':>10}{'scaling efficiency':>20}")
 for n, m in scaling.items():
-    print(f"{n:>5}{m['step_s']:>10.3f}{m['tokens_per_s']:>10,.0f}{m['scaling_efficiency']:>20.0%}")
+    tps = glue(f"tokens-per-s-{n}-ranks", m["tokens_per_s"], "{:,.0f}") if n in (1, 4) else f"{m['tokens_per_s']:,.0f}"
+    print(f"{n:>5}{m['step_s']:>10.3f}{tps:>10}{m['scaling_efficiency']:>20.0%}")
 assert scaling[4]["scaling_efficiency"] < 0.9            # 4 ranks on 2 cores cannot scale linearly
 
 # %% [markdown]
@@ -388,8 +416,9 @@ slow = R2.run(straggler, delay=DELAY, every=EVERY, steps=30)[0]
 t = slow["step_times"]
 stalled = [t[i] for i in slow["slow_steps"]]
 others = [x for i, x in enumerate(t) if i not in slow["slow_steps"]]
-print(f"rank 0 (healthy): mean {statistics.mean(t) * 1e3:.0f} ms, p50 {percentile(t, 50) * 1e3:.0f} ms, "
-      f"p99 {percentile(t, 99) * 1e3:.0f} ms")
+print(f"rank 0 (healthy): mean {glue('healthy-mean-ms', statistics.mean(t) * 1e3, '{:.0f}')} ms, "
+      f"p50 {glue('healthy-p50-ms', percentile(t, 50) * 1e3, '{:.0f}')} ms, "
+      f"p99 {glue('healthy-p99-ms', percentile(t, 99) * 1e3, '{:.0f}')} ms")
 print(f"  median on the {len(stalled)} steps rank 1 stalled: {statistics.median(stalled) * 1e3:.0f} ms; "
       f"on the other {len(others)}: {statistics.median(others) * 1e3:.0f} ms")
 assert len(stalled) == 3 and min(stalled) >= DELAY          # rank 0 waited every time rank 1 slept
@@ -409,12 +438,18 @@ assert statistics.median(others) < DELAY <= percentile(t, 99)
 # NBVAL_CHECK_OUTPUT
 print(f"{'between nodes':<34}{'flat FSDP: waiting':>20}{'tok/s/GPU':>11}{'hybrid: waiting':>17}{'tok/s/GPU':>11}")
 topo = {}
+TOPO_QUOTED = {("ib-ndr-400", "hybrid"), ("ib-hdr-200", "flat"), ("ethernet-100g", "flat"), ("ethernet-100g", "hybrid")}
 for link in ("nvlink4", "ib-ndr-400", "ib-hdr-200", "ethernet-100g"):
     c = Cluster(DEVICES["h100-80gb"], 8, nodes=2, inter=LINKS[link])
     flat, hyb = (plan("llama3-8b", c, "fsdp", seq_len=8192, recompute=True, hybrid=h) for h in (False, True))
     topo[link] = (flat, hyb)
-    print(f"{LINKS[link].name:<34}{flat.exposed_comm_s / flat.step_s:>20.0%}{flat.tokens_per_s_per_rank:>11,.0f}"
-          f"{hyb.exposed_comm_s / hyb.step_s:>17.0%}{hyb.tokens_per_s_per_rank:>11,.0f}")
+    waits = [f"{x.exposed_comm_s / x.step_s:.0%}" for x in (flat, hyb)]
+    for i, layout in enumerate(("flat", "hybrid")):
+        if (link, layout) in TOPO_QUOTED:                 # the chapter's figures
+            waits[i] = glue(f"{link}-{layout}-waiting", flat.exposed_comm_s / flat.step_s if i == 0
+                            else hyb.exposed_comm_s / hyb.step_s, "{:.0%}")
+    print(f"{LINKS[link].name:<34}{waits[0]:>20}{flat.tokens_per_s_per_rank:>11,.0f}"
+          f"{waits[1]:>17}{hyb.tokens_per_s_per_rank:>11,.0f}")
 assert topo["ethernet-100g"][0].tokens_per_s_per_rank < 0.5 * topo["nvlink4"][0].tokens_per_s_per_rank
 assert topo["ethernet-100g"][1].tokens_per_s_per_rank > 2 * topo["ethernet-100g"][0].tokens_per_s_per_rank
 
@@ -437,8 +472,8 @@ pw.set(model="llama3-8b", nodes=2, inter="ib-ndr-400", strategy="fsdp", hybrid=F
 for wrap in ("block", "model"):
     pw.wrap = wrap
     p = pw.plan
-    print(f"wrap={wrap:<6} {p.total_memory / GiB:5.1f} GiB per GPU, {p.notes[-1]:<44} "
-          f"{p.exposed_comm_s / p.step_s:4.0%} of the step waiting")
+    print(f"wrap={wrap:<6} {glue(f'wrap-{wrap}-gib', p.total_memory / GiB, '{:.1f}'):>5} GiB per GPU, {p.notes[-1]:<44} "
+          f"{glue('wrap-model-waiting', p.exposed_comm_s / p.step_s, '{:.0%}') if wrap == 'model' else f'{p.exposed_comm_s / p.step_s:.0%}':>4} of the step waiting")
 wraps = {w: pw.plan_for("fsdp", wrap=w) for w in ("block", "model")}
 assert wraps["model"].memory["unsharded"] == 2 * GPT("llama3-8b", device="meta").num_params()
 assert wraps["model"].exposed_comm_s > 10 * wraps["block"].exposed_comm_s
@@ -463,8 +498,9 @@ ratio = {}
 for name in ("4. or: chunked loss", "3. recompute"):
     fwd, bwd = (phase_seconds(traces[name], 0, ph) for ph in ("forward", "backward"))
     ratio[name] = min(bwd) / min(fwd)
+    key = "recompute" if name == "3. recompute" else "chunked-loss"
     print(f"{name:<22} forward {min(fwd) * 1e3:5.0f} ms, backward {min(bwd) * 1e3:5.0f} ms: "
-          f"backward = {ratio[name]:.1f} x forward")
+          f"backward = {glue(f'{key}-backward-ratio', ratio[name], '{:.1f}')} x forward")
 # (timing, not asserted: under load the ratio can flip) ratio["3. recompute"] > ratio["4. or: chunked loss"]
 
 # %% [markdown]
@@ -493,7 +529,8 @@ print(f"between steps the device holds {sum(dev.get('device', {}).values()) / Mi
 eight = Cluster(DEVICES["h100-80gb"], 8)
 on, off8 = (plan("llama3-8b", eight, "fsdp", seq_len=8192, recompute=True, offload=o) for o in (False, True))
 print(f"Llama-3-8B, 8 H100s: {off8.total_memory / GiB:.1f} GiB per GPU instead of {on.total_memory / GiB:.1f}, "
-      f"{off8.step_s:.2f} s per step instead of {on.step_s:.2f} s ({off8.notes[-1]})")
+      f"{glue('offload-step-s', off8.step_s, '{:.2f}')} s per step instead of "
+      f"{glue('no-offload-step-s', on.step_s, '{:.2f}')} s ({off8.notes[-1]})")
 assert moved["h2d_bytes"] == 4 * (2 * (PSI - ROOT) + ROOT) // 2     # each block's shard twice, the root's once
 assert moved["d2h_bytes"] == 4 * PSI // 2                            # every gradient shard, once
 assert sum(dev["host"].values()) == 16 * PSI // 2 and not dev.get("device")
@@ -518,7 +555,8 @@ for s in ("ddp", "zero1", "zero2", "fsdp"):
     r = R2.run(train, TrainConfig(strategy=s, model="nano", micro_batch=2, steps=2, track_activations=False))[0]
     state = sum(r["ledger"]["final"].get(c, 0) for c in STATE) / NANO
     names[s] = (state, r["wire"][-1] / NANO)
-    print(f"{s:<8}{state:>18.1f}{names[s][1]:>23.2f}")
+    sent = glue("fsdp-sent-per-param", names[s][1], "{:.2f}") if s == "fsdp" else f"{names[s][1]:.2f}"
+    print(f"{s:<8}{state:>18.1f}{sent:>23}")
 assert [names[s][0] for s in ("ddp", "zero1", "zero2", "fsdp")] == [16, 12, 10, 8]     # 4+4+8/N ... 16/N
 assert names["ddp"][1] == names["zero1"][1] == names["zero2"][1] == 4.0    # 2(N-1)/N x 4 bytes
 assert 4.0 < names["fsdp"][1] <= 6.0                                        # up to 1.5x
@@ -556,10 +594,10 @@ R2.close()
 # bytes sent per step for DDP, ZeRO-1, ZeRO-2 and FSDP, minishard's and PyTorch's side by side
 # (`DistributedDataParallel`, with `ZeroRedundancyOptimizer`, FSDP2's `fully_shard`): three GPTs
 # (width and depth growing together) on 2 ranks, the middle one on 1, 2, 4 and 8 ranks, and
-# minishard's checkpoint save and load of each GPT's sharded state. A full run takes about a
-# quarter of an hour, so the chapter does not run it: the next cell reads the committed result,
-# `benchmarks/scaling.json`, and draws it with the least-squares fits the benchmark stored
-# (lines; PyTorch's dotted with open markers).
+# minishard's checkpoint save and load of each GPT's sharded state. A full run takes about six
+# minutes on a quiet machine, so the chapter does not run it: the next cell reads the committed
+# result, `benchmarks/scaling.json`, and draws it with the least-squares fits the benchmark
+# stored (lines; PyTorch's dotted with open markers).
 #
 # **Bytes grow exactly as the formulas say**: linearly in Ψ, times (N−1)/N — c · 4Ψ(N−1)/N per
 # rank, with c = 2 for DDP and ZeRO-1/2 (an all-reduce, or a reduce-scatter and an all-gather),
@@ -614,9 +652,13 @@ print(f"the committed run: {SCALING['started']}, {SCALING['cores']} cores, {SCAL
       f"lines are least-squares fits (timing: different on every run)")
 print(f"{'':<40}{'time/step vs Ψ, 2 ranks':>26}{'vs N, N >= 2':>22}")
 print(f"{'':<40}{'ms per M params':>17}{'R²':>9}{'s per rank':>14}{'R²':>8}")
+slopes = [fit["time_vs_params"][c["label"]]["slope"] * 1e9 for c in SCALING["contenders"]]
 for c in SCALING["contenders"]:
     t, n = fit["time_vs_params"][c["label"]], fit["time_vs_ranks"].get(c["label"], {})
-    print(f"{c['label']:<40}{t['slope'] * 1e9:>17.0f}{t['r2']:>9.2f}{n.get('slope', 0):>14.2f}{n.get('r2', 0):>8.2f}")
+    slope = t["slope"] * 1e9
+    ms = (glue("slope-ms-per-m-least", slope, "{:.0f}") if slope == min(slopes) else
+          glue("slope-ms-per-m-most", slope, "{:.0f}") if slope == max(slopes) else f"{slope:.0f}")
+    print(f"{c['label']:<40}{ms:>17}{t['r2']:>9.2f}{n.get('slope', 0):>14.2f}{n.get('r2', 0):>8.2f}")
 for kind, f in fit["checkpoint"].items():
     print(f"checkpoint {kind} at 2 ranks: {f['mb_per_s_per_rank']:.0f} MB/s per rank beyond a fixed "
           f"{f['intercept']:.2f} s (R² {f['r2']:.2f})")
@@ -626,12 +668,14 @@ for kind, f in fit["checkpoint"].items():
 sizes = ", ".join(f"{m['params'] / 1e6:.1f} M" for m in SCALING["models"].values())
 print(f"GPTs of {sizes} parameters on 2 ranks; the {SCALING['models'][MID]['params'] / 1e6:.1f} M one on "
       f"{', '.join(str(n) for n in sorted({p['world_size'] for p in pts}))} ranks")
-print(f"every measured bytes/step (the kernel's count, {len(pts)} runs) equals its formula within 0.1%: "
+print(f"every measured bytes/step (the kernel's count, {glue('measured-runs', len(pts))} runs) equals its formula within 0.1%: "
       f"{all(b['all_match'] for b in fit['bytes'].values())}")
 print(f"{'bytes/step = c · 4Ψ(N−1)/N':<40}{'c fitted':>9}{'c formula':>14}")
+C_QUOTED = {"minishard FSDP, per-parameter": "minishard-fsdp-c", "torch FSDP2 fully_shard (block + root)": "fsdp2-c"}
 for label, b in fit["bytes"].items():
     lo, hi = min(b["formula_c"]), max(b["formula_c"])
-    print(f"{label:<40}{b['c']:>9.2f}{lo:>9.2f}" + (f"–{hi:.2f}" if hi - lo > 0.005 else ""))
+    c_fit = glue(C_QUOTED[label], b["c"], "{:.2f}") if label in C_QUOTED else f"{b['c']:.2f}"
+    print(f"{label:<40}{c_fit:>9}{lo:>9.2f}" + (f"–{hi:.2f}" if hi - lo > 0.005 else ""))
 sent = {(p["contender"], p["model"], p["world_size"]): p["sent"] for p in pts}
 for c in SCALING["contenders"]:
     if c["baseline"]:
