@@ -49,7 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from minishard.course.glue import figures as _figures, is_record  # noqa: E402  (what a notebook recorded)
+from minishard.course.glue import figures as _figures, is_record, states_a_figure  # noqa: E402  (what a notebook recorded)
 from functools import cache  # noqa: E402
 
 figures = cache(_figures)
@@ -344,7 +344,7 @@ def named_figures(text: str) -> str:
     """The Markdown with each named figure's link text replaced by the text its notebook recorded."""
     def one(m):
         label, notebook, name = m.group(1), m.group(2), m.group(3)
-        if not name or ".ipynb" in label:
+        if not name or not states_a_figure(label):      # "[§2](…#name)" names a place: keep it
             return m.group(0)
         path = ROOT / "notebooks" / f"{notebook}.ipynb"
         fig = figures(path).get(name) if path.exists() else None

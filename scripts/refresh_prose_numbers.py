@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from test_prose_numbers import LINK, PAGES, is_number, recorded  # noqa: E402  (one definition of a link)
+from minishard.course.glue import states_a_figure  # noqa: E402
+from test_prose_numbers import LINK, PAGES, recorded  # noqa: E402  (one definition of a link)
 
 
 def refresh(md: Path, dry_run: bool) -> tuple[int, list[str]]:
@@ -32,7 +33,7 @@ def refresh(md: Path, dry_run: bool) -> tuple[int, list[str]]:
     def fix(m):
         nonlocal changed
         label, notebook, name = m.group(1), m.group(2), m.group(3)
-        if ".ipynb" in label or not is_number(label):
+        if not states_a_figure(label):
             return m.group(0)
         fig = recorded(notebook).get(name or "")
         if fig is None:

@@ -25,14 +25,12 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minishard.course.glue import figures
+from minishard.course.glue import NUMBER, figures, states_a_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "tutorial").glob("[0-9][0-9]-*.md"))
 PAGES = sorted((ROOT / "tutorial").glob("*.md")) + sorted((ROOT / "tutorial" / "zh").glob("*.md"))
 LINK = re.compile(r"\[((?:[^\[\]\n]|\[[^\[\]\n]*\])*)\]\((?:\.\./)*notebooks/([0-9][0-9]-[\w-]+)\.ipynb(?:#([^)\s]*))?\)")
-NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
-PLACE = re.compile(r"^(?:\d\d )?§[\d.]+$")           # "[§2](…)", "[05 §4](…)": a section, not a figure
 RUN_WORDS = re.compile(r"committed run|run committed|in one run|this run|our run", re.I)
 
 
@@ -74,11 +72,6 @@ def links(text: str) -> list[tuple[str, str, str]]:
     return [(t, nb, frag or "") for t, nb, frag in LINK.findall(text) if ".ipynb" not in t]
 
 
-def is_number(label: str) -> bool:
-    """Does a link's text state a figure (not a file name, not a section sign)?"""
-    return bool(NUMBER.search(label)) and not PLACE.match(label)
-
-
 def problems(text: str) -> list[str]:
     """What is wrong with the links of one page's Markdown (empty: nothing)."""
     out = []
@@ -87,7 +80,7 @@ def problems(text: str) -> list[str]:
             out.append(f"[{label}]: no notebook {notebook}")
             continue
         figs = recorded(notebook)
-        if not is_number(label):               # a link to a place: a figure's cell or a heading
+        if not states_a_figure(label):               # a link to a place: a figure's cell or a heading
             if name and name not in figs and name not in heading_anchors(notebook):
                 out.append(f"[{label}](#{name}): {notebook} records no figure and has no heading {name!r}")
             continue
@@ -104,7 +97,7 @@ def problems(text: str) -> list[str]:
 
 
 def named(text: str) -> Counter:
-    return Counter((nb, name) for label, nb, name in links(text) if is_number(label))
+    return Counter((nb, name) for label, nb, name in links(text) if states_a_figure(label))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT / "tutorial")))

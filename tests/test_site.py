@@ -165,6 +165,8 @@ def test_a_named_figure_shows_the_recorded_text_and_lands_on_its_cell(site, tmp_
     fig = next(iter(figs.values()))
     stale = f"See [999.999](../notebooks/05-zero3.ipynb#{fig.name}).\n"
     assert build_site.named_figures(stale) == stale.replace("999.999", fig.text)
+    place = f"([05 §4](../notebooks/05-zero3.ipynb#{fig.name}))"   # a cheat sheet's section link
+    assert build_site.named_figures(place) == place
     chapter = (site / "tutorial" / "05-zero3.html").read_text()
     landed = set(re.findall(r'href="\.\./notebooks/05-zero3\.html#([^"]+)"', chapter))
     assert landed & set(figs), "the chapter's measured numbers land on their cells"

@@ -27,6 +27,8 @@ from pathlib import Path
 MIME_PREFIX = "application/papermill.record/"
 TEXT = MIME_PREFIX + "text/plain"
 NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")    # a URL fragment and an HTML id as it is
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+PLACE = re.compile(r"^(?:\d\d )?§[\d.]+$")          # "[§2](…)", "[05 §4](…)": a section, not a figure
 
 
 def glue(name: str, value, fmt: str = "{}") -> str:
@@ -59,6 +61,11 @@ def _plain(value):
 
 
 # ---------------------------------------------------------------- reading an executed notebook
+
+def states_a_figure(label: str) -> bool:
+    """Does a link's text state a figure (a number), rather than name a place (``§2``) or a file?"""
+    return bool(NUMBER.search(label)) and not PLACE.match(label) and ".ipynb" not in label
+
 
 @dataclass(frozen=True)
 class Figure:
