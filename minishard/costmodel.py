@@ -337,10 +337,10 @@ def collective_seconds(s: _Sizes, stage: int, link: Link, prefetch: int, compute
     if stage in (1, 2):
         gather = ring_time("all_gather", S, s.shard_n, link)
         comm = ring_time("reduce_scatter", S, s.shard_n, link) + gather
-        # ZeRO-1 gathers the updated parameters after the step: nothing left to hide it behind
-        exposed = max(0.0, comm - backward) if stage == 2 else \
-            gather + max(0.0, comm / 2 - backward)
-        return comm, exposed
+        # the reduce-scatter runs under backward; the updated parameters are gathered after the
+        # step (ZeRO-1 and ZeRO-2 alike: DeepSpeed's step ends with that all-gather), with no
+        # compute left to hide it behind
+        return comm, gather + max(0.0, comm - gather - backward)
     units = [s.root] + [s.block] * s.n_layer
     gather = 2 * sum(ring_time("all_gather", s.x * u, s.shard_n, link) for u in units)
     scatter = sum(ring_time("reduce_scatter", s.g * u, s.shard_n, link) for u in units)

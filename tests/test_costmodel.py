@@ -213,3 +213,14 @@ def test_the_no_communication_reference_runs_on_every_rank_of_a_pool(pools):
     from minishard.course.ch10 import measure_compute
     times = pools(2).run(measure_compute, steps=2, model="nano", micro_batch=2)
     assert [len(t) for t in times] == [2, 2] and all(s > 0 for t in times for s in t)
+
+
+@pytest.mark.parametrize("intra", ["nvlink4", "pcie4-x16"])
+def test_zero1_and_zero2_both_wait_for_the_parameter_all_gather_after_the_step(intra):
+    """Both stages end the step with the same all-gather of the updated parameters, with backward
+    over and no compute to hide it: the same exposed time, at least that gather's."""
+    cluster = Cluster(DEVICES["h100-80gb"], gpus_per_node=8, intra=LINKS[intra])
+    z1, z2 = (plan("llama3-8b", cluster, s, seq_len=4096) for s in ("zero1", "zero2"))
+    gather = ring_time("all_gather", 2 * 8_030_261_248, 8, LINKS[intra])
+    assert z1.exposed_comm_s == pytest.approx(z2.exposed_comm_s)
+    assert z2.exposed_comm_s >= gather * 0.999
