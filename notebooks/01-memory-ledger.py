@@ -72,9 +72,10 @@ e8b = estimate(llama, world_size=1, strategy="ddp", precision="bf16_mixed", opti
 print(f"llama3-8b: {glue('llama3-8b-params', e8b.n_params, '{:,}')} parameters, "
       f"{e8b.bytes_per_param:g} bytes per parameter")
 table = e8b.table(unit=GB, unit_name="GB")
+total = glue("llama3-8b-state-gb", e8b.total / GB, "{:.3f} GB")
+weights = glue("llama3-8b-weights-gb", e8b.per_rank["params"] / GB, "{:.3f} GB")
 print(table)
-assert glue("llama3-8b-state-gb", e8b.total / GB, "{:.3f} GB") in table           # the total row
-assert glue("llama3-8b-weights-gb", e8b.per_rank["params"] / GB, "{:.3f} GB") in table   # params row
+assert total in table and weights in table                  # the total row and the params row
 assert e8b.n_params == 8_030_261_248 and e8b.bytes_per_param == 16
 assert e8b.per_rank["params"] == 2 * e8b.n_params          # the "16 GB" of the question
 assert round(e8b.total / GB, 1) == 128.5

@@ -441,11 +441,12 @@ CJK_PUNCT, CJK_CHAR = "\u3000-\u303f\uff00-\uffef", "\u2014\u2018-\u201d\u2026\u
 CJK_BREAK = re.compile(rf"(?<=[{CJK_CHAR}])\n(?=[{CJK_CHAR}])|(?<=[{CJK_PUNCT}])\n|\n(?=[{CJK_PUNCT}])")
 
 
-def markdown_body(md_path: Path) -> str:
-    """The page's HTML. A Chinese page's headings get its English page's ids, and a line break
-    between two Chinese characters or next to Chinese punctuation goes (outside ``<pre>``)."""
+def markdown_body(md_path: Path, text: str | None = None) -> str:
+    """The page's HTML (of ``text`` in place of the file's, if given). A Chinese page's headings
+    get its English page's ids, and a line break between two Chinese characters or next to
+    Chinese punctuation goes (outside ``<pre>``)."""
     rel = md_path.relative_to(ROOT).as_posix()
-    text = named_figures(md_path.read_text(encoding="utf-8"))
+    text = named_figures(md_path.read_text(encoding="utf-8") if text is None else text)
     if not rel.startswith(ZH):
         return markdown_to_html(text)
     body = markdown_to_html(text, unicode_ids=True)

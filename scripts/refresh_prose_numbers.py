@@ -42,7 +42,7 @@ def refresh(md: Path, dry_run: bool) -> tuple[int, list[str]]:
         if fig.text == label:
             return m.group(0)
         changed += 1
-        print(f"  {md.relative_to(ROOT)}: #{name}: {label!r} -> {fig.text!r}")
+        print(f"  {md.relative_to(ROOT) if md.is_relative_to(ROOT) else md}: #{name}: {label!r} -> {fig.text!r}")
         return m.group(0)[:m.start(1) - m.start(0)] + fig.text + m.group(0)[m.end(1) - m.start(0):]
 
     new = LINK.sub(fix, text)

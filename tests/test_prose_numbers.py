@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "tutorial").glob("[0-9][0-9]-*.md"))
 PAGES = sorted((ROOT / "tutorial").glob("*.md")) + sorted((ROOT / "tutorial" / "zh").glob("*.md"))
 LINK = re.compile(r"\[((?:[^\[\]\n]|\[[^\[\]\n]*\])*)\]\((?:\.\./)*notebooks/([0-9][0-9]-[\w-]+)\.ipynb(?:#([^)\s]*))?\)")
+PLACE_LABEL = re.compile(r"^(?:(\d\d) )?§([\d.]+?)\.?$")
 RUN_WORDS = re.compile(r"committed run|run committed|in one run|this run|our run", re.I)
 
 
@@ -66,6 +67,19 @@ def heading_anchors(notebook: str) -> set[str]:
             for m in re.finditer(r"^#{1,6}\s+(.+)$", c.source, re.M)}
 
 
+@cache
+def sections(notebook: str) -> list[str]:
+    """Per cell, the number of the nearest numbered heading at or above it ("4.8", "2"; "" before any)."""
+    nb = nbformat.read(ROOT / "notebooks" / f"{notebook}.ipynb", as_version=4)
+    out, current = [], ""
+    for c in nb.cells:
+        if c.cell_type == "markdown":
+            for m in re.finditer(r"^#{1,6}\s+(\d+(?:\.\d+)*)[.\s]", c.source, re.M):
+                current = m.group(1)
+        out.append(current)
+    return out
+
+
 def links(text: str) -> list[tuple[str, str, str]]:
     """(text, notebook, fragment) of every link into a notebook (a link that merely names the
     notebook file, like each chapter's header, is left out)."""
@@ -83,6 +97,12 @@ def problems(text: str) -> list[str]:
         if not states_a_figure(label):               # a link to a place: a figure's cell or a heading
             if name and name not in figs and name not in heading_anchors(notebook):
                 out.append(f"[{label}](#{name}): {notebook} records no figure and has no heading {name!r}")
+            place = PLACE_LABEL.match(label)
+            if place and name in figs:                # "[05 §4](…#fig)": the cell is in 05's §4
+                section = sections(notebook)[figs[name].cell]
+                if place.group(1) and place.group(1) != notebook[:2] or not (
+                        section == place.group(2) or section.startswith(place.group(2) + ".")):
+                    out.append(f"[{label}](#{name}): the figure's cell is in {notebook[:2]} §{section}")
             continue
         if not name:
             out.append(f"[{label}]: a measured number must name the figure its notebook recorded "
@@ -100,6 +120,19 @@ def named(text: str) -> Counter:
     return Counter((nb, name) for label, nb, name in links(text) if states_a_figure(label))
 
 
+def paths_that_miss(page: Path) -> list[str]:
+    """Links into notebooks/ whose relative path does not lead there from the page's own folder
+    (a Chinese page sits one folder deeper: ``../../notebooks/``)."""
+    text = page.read_text(encoding="utf-8")
+    return [t for t in re.findall(r"\]\(((?:\.\./)*notebooks/[^)#\s]+)", text)
+            if not (page.parent / t).resolve().is_file()]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT / "tutorial")))
+def test_every_link_into_a_notebook_leads_there_from_its_page(page):
+    assert not paths_that_miss(page), f"{page.relative_to(ROOT)}: {paths_that_miss(page)}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT / "tutorial")))
 def test_every_linked_number_is_a_recorded_figure_as_printed(page):
     bad = problems(page.read_text(encoding="utf-8"))
@@ -115,6 +148,9 @@ def test_the_chapters_name_their_measured_numbers():
 def test_both_editions_name_the_same_figures(md):
     zh = ROOT / "tutorial" / "zh" / md.name
     en_names, zh_names = named(md.read_text()), named(zh.read_text(encoding="utf-8"))
+    places = [Counter((label, nb, name) for label, nb, name in links(t) if not states_a_figure(label))
+              for t in (md.read_text(), zh.read_text(encoding="utf-8"))]
+    assert places[0] == places[1], f"{md.name}: the section links differ between the editions"
     assert en_names == zh_names, (f"{md.name}: only in English {sorted((en_names - zh_names).elements())}; "
                                   f"only in Chinese {sorted((zh_names - en_names).elements())}")
 
@@ -166,3 +202,56 @@ def test_a_number_without_a_name_or_printed_otherwise_fails():
     assert problems(f"[{fig.text}](../notebooks/05-zero3.ipynb#no-such-figure)")
     assert problems(f"[{fig.text} ](../notebooks/05-zero3.ipynb#{fig.name})")  # not as written
     assert problems(f"[[{fig.text}]](../notebooks/05-zero3.ipynb#{fig.name})")  # brackets are text too
+
+
+def test_refresh_rewrites_a_stale_figure_and_nothing_else(tmp_path):
+    """``scripts/refresh_prose_numbers.py`` after a re-execution: a stale copy becomes the recorded
+    text; the link's target, a section link to a figure's cell and an unknown name stay as written."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("refresh", ROOT / "scripts" / "refresh_prose_numbers.py")
+    refresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(refresh)
+    fig = recorded("05-zero3")["tiny-cpu-ratio"]                 # a figure of 05's §4
+    target = f"../notebooks/05-zero3.ipynb#{fig.name}"
+    page = tmp_path / "page.md"
+    page.write_text(f"Stale [999]({target}), a place ([05 §4]({target})), "
+                    f"unknown [7](../notebooks/05-zero3.ipynb#no-such-figure).\n", encoding="utf-8")
+    changed, unresolved = refresh.refresh(page, dry_run=False)
+    assert (changed, len(unresolved)) == (1, 1)
+    assert page.read_text(encoding="utf-8") == (
+        f"Stale [{fig.text}]({target}), a place ([05 §4]({target})), "
+        f"unknown [7](../notebooks/05-zero3.ipynb#no-such-figure).\n")
+    assert problems(page.read_text(encoding="utf-8").split(", unknown")[0]) == []
+
+
+@cache
+def ignored_cells(notebook: str) -> set[int]:
+    """Cells whose output is this run's alone (``# NBVAL_IGNORE_OUTPUT``: timings, rates)."""
+    nb = nbformat.read(ROOT / "notebooks" / f"{notebook}.ipynb", as_version=4)
+    return {i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "NBVAL_IGNORE_OUTPUT" in c.source}
+
+
+def unlinked_run_figures(text: str, notebook: str) -> list[str]:
+    """Figures of this run (from a cell whose output is ignored on other machines) that the page
+    writes as bare digits: the next re-execution would leave them stale without a failing test."""
+    bare = re.sub(r"`[^`\n]*`", " ", LINK.sub(" ", text))
+    out = []
+    for fig in recorded(notebook).values():
+        if fig.cell in ignored_cells(notebook) and re.search(r"\d[.,]\d", fig.text):
+            if re.search(rf"(?<![\d.,]){re.escape(fig.text)}(?![\d]|[.,]\d)", bare):
+                out.append(f"{fig.text} (#{fig.name})")
+    return out
+
+
+@pytest.mark.parametrize("md", CHAPTERS, ids=lambda p: p.stem)
+def test_a_timing_of_this_run_is_never_written_without_its_name(md):
+    for page in (md, ROOT / "tutorial" / "zh" / md.name):
+        bare = unlinked_run_figures(page.read_text(encoding="utf-8"), md.stem)
+        assert not bare, f"{page.relative_to(ROOT)} writes this run's {bare} without linking the figure"
+
+
+def test_the_bare_timing_check_fails_on_an_unlinked_copy():
+    fig = recorded("05-zero3")["nano-cpu-ratio"]
+    assert fig.cell in ignored_cells("05-zero3")
+    assert unlinked_run_figures(f"CPU time {fig.text}× here", "05-zero3")
+    assert not unlinked_run_figures(f"CPU time [{fig.text}](../notebooks/05-zero3.ipynb#{fig.name})×", "05-zero3")

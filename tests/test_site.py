@@ -146,25 +146,34 @@ def test_every_local_link_resolves(site):
         warnings.warn("links to files missing from the repository: " + ", ".join(sorted(missing_in_repo)))
 
 
-def test_a_named_figure_shows_the_recorded_text_and_lands_on_its_cell(site, tmp_path):
+def test_a_named_figure_shows_the_recorded_text_and_lands_on_its_cell(site):
     """A chapter's link ``[…](../notebooks/05-zero3.ipynb#name)`` shows the text the notebook
-    recorded under ``name`` — even when the Markdown's copy is stale — and lands on an element
-    with that id in the cell that printed it; the record itself is not drawn."""
-    from minishard.course.glue import figures
+    recorded under ``name`` — even when the Markdown's copy is stale, in both editions — and lands
+    on an element with that id inside the cell that printed it, which shows the text; the record
+    itself is not drawn."""
+    from minishard.course.glue import figures, is_record
     checked = 0
     for nb in NOTEBOOKS:
         page = (site / "notebooks" / f"{nb.stem}.html").read_text()
-        assert "papermill.record" not in page
-        for name in figures(nb):
-            assert re.search(rf'<span class="minishard-figure" id="{re.escape(name)}">', page), \
-                f"{nb.stem}.html: no anchor for figure {name}"
+        cells = nbformat.read(nb, as_version=4).cells
+        # one block of HTML per cell, by nbconvert's cell-id anchor
+        blocks = dict(re.findall(r'id="cell-id=([^"]+)">(.*?)(?=<div class="jp-Cell |</main>)', page, re.S))
+        for name, fig in figures(nb).items():
+            block = blocks.get(cells[fig.cell].get("id", ""), "")
+            assert f'<span class="minishard-figure" id="{name}">' in block, \
+                f"{nb.stem}.html: the anchor #{name} is not in the cell that recorded it"
+            assert html.escape(fig.text, quote=False) in block, f"{nb.stem}.html: cell of #{name} does not show {fig.text!r}"
             checked += 1
+        drawn = build_site.static_outputs(nbformat.read(nb, as_version=4))
+        assert not any(is_record(o) for c in drawn.cells if c.cell_type == "code" for o in c.outputs)
     assert checked >= 100
-    # a stale copy in the Markdown: the page still shows what the notebook recorded
     figs = figures(ROOT / "notebooks" / "05-zero3.ipynb")
-    fig = next(iter(figs.values()))
-    stale = f"See [999.999](../notebooks/05-zero3.ipynb#{fig.name}).\n"
-    assert build_site.named_figures(stale) == stale.replace("999.999", fig.text)
+    fig = figs["tiny-cpu-ratio"]
+    for md in (ROOT / "tutorial" / "05-zero3.md", ROOT / "tutorial" / "zh" / "05-zero3.md"):
+        up = "../../" if "zh" in md.parts else "../"
+        stale = f"See [999.999]({up}notebooks/05-zero3.ipynb#{fig.name}).\n"
+        body = build_site.markdown_body(md, text=md.read_text(encoding="utf-8") + "\n" + stale)
+        assert f">{fig.text}</a>" in body and "999.999" not in body, f"{md.name}: the stale copy was shown"
     place = f"([05 §4](../notebooks/05-zero3.ipynb#{fig.name}))"   # a cheat sheet's section link
     assert build_site.named_figures(place) == place
     chapter = (site / "tutorial" / "05-zero3.html").read_text()
@@ -472,6 +481,9 @@ def test_view_steps_like_the_live_player_offline(offline_browser, fsdp4_view):
     page, errors = _open(offline_browser, path)
     try:
         page.wait_for_selector(".msr-title", timeout=30_000)
+        opened = replay_state(page)                     # both open at the first step's peak
+        assert opened["event"] == live.index > 0
+        assert_same_as_live(opened, live)
         seen = []
         for i in sorted({0, rp.n // 5, rp.n // 2, 3 * rp.n // 4, rp.n - 1, *inside.values()}):
             slide_to(page, i)
@@ -511,6 +523,71 @@ def test_view_steps_like_the_live_player_offline(offline_browser, fsdp4_view):
         page.close()
 
 
+def ring_trace(N: int) -> list[dict]:
+    """N ranks: an all-reduce (ring rounds) then a broadcast from the last rank (a tree), with
+    rank 0 allocating and freeing a byte many times inside each, to stop at."""
+    from minishard import trace
+    seq, out = {}, []
+
+    def add(t, rank, kind, **fields):
+        out.append({"v": trace.SCHEMA_VERSION, "rank": rank, "seq": seq.setdefault(rank, 0), "t": t,
+                    "kind": kind, **fields})
+        seq[rank] += 1
+
+    for r in range(N):
+        add(0.0, r, "collective", op="all_reduce", payload=4096, wire=4096, dtype="float32", group=N,
+            tag="b0", t_end=1.0)
+        add(2.0, r, "collective", op="broadcast", payload=4096, wire=4096, dtype="float32", group=N,
+            tag="w", t_end=3.0, src=N - 1)
+    for j in range(97):                                  # ticks inside both, and between them
+        add(3 * j / 96, 0, "alloc" if j % 2 == 0 else "free", category="comm_buffers", bytes=1,
+            tag="tick", device="device")
+    return trace.merge(out)
+
+
+# Where a chunk's square or label lies over a rank's disc (which holds the rank's label), at
+# every event of every offline player on the page, as the browser lays them out.
+COVERED_JS = """() => MinishardReplay.players.flatMap((p, k) => {
+    const box = e => e.getBoundingClientRect(), bad = [];
+    for (let i = 0; i < p.n; i++) {
+        p.show(i);
+        const discs = [...p.nodeLayer.querySelectorAll('circle')].map(box);
+        for (const t of [...p.chunkLayer.querySelectorAll('rect, text')].map(box))
+            for (const [r, d] of discs.entries()) {
+                const cx = d.x + d.width / 2, cy = d.y + d.height / 2;
+                const dx = Math.max(t.left - cx, 0, cx - t.right), dy = Math.max(t.top - cy, 0, cy - t.bottom);
+                if (Math.hypot(dx, dy) < d.width / 2) bad.push(`player ${k} event ${i}: over rank ${r}`);
+            }
+        const texts = [...p.nodeLayer.querySelectorAll('text')].map(box);
+        texts.forEach((t, r) => { if (t.width > discs[r].width) bad.push(`player ${k}: rank ${r}'s label is wider than its disc`); });
+    }
+    return bad;
+})"""
+
+
+def test_no_chunk_covers_a_rank_label_offline(offline_browser, tmp_path):
+    """The offline player's ring on 2 to 8 ranks, at every event of an all-reduce and a tree
+    broadcast: no chunk's square or label lies over a rank's disc, and each rank's label fits
+    its disc (``tests/test_viz.py`` checks the live ring by geometry)."""
+    from minishard import offline_player
+    body = "".join(offline_player.fragment(offline_player.encode(ring_trace(N), title=f"{N} ranks"))
+                   for N in range(2, 9))
+    page_path = tmp_path / "rings.html"
+    page_path.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{body}</body></html>")
+    page, errors = _open(offline_browser, page_path)
+    try:
+        page.wait_for_function("() => (window.MinishardReplay || {players: []}).players.length === 7",
+                               timeout=30_000)
+        chunks = page.evaluate("() => MinishardReplay.players.map(p => { let n = 0; for (let i = 0; i < p.n; i++) "
+                               "{ p.show(i); n += p.chunkLayer.querySelectorAll('rect').length; } return n; })")
+        assert all(chunks), f"a player drew no chunk: {chunks}"
+        covered = page.evaluate(COVERED_JS)
+        assert not covered, covered[:5]
+        assert not errors, errors[:3]
+    finally:
+        page.close()
+
+
 REPLAY_CHAPTERS = [nb for nb in NOTEBOOKS if "02" <= nb.name[:2] <= "09"]
 
 
@@ -523,7 +600,8 @@ def replays_in(nb_path: Path) -> int:
 @pytest.mark.parametrize("nb", REPLAY_CHAPTERS, ids=lambda p: p.stem)
 def test_chapter_replays_play_offline(site, offline_browser, nb):
     """Chapters 02–09 carry the offline player in their executed outputs; on the site each loads
-    the one shared script and plays with the network off."""
+    the one shared script, opens past event 0 (at the first step's peak, or where the chapter
+    chose) and plays with the network off."""
     want = replays_in(nb)
     assert want >= 1, f"{nb.name} has no offline player in its outputs (replay_html)"
     path = site / "notebooks" / f"{nb.stem}.html"
@@ -537,6 +615,7 @@ def test_chapter_replays_play_offline(site, offline_browser, nb):
             root = page.locator(".msr").nth(k)
             root.scroll_into_view_if_needed()
             start = int(root.get_attribute("data-event"))
+            assert start > 0, f"{nb.name}: replay {k} opens at event 0, a nearly empty chart"
             root.locator(".msr-speed").select_option("100")
             root.locator(".msr-play").click()
             end = int(root.locator(".msr-slider").get_attribute("max"))

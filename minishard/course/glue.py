@@ -47,7 +47,7 @@ def glue(name: str, value, fmt: str = "{}") -> str:
         return text
     display({TEXT: text}, raw=True,
             metadata={"scrapbook": {"name": name, "mime_prefix": MIME_PREFIX},
-                      "minishard": {"value": _plain(value)}})
+                      "minishard": {"value": _plain(value), "fmt": fmt, "tuple": isinstance(value, tuple)}})
     return text
 
 
@@ -73,24 +73,22 @@ class Figure:
     text: str          # as recorded (and as the chapters must write it)
     value: object
     cell: int          # index of the cell that recorded it, among all the notebook's cells
-    printed: str       # everything that cell printed (streams and text/plain), without records
+    printed: str       # the output that printed it: the first one after the record that is not a record
 
 
 def _join(text) -> str:
     return "".join(text) if isinstance(text, list) else text
 
 
-def printed_text(cell: dict) -> str:
-    """What a code cell shows as text: its streams, text/plain results and errors."""
-    parts = []
-    for out in cell.get("outputs", []):
-        if out.get("output_type") == "stream":
-            parts.append(_join(out["text"]))
-        elif out.get("output_type") == "error":
-            parts.append(f"{out['ename']}: {out['evalue']}")
-        elif "data" in out and "text/plain" in out["data"]:
-            parts.append(_join(out["data"]["text/plain"]))
-    return "\n".join(parts)
+def shown(out: dict) -> str:
+    """What one output shows as text (a stream, a text/plain result, an error; a record: nothing)."""
+    if is_record(out):
+        return ""
+    if out.get("output_type") == "stream":
+        return _join(out["text"])
+    if out.get("output_type") == "error":
+        return f"{out['ename']}: {out['evalue']}"
+    return _join(out.get("data", {}).get("text/plain", ""))
 
 
 def is_record(out: dict) -> bool:
@@ -98,23 +96,39 @@ def is_record(out: dict) -> bool:
 
 
 def figures(notebook: Path) -> dict[str, Figure]:
-    """Every figure an executed notebook recorded, by name. Refuses a name recorded twice
-    (two cells, or one cell twice with different texts): a link must land on one place."""
+    """Every figure an executed notebook recorded, by name.
+
+    Refuses what would let a chapter quote a figure nobody printed: a name recorded twice (two
+    cells, or one cell twice with different texts: a link must land on one place), a name that is
+    not a URL fragment, a text that is not the recorded value in the recorded format."""
     nb = json.loads(Path(notebook).read_text(encoding="utf-8"))
     found: dict[str, Figure] = {}
+    where = Path(notebook).name
     for i, cell in enumerate(nb["cells"]):
-        if cell["cell_type"] != "code":
-            continue
-        shown = printed_text(cell)
-        for out in cell.get("outputs", []):
+        outs = cell.get("outputs", []) if cell["cell_type"] == "code" else []
+        for k, out in enumerate(outs):
             if not is_record(out):
                 continue
-            name = out["metadata"]["scrapbook"]["name"]
-            fig = Figure(name, _join(out["data"][TEXT]), out["metadata"].get("minishard", {}).get("value"),
-                         i, shown)
+            name, meta = out["metadata"]["scrapbook"]["name"], out["metadata"].get("minishard", {})
+            if not NAME.match(name):
+                raise ValueError(f"{where}: figure name {name!r} is not lowercase words joined by '-'")
+            printed = next((shown(o) for o in outs[k + 1:] if not is_record(o)), "")
+            fig = Figure(name, _join(out["data"][TEXT]), meta.get("value"), i, printed)
+            again = _formatted(meta) if "fmt" in meta else None
+            if again is not None and again != fig.text:
+                raise ValueError(f"{where}: figure {name!r} records the text {fig.text!r}, but its value "
+                                 f"{meta['value']!r} in its format {meta['fmt']!r} reads {again!r}")
             old = found.get(name)
             if old is not None and (old.cell, old.text) != (fig.cell, fig.text):
-                raise ValueError(f"{Path(notebook).name}: figure {name!r} recorded twice "
+                raise ValueError(f"{where}: figure {name!r} recorded twice "
                                  f"(cells {old.cell} and {i}: {old.text!r}, {fig.text!r})")
-            found[name] = fig
+            found.setdefault(name, fig)
     return found
+
+
+def _formatted(meta: dict) -> str | None:
+    value, fmt = meta.get("value"), meta["fmt"]
+    try:
+        return fmt.format(*value) if meta.get("tuple") else fmt.format(value)
+    except (TypeError, ValueError, IndexError, KeyError):
+        return None      # a value JSON could not hold (kept as its repr): the text is all there is
