@@ -15,7 +15,7 @@
   if (window.MinishardReplay && window.MinishardReplay.version >= VERSION) return;
   const SVGNS = "http://www.w3.org/2000/svg";
   const KEY = 256;                       // a keyframe of the ledger and units every KEY events
-  const MB = 1e6;
+  const MiB = 1048576;                    // memory in binary units, as everywhere in the course
   const SPEEDS = [1, 3, 10, 30, 60, 100, 300, 1000];
   const STYLE = `
 .msr{font:13px/1.4 -apple-system,"Segoe UI",Roboto,"Noto Sans",sans-serif;color:#1f2328;max-width:1000px;outline:none}
@@ -134,11 +134,37 @@
   }
 
   // ------------------------------------------------------------------ the ring's geometry
+  // In ring radii, as minishard.playback reckons it (RING_NODE, RING_CLEAR, LABEL_SIDES,
+  // LABEL_REACH there): a rank is a disc of RING_NODE; a chunk stays RING_CLEAR from the
+  // centres of the ranks at either end of its link and puts its label on the side farthest from
+  // every rank, so that neither covers a rank's label.
+  const RING_NODE = 0.19, RING_CLEAR = 0.34, LABEL_REACH = 0.2;
+  const LABEL_SIDES = [[0, 1], [1, 1], [1, 0], [1, -1], [0, -1], [-1, -1], [-1, 0], [-1, 1]];
   const angle = (r, N) => Math.PI / 2 - 2 * Math.PI * r / N;     // rank 0 at the top, clockwise
-  function ringPoint(src, dst, N, along, f) {
-    if (along) return [Math.cos(angle(src + f, N)), Math.sin(angle(src + f, N))];
-    const a = angle(src, N), b = angle(dst, N);
-    return [Math.cos(a) + f * (Math.cos(b) - Math.cos(a)), Math.sin(a) + f * (Math.sin(b) - Math.sin(a))];
+  const point = (r, N) => [Math.cos(angle(r, N)), Math.sin(angle(r, N))];
+  function ringPoint(src, dst, N, along, f) {                     // the link, end to end
+    if (along) return point(src + f, N);
+    const [x0, y0] = point(src, N), [x1, y1] = point(dst, N);
+    return [x0 + f * (x1 - x0), y0 + f * (y1 - y0)];
+  }
+  function chunkXY(src, dst, N, along, frac) {                    // playback.chunk_xy
+    if (along) {
+      const lo = Math.min(2 * Math.asin(Math.min(RING_CLEAR / 2, 1)) / (2 * Math.PI / N), 0.5);
+      return point(src + lo + frac * (1 - 2 * lo), N);
+    }
+    const [x0, y0] = point(src, N), [x1, y1] = point(dst, N);
+    const lo = Math.min(RING_CLEAR / Math.max(Math.hypot(x1 - x0, y1 - y0), 1e-12), 0.5), f = lo + frac * (1 - 2 * lo);
+    return [x0 + f * (x1 - x0), y0 + f * (y1 - y0)];
+  }
+  function labelSide(x, y, N) {                                    // playback.label_side
+    let best = -1, side = LABEL_SIDES[0];
+    for (const [dx, dy] of LABEL_SIDES) {
+      const norm = LABEL_REACH / Math.hypot(dx, dy), lx = x + dx * norm, ly = y + dy * norm;
+      let room = Infinity;
+      for (let r = 0; r < N; r++) { const [nx, ny] = point(r, N); room = Math.min(room, Math.hypot(lx - nx, ly - ny)); }
+      if (room > best + 1e-6) { best = room; side = [dx, dy]; }
+    }
+    return side;
   }
 
   // ------------------------------------------------------------------ the player
@@ -229,7 +255,7 @@
     buildBars(panel) {
       const d = this.d, W = 560, H = 380, m = {l: 56, r: 10, t: 12, b: 30};
       const svg = sv("svg", {viewBox: `0 0 ${W} ${H}`, class: "msr-bars", role: "img"}, panel);
-      const top = 1.05 * (d.ymax || MB) / MB, plotH = H - m.t - m.b, plotW = W - m.l - m.r;
+      const top = 1.05 * (d.ymax || MiB) / MiB, plotH = H - m.t - m.b, plotW = W - m.l - m.r;
       this.yOf = mb => m.t + plotH * (1 - mb / top);
       const step = niceStep(top, 6);
       for (let v = 0; v <= top + 1e-9; v += step) {
@@ -239,7 +265,7 @@
            +v.toPrecision(6) + "");
       }
       sv("text", {x: 14, y: m.t + plotH / 2, transform: `rotate(-90 14 ${m.t + plotH / 2})`, "text-anchor": "middle",
-                  "font-size": 12, fill: "#333"}, svg, "MB");
+                  "font-size": 12, fill: "#333"}, svg, "MiB");
       const band = plotW / this.fold.R;
       this.rects = [];
       d.ranks.forEach((r, a) => {
@@ -264,12 +290,12 @@
         let below = 0;
         for (let b = 0; b < C; b++) {
           const bytes = row[a * C + b], rect = this.rects[a * C + b];
-          const y0 = this.yOf(below / MB), y1 = this.yOf((below + bytes) / MB);
+          const y0 = this.yOf(below / MiB), y1 = this.yOf((below + bytes) / MiB);
           below += bytes;
           if (rect.shown[0] !== y1 || rect.shown[1] !== bytes) {
             rect.setAttribute("y", Math.min(y0, y1)); rect.setAttribute("height", Math.abs(y0 - y1));
             rect.setAttribute("data-bytes", bytes);
-            rect.tip.textContent = `rank ${this.d.ranks[a]} ${this.d.cats[b]}: ${bytes.toLocaleString("en")} bytes`;
+            rect.tip.textContent = `rank ${this.d.ranks[a]} ${this.d.cats[b]}: ${(bytes / MiB).toFixed(3)} MiB (${bytes.toLocaleString("en")} bytes)`;
             rect.shown = [y1, bytes];
           }
         }
@@ -302,7 +328,7 @@
         this.nodeLayer.textContent = ""; this.ringN = v.N;
         for (let r = 0; r < v.N; r++) {
           const [x, y] = this.xy([Math.cos(angle(r, v.N)), Math.sin(angle(r, v.N))]);
-          sv("circle", {cx: x, cy: y, r: 23, fill: "#4C78A8"}, this.nodeLayer);
+          sv("circle", {cx: x, cy: y, r: RING_NODE * this.ringR, fill: "#4C78A8"}, this.nodeLayer);
           sv("text", {x, y: y + 4, "text-anchor": "middle", "font-size": 11, fill: "white"}, this.nodeLayer, `rank ${r}`);
         }
       }
@@ -311,10 +337,11 @@
         const pts = [];
         for (let j = 0; j <= 16; j++) pts.push(this.xy(ringPoint(src, dst, v.N, v.ring, j / 16)).map(z => z.toFixed(1)).join(","));
         sv("polyline", {points: pts.join(" "), fill: "none", stroke: "#E45756", "stroke-width": 3}, this.sendLayer);
-        const [x, y] = this.xy(ringPoint(src, dst, v.N, v.ring, v.frac));
-        const g = sv("g", {class: "msr-chunk", "data-x": ringPoint(src, dst, v.N, v.ring, v.frac).join(",")}, this.chunkLayer);
+        const at = chunkXY(src, dst, v.N, v.ring, v.frac), [x, y] = this.xy(at), [sx, sy] = labelSide(at[0], at[1], v.N);
+        const g = sv("g", {class: "msr-chunk", "data-x": at.join(",")}, this.chunkLayer);
         sv("rect", {x: x - 7, y: y - 7, width: 14, height: 14, fill: "#F58518"}, g);
-        sv("text", {x, y: y - 11, "text-anchor": "middle", "font-size": 11}, g, this.d.S[name]);
+        sv("text", {x: x + 10 * sx, y: y - (sy > 0 ? 11 : sy < 0 ? -19 : -4), "font-size": 11,
+                    "text-anchor": sx > 0 ? "start" : sx < 0 ? "end" : "middle"}, g, this.d.S[name]);
       }
     }
 
@@ -432,15 +459,15 @@
       const table = el("table", {class: "msr-plan"}, panel), head = el("tr", {}, table);
       el("th", {}, head, "new rank \\ saved rank");
       plan.matrix[0].forEach((_, j) => el("th", {}, head, `${j}`));
-      el("th", {}, head, "read (MB)");
+      el("th", {}, head, "read (MiB)");
       const top = Math.max(1, ...plan.matrix.flat());
       plan.matrix.forEach((row, r) => {
         const tr = el("tr", {}, table);
         el("th", {}, tr, `${r}`);
         for (const b of row)
           el("td", {style: `background:rgba(76,120,168,${(0.85 * b / top).toFixed(3)})`, "data-bytes": b}, tr,
-             b ? (b / MB).toFixed(2) : "");
-        el("td", {}, tr, (plan.read[r] / MB).toFixed(2));
+             b ? (b / MiB).toFixed(2) : "");
+        el("td", {}, tr, (plan.read[r] / MiB).toFixed(2));
       });
     }
 

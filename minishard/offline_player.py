@@ -29,8 +29,8 @@ from typing import Iterable, Sequence
 
 from . import trace
 from .playback import (COLORS, SHARDED_COLOR, UNIT_STATE_COLORS, category_order, color, describe,
-                       fmt_bytes, idle_ring_title, lane_spans, ring_caption, round_at,
-                       step_words)
+                       fmt_bytes, idle_ring_title, lane_spans, opening_event, ring_caption,
+                       round_at, step_words)
 
 FORMAT = 1                            # the encoding's version (the script refuses others)
 TICKS = 10_000_000                    # times are integers of 0.1 µs: the trace's 7 decimals
@@ -64,18 +64,20 @@ def _deltas(values: Iterable[int]) -> list[int]:
     return out
 
 
-def encode(source, *, title: str = "", start: int = 0, problems: Sequence[str] = (),
+def encode(source, *, title: str = "", start: int | None = None, problems: Sequence[str] = (),
            read_plan=None) -> dict:
     """The replay of ``source`` (events, a trace directory, or a folded
     :class:`~minishard.trace.Replay`) as plain JSON-able data for the offline player.
 
-    ``start``: the event shown first. ``problems``: lines saying what could not be read (shown
+    ``start``: the event shown first (None: the first step's peak,
+    :func:`~minishard.playback.opening_event`, where the live ``Player`` opens too). ``problems``: lines saying what could not be read (shown
     above the player). ``read_plan``: a :class:`minishard.checkpoint.ReshardPlan`, drawn beside
     the replay (chapter 09)."""
     rp = source if isinstance(source, trace.Replay) else trace.Replay(trace.load(source))
     if rp.n == 0:
         raise ValueError("the trace has no events: nothing to replay")
     S = _Strings()
+    start = opening_event(rp.events) if start is None else start
     data = {"format": FORMAT, "title": title, "n": rp.n, "start": min(max(start, 0), rp.n - 1),
             "ranks": rp.ranks, "problems": list(problems), "ymax": rp.ymax}
     data.update(_events(rp, S))
@@ -267,9 +269,10 @@ class ReplayHTML:
         return fragment(self.data)
 
 
-def replay_html(source, *, title: str = "", start: int = 0, read_plan=None) -> ReplayHTML:
+def replay_html(source, *, title: str = "", start: int | None = None, read_plan=None) -> ReplayHTML:
     """The offline player of ``source`` (events, a trace directory, a ``Replay``, or a live
     ``Player``'s replay) to ``display`` in a notebook: it plays with no kernel, on the static
-    site too. ``start``: the event shown first; ``read_plan``: a ``ReshardPlan`` drawn beside."""
+    site too. ``start``: the event shown first (None: the first step's peak); ``read_plan``: a
+    ``ReshardPlan`` drawn beside."""
     return ReplayHTML(encode(source, title=title, start=start, read_plan=read_plan))
 

@@ -7,8 +7,10 @@ and spans because both take them from here:
 
 * :func:`describe` and :func:`event_title` — an event in a few words, and the title line
   (``step 1 · backward · rank 0 all_reduce bucket0 · event 412/813``);
+* :func:`opening_event` — the event both open at: the first step's peak on the first rank;
 * :func:`ring_schedule` and :func:`ring_caption` — the rounds of a ring collective (who sends
-  which chunk to whom) and the caption of each round;
+  which chunk to whom) and the caption of each round; :func:`chunk_xy` and :func:`label_side`
+  — where a chunk and its label are drawn, clear of every rank's label;
 * :func:`lane_spans` — the timeline's stretches: phases on a rank's compute lane, collectives
   and offload transfers on its comm lane;
 * the colours of every category, phase, collective and FSDP unit state.
@@ -35,12 +37,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .ledger import CATEGORIES
 from .trace import PhaseSpan
 
-MB = 1_000_000          # the bars are in decimal megabytes, like the "MB" on their axis
+MiB = 2 ** 20           # memory is in binary units everywhere in the course: the bars' axis too
 
 # One colour per ledger category and per phase / collective, the same in every figure.
 COLORS = {
@@ -61,8 +63,9 @@ def color(name: str) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    """Decimal units, three significant digits: ``870656 -> '871 KB'``."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    """Binary units, as the demo and the chapters print memory, three significant digits:
+    ``870656 -> '850 KiB'``."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}"
     return f"{int(n)} B"
@@ -104,6 +107,25 @@ def event_title(ev: dict, phase: str, i: int, n: int) -> str:
     the event's rank is in, the event, and its place among the ``n`` events (slider value/max)."""
     parts = [step_words(ev), phase, describe(ev), f"event {i}/{n - 1}"]
     return " · ".join(p for p in parts if p)
+
+
+def opening_event(events: Sequence[dict]) -> int:
+    """The event a player opens at: the first step's peak, where the first rank's ledger total
+    (alloc minus free) is highest among the events of the trace's first step (the earliest such
+    event). A trace without steps opens at that rank's highest; an empty one at 0. Event 0 is
+    a nearly empty chart: the peak shows every category the step holds."""
+    if not events:
+        return 0
+    rank = min(ev["rank"] for ev in events)
+    steps = [ev["step"] for ev in events if ev.get("step") is not None]
+    first = min(steps) if steps else None
+    total, best, at = 0, None, 0
+    for i, ev in enumerate(events):
+        if ev["rank"] == rank and ev["kind"] in ("alloc", "free"):
+            total += ev["bytes"] if ev["kind"] == "alloc" else -ev["bytes"]
+        if (first is None or ev.get("step") == first) and (best is None or total > best):
+            best, at = total, i
+    return at
 
 
 # --------------------------------------------------------------------------- the ring
@@ -148,6 +170,57 @@ def ring_schedule(op: str, world_size: int, src: int = 0) -> list[Round]:
         return [all_gather(k, owned=0) for k in range(N - 1)]
     # all_reduce: after the reduce-scatter rank r owns the reduced chunk r+1
     return [reduce_scatter(k) for k in range(N - 1)] + [all_gather(k, owned=1) for k in range(N - 1)]
+
+
+# The ring's geometry, in ring radii (the ring is the unit circle, rank 0 at the top, clockwise),
+# the same in both players' drawings (offline_player.js repeats these numbers; a test compares
+# them): a rank is a disc of RING_NODE round its point, and a chunk on the move stays RING_CLEAR
+# from the centres of the ranks at either end of its link, so that its square never covers a
+# rank's label; its label goes to the side farthest from every rank.
+RING_NODE = 0.19
+RING_CLEAR = 0.34
+# Where a chunk's label may sit, as plotly names it, and the way each one points (x right, y up)
+LABEL_SIDES = {"top center": (0, 1), "top right": (1, 1), "middle right": (1, 0),
+               "bottom right": (1, -1), "bottom center": (0, -1), "bottom left": (-1, -1),
+               "middle left": (-1, 0), "top left": (-1, 1)}
+LABEL_REACH = 0.2           # how far from its chunk a label's middle is, roughly, in ring radii
+
+
+def ring_angle(rank: float, N: int) -> float:
+    return math.pi / 2 - 2 * math.pi * rank / N
+
+
+def ring_point(rank: float, N: int) -> tuple[float, float]:
+    a = ring_angle(rank, N)
+    return math.cos(a), math.sin(a)
+
+
+def chunk_xy(src: int, dst: int, N: int, along_ring: bool, frac: float) -> tuple[float, float]:
+    """Where a chunk is ``frac`` of the way through its round: on the arc from ``src`` to its
+    neighbour (ring collectives) or on the chord to ``dst`` (tree edges), between the points
+    :data:`RING_CLEAR` from either end's centre (the middle, where the link is shorter)."""
+    if along_ring:
+        reach = 2 * math.asin(min(RING_CLEAR / 2, 1.0)) / (2 * math.pi / N)   # of the arc
+        lo = min(reach, 0.5)
+        return ring_point(src + lo + frac * (1 - 2 * lo), N)
+    (x0, y0), (x1, y1) = ring_point(src, N), ring_point(dst, N)
+    lo = min(RING_CLEAR / max(math.hypot(x1 - x0, y1 - y0), 1e-12), 0.5)
+    f = lo + frac * (1 - 2 * lo)
+    return x0 + f * (x1 - x0), y0 + f * (y1 - y0)
+
+
+def label_side(x: float, y: float, N: int) -> str:
+    """The side of a chunk at ``(x, y)`` its label goes to: the one farthest from every rank
+    (the first of :data:`LABEL_SIDES` among equals), so that no label sits on a rank's."""
+    nodes = [ring_point(r, N) for r in range(N)]
+    best, side = -1.0, "top center"
+    for name, (dx, dy) in LABEL_SIDES.items():
+        norm = LABEL_REACH / math.hypot(dx, dy)
+        lx, ly = x + dx * norm, y + dy * norm
+        room = min(math.hypot(lx - nx, ly - ny) for nx, ny in nodes)
+        if room > best + 1e-6:
+            best, side = room, name
+    return side
 
 
 def round_at(collective: dict, t: float, n_rounds: int) -> tuple[int, float]:

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from minishard import offline_player, trace
+from minishard import offline_player, playback, trace
 from minishard.cli import main
 from minishard.cli.view import DEFAULT_NAME
 from minishard.train import TrainConfig, train
@@ -119,6 +119,19 @@ def test_the_same_ledger_units_titles_and_ring_at_every_event(fsdp4):
         want = rp.snapshot(i)
         assert all(ledger[r][c] == want[r].get(c, 0) for r in want for c in data["cats"]), i
     assert {data["unit_states"][s] for *_, s in got.units} >= {"unsharding", "unsharded", "sharded"}
+
+
+def test_the_page_draws_the_ring_with_the_live_rings_geometry():
+    """The page's script places chunks and their labels with ``minishard.playback``'s numbers
+    (``tests/test_site.py`` compares the places drawn with the live ring's, event by event)."""
+    js = offline_player.library()
+    m = re.search(r"const RING_NODE = ([\d.]+), RING_CLEAR = ([\d.]+), LABEL_REACH = ([\d.]+);", js)
+    assert m, "offline_player.js no longer names the ring's geometry"
+    assert tuple(map(float, m.groups())) == (playback.RING_NODE, playback.RING_CLEAR, playback.LABEL_REACH)
+    sides = json.loads(re.search(r"const LABEL_SIDES = (\[.*?\]);", js).group(1))
+    assert [tuple(side) for side in sides] == list(playback.LABEL_SIDES.values())
+    assert f"const MiB = {playback.MiB};" in js and not re.search(r"\bMB\b", js)   # as the live bars
+
 
 def test_every_event_is_kept_and_the_page_needs_no_network(fsdp4, tmp_path):
     events = trace.load(fsdp4)

@@ -17,7 +17,7 @@ from minishard.launch import RankContext
 from minishard.train import TrainConfig, train
 from minishard.viz import (Player, ledger_bars, ring_figure, ring_schedule, static_player_figure,
                            timeline_figure)
-from minishard.viz.figures import MB
+from minishard.viz.figures import MiB
 from minishard.viz.ring import ring_view
 
 
@@ -92,7 +92,7 @@ def test_bars_equal_the_ledger_fold_at_every_jumped_event(which, request):
         heights = bar_heights(p)
         for a, r in enumerate(fold.ranks):
             for c in fold.categories:
-                assert heights[c][a] == pytest.approx(fold.at(i)[r][c] / MB)
+                assert heights[c][a] == pytest.approx(fold.at(i)[r][c] / MiB)
 
 
 def test_bars_show_only_categories_present_on_a_fixed_axis(ddp_step):
@@ -100,9 +100,9 @@ def test_bars_show_only_categories_present_on_a_fixed_axis(ddp_step):
     assert [tr.name for tr in p.memory_figure.data] == ["params", "grads", "exp_avg", "exp_avg_sq",
                                                        "activations"]
     peak = 4 * 4_000_000                             # params + grads + both Adam moments, per rank
-    assert p.memory_figure.layout.yaxis.range[1] == pytest.approx(1.05 * peak / MB)
+    assert p.memory_figure.layout.yaxis.range[1] == pytest.approx(1.05 * peak / MiB)
     p.jump(-1)
-    assert p.memory_figure.layout.yaxis.range[1] == pytest.approx(1.05 * peak / MB)
+    assert p.memory_figure.layout.yaxis.range[1] == pytest.approx(1.05 * peak / MiB)
 
 
 def test_stepping_changes_the_bar_heights(ddp_step):
@@ -113,7 +113,7 @@ def test_stepping_changes_the_bar_heights(ddp_step):
     p.step()
     after = bar_heights(p)
     rank = ddp_step[i]["rank"]
-    assert after["activations"][rank] - before["activations"][rank] == pytest.approx(1.0)   # 1 MB
+    assert after["activations"][rank] - before["activations"][rank] == pytest.approx(ddp_step[i]["bytes"] / MiB)
     p.step(-1)
     assert bar_heights(p) == before
 
@@ -148,12 +148,49 @@ def test_title_names_step_phase_and_event(ddp_step):
 
 def test_step_stops_at_either_end(ddp_step):
     p = Player(ddp_step)
-    p.step(-5)
+    p.step(-(p.index + 5))                            # five past the first event
     assert p.index == 0
     p.step(10_000)
     assert p.index == len(ddp_step) - 1
     with pytest.raises(IndexError):
         p.jump(len(ddp_step))
+
+
+def test_a_trace_opens_at_the_first_steps_peak():
+    """The live player, the offline one and the kernel-free figure open where rank 0 holds the
+    most during the first step: not at event 0 (a nearly empty chart), nor at a later step's
+    higher peak; a trace of one step opens at its highest."""
+    from minishard import offline_player
+
+    spec = []
+    for r in (0, 1):
+        d = 0.01 * r
+        spec.append(alloc(0.1 + d, r, "params", 4_000_000, "param:w", step=None))
+        for step, act in ((0, 1_000_000), (1, 3_000_000)):      # the second step holds more
+            t = 1.0 + 2 * step + d
+            spec += [phase(t, r, "step", "begin", step),
+                     alloc(t + 0.1, r, "activations", act, "a1", step=step),
+                     alloc(t + 0.2, r, "activations", act, "a2", step=step),
+                     alloc(t + 0.3, r, "activations", act, "a2", kind="free", step=step),
+                     alloc(t + 0.4, r, "activations", act, "a1", kind="free", step=step),
+                     phase(t + 0.5, r, "step", "end", step)]
+    events = make_events(spec)
+    for trace_events in (events, [e for e in events if e.get("step") != 1]):
+        fold = trace.LedgerTimeline.build(trace_events)
+        held = [sum(fold.at(i)[0].values()) for i in range(len(trace_events))]
+        first = [i for i, e in enumerate(trace_events) if e.get("step") == 0]
+        peak = max(first, key=lambda i: (held[i], -i))          # the earliest, if several
+        assert held[peak] > held[0]
+        assert Player(trace_events).index == peak
+        assert offline_player.encode(trace_events)["start"] == peak
+        fig = static_player_figure(trace_events, max_frames=3)
+        slider = fig.layout.sliders[0]
+        assert len(fig.frames) <= 3 and slider.steps[slider.active].label == str(peak)
+        assert fig.layout.title.text == Player(trace_events).memory_figure.layout.title.text
+    fold = trace.LedgerTimeline.build(events)
+    whole = [sum(fold.at(i)[0].values()) for i in range(len(events))]
+    assert whole[Player(events).index] < max(whole)              # the later step's is higher
+    assert offline_player.encode(events, start=0)["start"] == 0  # a chosen start still wins
 
 
 # --------------------------------------------------------------------------- jumping to phases
@@ -189,8 +226,9 @@ def test_controls_drive_the_player(ddp_step):
     buttons = [w for box in p.widget.children if isinstance(box, W.HBox) for w in box.children
                if isinstance(w, W.Button)]
     assert [b.description for b in buttons] == ["◀ step", "step ▶"]
+    opened = p.index
     buttons[1].click()
-    assert p.index == 1
+    assert p.index == opened + 1
     found["IntSlider"].value = 7                      # as if dragged in the browser
     assert p.index == 7 and p.snapshot() == trace.LedgerTimeline.build(ddp_step).at(7)
     menu = found["Dropdown"]
@@ -343,11 +381,54 @@ def test_ring_figure_shows_op_payload_and_wire():
     ev = _four_rank_all_reduce()[0]
     fig = ring_figure(4, ev, round=0)
     title = fig.layout.title.text
-    assert "all_reduce bucket0" in title and "payload 4.1 KB" in title and "wire 6.14 KB" in title
+    payload, wire = (f"{ev[k] / 2**10:.3g} KiB" for k in ("payload", "wire"))   # binary, as the demo's
+    assert "all_reduce bucket0" in title and f"payload {payload}" in title and f"wire {wire}" in title
     assert "reduce-scatter round 1/3" in title
     assert [tr.name for tr in fig.data] == ["ring", "sends", "ranks", "chunks"]
     assert list(fig.data[3].text) == ["Σc0", "Σc1", "Σc2", "Σc3"]
     assert len(ring_figure(4).data[3].x) == 0
+
+
+def _covered_ranks(fig, view) -> list[str]:
+    """Where a chunk's square or label (as plotly places it: ``textposition``, a gap of the
+    marker's radius / 0.8 + 1 px) would cover a rank's disc (which holds its label), in the
+    pixels of ``fig``'s plot."""
+    lay, ranks, chunks = fig.layout, fig.data[2], fig.data[3]
+    px = (lay.height - lay.margin.t - lay.margin.b) / (lay.yaxis.range[1] - lay.yaxis.range[0])
+    disc, half, font = ranks.marker.size / 2, chunks.marker.size / 2, chunks.textfont.size
+    gap = half / 0.8 + 1
+    covered = []
+    for x, y, text, side in zip(view.chunks_x, view.chunks_y, view.chunks_text, view.chunks_side):
+        cx, cy, w, h = x * px, y * px, 0.62 * font * len(text), 1.25 * font
+        vertical, horizontal = side.split()
+        lx = {"left": cx - gap - w, "center": cx - w / 2, "right": cx + gap}[horizontal]
+        ly = {"bottom": cy - gap - h, "middle": cy - h / 2, "top": cy + gap}[vertical]
+        for what, (x0, y0, x1, y1) in (("square", (cx - half, cy - half, cx + half, cy + half)),
+                                       ("label", (lx, ly, lx + w, ly + h))):
+            for r, (nx, ny) in enumerate(zip(ranks.x, ranks.y)):
+                nx, ny = nx * px, ny * px
+                if math.hypot(max(x0 - nx, 0, nx - x1), max(y0 - ny, 0, ny - y1)) < disc:
+                    covered.append(f"{text}'s {what} on rank {r}")
+    return covered
+
+
+@pytest.mark.parametrize("N", range(2, 9))
+def test_no_chunk_covers_a_rank_label(N):
+    """At every moment of every round of every collective drawn on N ranks, neither a chunk's
+    square nor its label is drawn over a rank (whose disc holds its label)."""
+    fig = ring_figure(N)
+    collectives = [{"op": op, "payload": 4096, "wire": 4096, "group": N, "tag": "b", "rank": 0,
+                    "t": 0.0, "t_end": 1.0, "src": src}
+                   for op, src in [(op, 0) for op in ("reduce_scatter", "all_gather", "all_reduce")]
+                   + [("broadcast", s) for s in range(N)]]
+    seen = 0
+    for ev in collectives:
+        n_rounds = len(ring_schedule(ev["op"], N, ev["src"]))
+        for j in range(8 * n_rounds + 1):            # eight moments per round, both ends too
+            view = ring_view(N, ev, t=j / (8 * n_rounds))
+            assert not _covered_ranks(fig, view), (ev["op"], ev["src"], view.title, _covered_ranks(fig, view))
+            seen += len(view.chunks_x)
+    assert seen
 
 
 # --------------------------------------------------------------------------- timeline
@@ -386,7 +467,7 @@ def test_a_trace_of_another_schema_version_raises(ddp_step, tmp_path):
 
 
 def test_ledger_bars_is_a_plain_figure():
-    fig = ledger_bars({0: {"grads": 2 * MB, "params": MB}, 1: {"params": MB}}, ymax=3 * MB, title="t")
+    fig = ledger_bars({0: {"grads": 2 * MiB, "params": MiB}, 1: {"params": MiB}}, ymax=3 * MiB, title="t")
     assert [tr.name for tr in fig.data] == ["params", "grads"]        # the course's order
     assert list(fig.data[1].y) == [2.0, 0.0] and fig.layout.barmode == "stack"
     assert fig.layout.yaxis.range[1] == pytest.approx(3.15)
@@ -403,7 +484,7 @@ def test_static_player_figure_has_frames_and_a_slider(single_run):
     assert last.name == str(len(single_run) - 1)
     cats = [tr.name for tr in fig.data]
     for tr, c in zip(last.data, cats):
-        assert tr.y[0] == pytest.approx(fold.at(len(single_run) - 1)[0][c] / MB)
+        assert tr.y[0] == pytest.approx(fold.at(len(single_run) - 1)[0][c] / MiB)
     html = fig.to_html(include_plotlyjs=False, auto_play=False)   # no widget, no kernel needed
     assert "Plotly.addFrames" in html and '"sliders"' in html
 

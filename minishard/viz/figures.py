@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 
 # the words, colours and spans both players show live in the engine (minishard.playback), so
 # that the offline player (python -m minishard view, no plotly) shows the same
-from ..playback import (COLORS, MB, UNIT_STATE_COLORS, Span, category_order, color, describe,  # noqa: F401
+from ..playback import (COLORS, MiB, UNIT_STATE_COLORS, Span, category_order, color, describe,  # noqa: F401
                         fmt_bytes, lane_spans)
 from ..trace import phase_spans
 
@@ -18,7 +18,7 @@ from ..trace import phase_spans
 
 def ledger_bars(snapshot_by_rank: dict[int, dict[str, int]], ymax: float | None = None,
                 title: str = "") -> go.Figure:
-    """Stacked bars, one per rank, one colour per ledger category, in MB.
+    """Stacked bars, one per rank, one colour per ledger category, in MiB (2**20 bytes).
 
     ``snapshot_by_rank`` is ``{rank: {category: bytes}}`` (what ``LedgerTimeline.at`` and
     ``Player.snapshot`` return). Pass ``ymax`` (bytes: the largest total over the whole trace) to
@@ -27,10 +27,12 @@ def ledger_bars(snapshot_by_rank: dict[int, dict[str, int]], ymax: float | None 
     ranks = sorted(snapshot_by_rank)
     cats = category_order(c for r in ranks for c in snapshot_by_rank[r])
     x = [f"rank {r}" for r in ranks]
-    fig = go.Figure([go.Bar(name=c, x=x, y=[snapshot_by_rank[r].get(c, 0) / MB for r in ranks],
-                            marker_color=color(c)) for c in cats])
+    fig = go.Figure([go.Bar(name=c, x=x, y=[snapshot_by_rank[r].get(c, 0) / MiB for r in ranks],
+                            marker_color=color(c),
+                            hovertemplate=f"%{{x}} {c}: %{{y:.3f}} MiB<extra></extra>")
+                     for c in cats])
     fig.update_layout(barmode="stack", title=dict(text=title, font=dict(size=13)),
-                      yaxis=dict(title="MB", range=[0, 1.05 * ymax / MB] if ymax else None),
+                      yaxis=dict(title="MiB", range=[0, 1.05 * ymax / MiB] if ymax else None),
                       legend=dict(traceorder="reversed"), width=560, height=400,
                       margin=dict(l=50, r=10, t=60, b=30))
     return fig

@@ -27,8 +27,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from .. import trace
-from ..playback import event_title
-from .figures import MB, UNIT_STATE_COLORS, category_order, lane_spans, ledger_bars, spans_figure
+from ..playback import event_title, opening_event
+from .figures import MiB, UNIT_STATE_COLORS, category_order, lane_spans, ledger_bars, spans_figure
 from .ring import ring_figure, ring_view
 from .live_figure import LiveFigure
 
@@ -48,7 +48,9 @@ class Player:
 
     ``events_or_path``: a list of events, a trace directory or ``.jsonl`` file (read with
     :func:`minishard.trace.load`, which raises ``TraceFormatError`` for another schema version),
-    or None for a live player that :meth:`feed` fills.
+    or None for a live player that :meth:`feed` fills. A trace opens at the first step's peak
+    (:func:`~minishard.playback.opening_event`), as the offline player does; a live player
+    follows the newest event.
 
     ``ring_round``: None (default) derives the ring's round from the time of the current event
     within the collective's ``[t, t_end]``; set it to an int (0-based index into
@@ -64,13 +66,13 @@ class Player:
         self.title = title
         self._index, self._ring_round, self._last_draw = -1, None, float("-inf")
         # what the figures show now, so that a redraw sends only what changed
-        self._shown_bars: dict[str, tuple] = {}   # category -> bar heights (MB)
+        self._shown_bars: dict[str, tuple] = {}   # category -> bar heights (MiB)
         self._shown_ring: tuple | None = None
         self._ring_nodes = 0
         self._build_views()
         self._build_controls()
-        if self.replay.n:
-            self.jump(0)
+        if self.replay.n:            # the first step's peak: event 0 is a nearly empty chart
+            self.jump(opening_event(self.replay.events))
 
     # ---- building the widget
     def _build_views(self) -> None:
@@ -195,7 +197,7 @@ class Player:
         self._play.max = self._slider.max = rp.n - 1
         if (self._bar_cats, self._bar_ranks) != (category_order(rp.categories), rp.ranks):
             self._rebuild_bars()
-        self.memory_figure.layout.yaxis.range = [0, 1.05 * rp.ymax / MB]
+        self.memory_figure.layout.yaxis.range = [0, 1.05 * rp.ymax / MiB]
         if len(self._phase_menu.options) != len(options := self._phase_options()):
             self._phase_menu.options = options
         self._rebuild_timeline()
@@ -228,7 +230,7 @@ class Player:
         row, cats = rp.bytes_at(i), rp.categories
         with self.memory_figure.batch_update():
             for tr, c in zip(self.memory_figure.data, self._bar_cats):
-                y = tuple((row[:, cats.index(c)] / MB).tolist())
+                y = tuple((row[:, cats.index(c)] / MiB).tolist())
                 if self._shown_bars.get(c) != y:
                     tr.y = self._shown_bars[c] = y
             self.memory_figure.layout.title.text = rp.title(i)
@@ -269,7 +271,8 @@ class Player:
                 fig.data[2].update(x=nodes.x, y=nodes.y, text=nodes.text)
                 self._ring_nodes = view.world_size
             fig.data[1].update(x=view.sends_x, y=view.sends_y)
-            fig.data[3].update(x=view.chunks_x, y=view.chunks_y, text=view.chunks_text)
+            fig.data[3].update(x=view.chunks_x, y=view.chunks_y, text=view.chunks_text,
+                               textposition=view.chunks_side or "top center")
             fig.layout.title.text = view.title
         self._shown_ring = key
 
@@ -278,22 +281,27 @@ def static_player_figure(events, max_frames: int = 200) -> go.Figure:
     """The memory bars as a plain ``go.Figure`` with animation frames, a Play/Pause button and
     a slider: it plays in any browser with no kernel (an HTML export, a docs page).
 
-    Long traces are subsampled to ``max_frames`` evenly spaced events (first and last included).
-    Show it with ``fig.show(renderer="notebook")`` or save it with
-    ``fig.write_html(path, include_plotlyjs=True, auto_play=False)`` (plotly starts playing on
+    Long traces are subsampled to ``max_frames`` evenly spaced events (first and last included,
+    and the first step's peak, where it opens, as the players do). Show it with
+    ``fig.show(renderer="notebook")`` or save it with ``fig.write_html(path, include_plotlyjs=True, auto_play=False)`` (plotly starts playing on
     load unless told otherwise).
     """
     rp = Replay(trace.load(events))
     if rp.n == 0:
         raise ValueError("static_player_figure: the trace has no events")
-    picks = sorted(set(np.linspace(0, rp.n - 1, min(rp.n, max_frames)).round().astype(int).tolist()))
+    picks = set(np.linspace(0, rp.n - 1, min(rp.n, max_frames)).round().astype(int).tolist())
+    opening = opening_event(rp.events)
+    inner = picks - {0, rp.n - 1}
+    if opening not in picks and len(picks) >= max_frames and inner:   # it takes a neighbour's place
+        picks.discard(min(inner, key=lambda i: abs(i - opening)))
+    picks = sorted(picks | {opening})
     cats = category_order(rp.categories)
 
     def bars(i):
         row = rp.bytes_at(i)
-        return [go.Bar(y=(row[:, rp.categories.index(c)] / MB).tolist()) for c in cats]
+        return [go.Bar(y=(row[:, rp.categories.index(c)] / MiB).tolist()) for c in cats]
 
-    fig = ledger_bars(rp.snapshot(picks[0]), rp.ymax, rp.title(picks[0]))
+    fig = ledger_bars(rp.snapshot(opening), rp.ymax, rp.title(opening))
     fig.frames = [go.Frame(name=str(i), data=bars(i), traces=list(range(len(cats))),
                            layout=dict(title_text=rp.title(i))) for i in picks]
     still = {"mode": "immediate", "frame": {"duration": 0, "redraw": True}, "transition": {"duration": 0}}
@@ -304,7 +312,8 @@ def static_player_figure(events, max_frames: int = 200) -> go.Figure:
                  args=[None, {"frame": {"duration": 120, "redraw": True}, "fromcurrent": True,
                               "transition": {"duration": 0}}]),
             dict(label="Pause", method="animate", args=[[None], still])])],
-        sliders=[dict(active=0, x=0.12, y=-0.08, len=0.88, currentvalue={"prefix": "event "},
+        sliders=[dict(active=picks.index(opening), x=0.12, y=-0.08, len=0.88,
+                      currentvalue={"prefix": "event "},
                       steps=[dict(label=str(i), method="animate", args=[[str(i)], still])
                              for i in picks])])
     return fig

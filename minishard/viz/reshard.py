@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from .figures import fmt_bytes
+from .figures import MiB, fmt_bytes
 
 
 def reshard_figure(plan, title: str | None = None) -> go.Figure:
@@ -21,8 +21,8 @@ def reshard_figure(plan, title: str | None = None) -> go.Figure:
               f"new rank {i}: nothing from rank{j}.safetensors"
               for j, b in enumerate(row)] for i, row in enumerate(m)]
     fig = go.Figure(go.Heatmap(
-        z=[[b / 1e6 for b in row] for row in m], x=list(range(plan.saved_world_size)),
-        y=list(range(plan.world_size)), colorscale="Blues", colorbar=dict(title="MB read"),
+        z=[[b / MiB for b in row] for row in m], x=list(range(plan.saved_world_size)),
+        y=list(range(plan.world_size)), colorscale="Blues", colorbar=dict(title="MiB read"),
         hovertext=hover, hoverinfo="text", xgap=1, ygap=1))
     read, needed = sum(totals), sum(plan.needed_bytes)
     fig.update_layout(

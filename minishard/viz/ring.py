@@ -15,25 +15,32 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from ..playback import RING_OPS, Round, idle_ring_title, ring_caption, ring_schedule, round_at  # noqa: F401
+from ..playback import (RING_NODE, RING_OPS, Round, chunk_xy, idle_ring_title, label_side,  # noqa: F401
+                        ring_angle, ring_caption, ring_schedule, round_at)
 
 
 # --------------------------------------------------------------------------- geometry
 
-def _angle(rank: float, N: int) -> float:
-    return math.pi / 2 - 2 * math.pi * rank / N     # rank 0 at the top, clockwise
+_angle = ring_angle                                  # rank 0 at the top, clockwise
+# The plot is SCALE pixels per ring radius (its height sets it; x follows, scaleanchor), so that
+# the discs and squares drawn in pixels are the size the geometry (minishard.playback) reckons with.
+SCALE = 110
+REACH = 1.45                        # the axes: ±REACH ring radii
+PLOT_PX = round(2 * REACH * SCALE)
+MARGIN = dict(l=10, r=10, t=70, b=10)
+CHUNK_PX = 14                       # a chunk's square
 
 
 def node_xy(N: int) -> tuple[list[float], list[float]]:
     return ([math.cos(_angle(r, N)) for r in range(N)], [math.sin(_angle(r, N)) for r in range(N)])
 
 
-def _path(src: int, dst: int, N: int, along_ring: bool, upto: float = 1.0, points: int = 16):
-    """Points from ``src`` towards ``dst``: along the circle for ring neighbours (so the two
+def _path(src: int, dst: int, N: int, along_ring: bool, points: int = 16):
+    """Points from ``src`` to ``dst``: along the circle for ring neighbours (so the two
     directions between the same pair of ranks never overlap), a straight chord for tree edges."""
     out = []
     for j in range(points + 1):
-        f = upto * j / points
+        f = j / points
         if along_ring:
             a = _angle(src + f, N)
             out.append((math.cos(a), math.sin(a)))
@@ -54,6 +61,7 @@ class RingView:
     chunks_x: list
     chunks_y: list
     chunks_text: list
+    chunks_side: list | None = None  # where each chunk's label sits (plotly's textposition)
     round: int | None = None         # the round shown, 0-based; None when nothing is in flight
 
 
@@ -61,13 +69,14 @@ def ring_view(world_size: int, collective: dict | None = None, round: int | None
               t: float | None = None) -> RingView:
     """The ring at one moment. ``round`` (0-based index into :func:`ring_schedule`) wins over
     ``t``; with neither, the first round is shown. Chunk markers sit ``fraction`` of the way
-    along their link, so stepping through time moves them."""
+    along their link (:func:`~minishard.playback.chunk_xy`: clear of the ranks at its ends), so
+    stepping through time moves them; each label on the side away from every rank."""
     if collective is None:
-        return RingView(world_size, idle_ring_title(world_size), [], [], [], [], [])
+        return RingView(world_size, idle_ring_title(world_size), [], [], [], [], [], [])
     cap = ring_caption(collective, world_size)
     N, rounds = cap.world_size, cap.rounds
     if not rounds:
-        return RingView(N, cap.title(None), [], [], [], [], [])
+        return RingView(N, cap.title(None), [], [], [], [], [], [])
     if round is not None:
         k, frac = min(max(int(round), 0), len(rounds) - 1), 0.5
     elif t is not None:
@@ -75,14 +84,14 @@ def ring_view(world_size: int, collective: dict | None = None, round: int | None
     else:
         k, frac = 0, 0.5
     rnd = rounds[k]
-    sx, sy, cx, cy, text = [], [], [], [], []
+    sx, sy, cx, cy, text, side = [], [], [], [], [], []
     for src, dst, name in rnd.sends:
         path = _path(src, dst, N, rnd.along_ring)
         sx += [p[0] for p in path] + [None]
         sy += [p[1] for p in path] + [None]
-        x, y = _path(src, dst, N, rnd.along_ring, upto=frac, points=1)[-1]
-        cx.append(x), cy.append(y), text.append(name)
-    return RingView(N, cap.title(k), sx, sy, cx, cy, text, k)
+        x, y = chunk_xy(src, dst, N, rnd.along_ring, frac)
+        cx.append(x), cy.append(y), text.append(name), side.append(label_side(x, y, N))
+    return RingView(N, cap.title(k), sx, sy, cx, cy, text, side, k)
 
 
 def ring_figure(world_size: int, collective_event: dict | None = None, round: int | None = None,
@@ -102,14 +111,15 @@ def ring_figure(world_size: int, collective_event: dict | None = None, round: in
         go.Scatter(name="sends", x=view.sends_x, y=view.sends_y, mode="lines",
                    line=dict(color="#E45756", width=3), hoverinfo="skip"),
         go.Scatter(name="ranks", x=nx, y=ny, mode="markers+text", text=[f"rank {r}" for r in range(N)],
-                   textposition="middle center", marker=dict(size=46, color="#4C78A8"),
+                   textposition="middle center", marker=dict(size=2 * RING_NODE * SCALE, color="#4C78A8"),
                    textfont=dict(color="white", size=11), hoverinfo="skip"),
         go.Scatter(name="chunks", x=view.chunks_x, y=view.chunks_y, text=view.chunks_text,
-                   mode="markers+text", textposition="top center",
-                   marker=dict(size=16, color="#F58518", symbol="square"), hoverinfo="text"),
+                   mode="markers+text", textposition=view.chunks_side or "top center",
+                   marker=dict(size=CHUNK_PX, color="#F58518", symbol="square"),
+                   textfont=dict(size=11), hoverinfo="text"),
     ])
-    axis = dict(visible=False, range=[-1.45, 1.45], fixedrange=True)
+    axis = dict(visible=False, range=[-REACH, REACH], fixedrange=True)
     fig.update_layout(title=dict(text=view.title, font=dict(size=12)), showlegend=False,
-                      xaxis=axis, yaxis=dict(axis, scaleanchor="x"), width=430, height=400,
-                      margin=dict(l=10, r=10, t=70, b=10), plot_bgcolor="white")
+                      xaxis=axis, yaxis=dict(axis, scaleanchor="x"), width=430,
+                      height=PLOT_PX + MARGIN["t"] + MARGIN["b"], margin=MARGIN, plot_bgcolor="white")
     return fig
