@@ -5,7 +5,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .cli import main
 
 
-@record   # under torchrun, a failing rank's traceback lands in the failure summary
+@record   # (main writes torchrun's error file itself, as one line; this catches what escapes it)
 def _entry() -> int:
     return main()
 

@@ -3,18 +3,59 @@
 Every knob a chapter teaches is a field here, with the value PyTorch (or the course) uses by
 default; ``train(rank, TrainConfig(...))`` runs it, under ``Ranks``, ``torchrun`` or in one
 process. Bad values are refused when the config is made — before any rank starts — with a
-message that names the field and the values it accepts.
+message that names the field and the values it accepts (a ``ConfigError``, which the command line
+words in its flags). ``unused()`` names the knobs set for a strategy that never reads them.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
 PRECISIONS = ("fp32", "bf16_mixed")
 WRAPS = ("block", "model", "linear")
 OFFLOADS = (None, "host", "disk")
+
+
+class ConfigError(ValueError):
+    """A value ``TrainConfig`` refuses. The message is a template whose ``{field}`` names a
+    field with its value: ``str(e)`` spells it as Python does (``prefetch=-1``), ``worded(spell)``
+    as another interface does (the command line: ``--prefetch -1``), so that each names the
+    input the way its user typed it. A field given as ``...`` is named without a value;
+    ``python`` replaces the Python wording where it reads better on its own."""
+
+    def __init__(self, template: str, *, python: str | None = None, **fields: Any):
+        self.template, self.fields = template, fields
+        super().__init__(python or self.worded(python_spelling))
+
+    def worded(self, spell: Callable[[str, Any], str]) -> str:
+        return self.template.format(**{k: spell(k, v) for k, v in self.fields.items()})
+
+
+def python_spelling(name: str, value: Any = ...) -> str:
+    return name if value is ... else f"{name}={value!r}"
+
+
+# Which strategies read each knob: a knob set away from its default under a strategy that never
+# reads it would change nothing, silently. ``TrainConfig.unused()`` lists them; the command line
+# refuses every one. ``TrainConfig`` itself refuses ``offload`` and the ZeRO-3 bounds; the others
+# it accepts, because a Python sweep shares one set of keyword arguments between the strategies
+# it compares and the one-process reference (the parity tests run ``single`` with the sweep's
+# ``bucket_cap_mb``, ``wrap`` and ``reshard_root``).
+KNOBS: dict[str, tuple[Callable[[Any], bool], str]] = {       # knob: (reads it?, who, in words)
+    "bucket_cap_mb": (lambda s: s.buckets, "the strategies that reduce gradients in buckets"),
+    "wrap": (lambda s: s.stage == 3, "FSDP"),
+    "reshard_after_forward": (lambda s: s.stage == 3, "FSDP"),
+    "reshard_root": (lambda s: s.offloads, "minishard's FSDP"),
+    "prefetch": (lambda s: s.offloads, "minishard's FSDP"),
+    "fsdp_accumulate_unsharded": (lambda s: s.offloads, "minishard's FSDP"),
+    "shard_size": (lambda s: s.hybrid, "hybrid sharding"),
+    "offload": (lambda s: s.offloads, "an FSDP strategy"),
+    "prefetch_bucket_size": (lambda s: s.offloads, "an FSDP strategy"),
+    "max_live_parameters": (lambda s: s.offloads, "an FSDP strategy"),
+    "param_persistence_threshold": (lambda s: s.offloads, "an FSDP strategy"),
+}
 
 
 @dataclass(frozen=True)
@@ -54,7 +95,7 @@ class TrainConfig:
     loss_chunk_tokens: int | None = None   # compute the loss in chunks of this many tokens
     device_budget: int | None = None       # bytes: the ledger raises DeviceOutOfMemory past it
     offload: str | None = None       # FSDP's sharded state in "host" memory or on "disk"
-    offload_dir: str | None = None   # where "disk" keeps its files (default: a temporary folder)
+    offload_dir: str | None = None   # where "disk" keeps its files (a folder per rank is made in it)
     # what the run records and returns
     track_activations: bool = True   # enter what autograd saves in the ledger
     trace: bool = True               # record events (the player replays them)
@@ -66,40 +107,71 @@ class TrainConfig:
     def __post_init__(self):
         from . import strategies                # (the registry: names and aliases)
         from .model import CONFIGS
-        strategy = strategies.get(self.strategy)
+        try:
+            strategy = strategies.get(self.strategy)
+        except ValueError:
+            raise ConfigError("{strategy}: unknown strategy; expected one of " + strategies.described(),
+                              python=f"unknown strategy {self.strategy!r}; expected one of "
+                                     + strategies.described(), strategy=self.strategy) from None
         object.__setattr__(self, "strategy", strategy.name)
-        if self.offload is not None and not strategy.offloads:
-            raise ValueError(f"offload={self.offload!r} needs an FSDP strategy (fsdp, fsdp_flat, hsdp); "
-                             f"{strategy.name!r} keeps its state on the device")
         object.__setattr__(self, "freeze", tuple(self.freeze))
         for name in ("steps", "micro_batch", "accum", "shard_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError("{%s}: must be an integer >= 1" % name, **{name: value})
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
+            raise ConfigError("{prefetch}: must be an integer >= 0 (units gathered ahead)", prefetch=self.prefetch)
         for name in ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} is a number of elements (an integer >= 0) or None, got {value!r}")
-            if value is not None and not strategy.offloads:
-                raise ValueError(f"{name} bounds ZeRO-3's gathers: it needs an FSDP strategy (fsdp, "
-                                 f"fsdp_flat, hsdp), not {strategy.name!r}")
+                raise ConfigError("{%s}: a number of elements (an integer >= 0) or None" % name,
+                                  **{name: value})
         _one_of("model", self.model, tuple(CONFIGS))
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("wrap", self.wrap, WRAPS)
         _one_of("offload", self.offload, OFFLOADS)
-        if not self.lr > 0 or not self.bucket_cap_mb > 0:
-            raise ValueError(f"lr and bucket_cap_mb must be positive (got {self.lr}, {self.bucket_cap_mb})")
+        for name in ("lr", "bucket_cap_mb"):
+            if not getattr(self, name) > 0:
+                raise ConfigError("{%s}: must be positive" % name, **{name: getattr(self, name)})
         if self.clip is not None and not self.clip > 0:
-            raise ValueError(f"clip must be a positive norm or None, got {self.clip!r}")
+            raise ConfigError("{clip}: must be a positive gradient norm (or no clipping)", clip=self.clip)
         if self.device_budget is not None and not self.device_budget > 0:
-            raise ValueError(f"device_budget must be a positive number of bytes, got {self.device_budget!r}")
+            raise ConfigError("{device_budget}: must be a positive size", device_budget=self.device_budget)
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
-            raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens!r}")
+            raise ConfigError("{loss_chunk_tokens}: must be >= 1 token", loss_chunk_tokens=self.loss_chunk_tokens)
+        if self.offload == "disk" and not self.offload_dir:
+            raise ConfigError("{offload} needs {offload_dir}: the folder its memory-mapped files go in",
+                              offload="disk", offload_dir=...)
         if self.offload_dir is not None and self.offload is None:
-            raise ValueError("offload_dir is where offload='disk' keeps its files; set offload too")
+            raise ConfigError("{offload_dir} is where {offload} keeps its files; set both, or neither",
+                              offload_dir=self.offload_dir, offload="disk")
+        for name in ("offload", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
+            if name in self.unused():
+                self.refuse_unused(only=(name,))
+
+    def unused(self) -> list[str]:
+        """The knobs set away from their default that this run's strategy never reads (``KNOBS``)."""
+        from . import strategies
+        strategy = strategies.get(self.strategy)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [name for name, (reads, _) in KNOBS.items()
+                if getattr(self, name) != defaults[name] and not reads(strategy)]
+
+    def refuse_unused(self, only: tuple[str, ...] | None = None) -> None:
+        """Raise ``ConfigError`` for the first knob of ``unused()`` (or of ``only``): the command
+        line calls it, so that no flag is silently ignored."""
+        if only is None and self.offload_dir is not None and self.offload != "disk":
+            raise ConfigError("{offload_dir} is not used by {offload}: only offload to disk keeps "
+                              "files; drop it", offload_dir=self.offload_dir, offload=self.offload)
+        from . import strategies
+        for name in self.unused():
+            if only is None or name in only:
+                reads, who = KNOBS[name]
+                those = ", ".join(s.name for s in strategies.STRATEGIES.values() if reads(s))
+                raise ConfigError("{%s} applies to %s only (%s), not to {strategy}; drop it, or choose "
+                                  "one of those strategies" % (name, who, those),
+                                  **{name: getattr(self, name)}, strategy=self.strategy)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with some fields changed (validated again)."""
@@ -108,4 +180,6 @@ class TrainConfig:
 
 def _one_of(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"unknown {name} {value!r}; expected one of {[a for a in allowed]}")
+        raise ConfigError("{%s}: unknown %s; expected one of %s"
+                          % (name, name, ", ".join(str(a) for a in allowed if a is not None)),
+                          **{name: value})

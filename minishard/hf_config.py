@@ -30,10 +30,19 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         path = path / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no model config at {path} (a Hugging Face config.json)")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path} is not a file (a Hugging Face config.json)")
     try:
-        return json.loads(path.read_text())
+        hf = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text file (a Hugging Face config.json)") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not JSON: {e}") from None
+        raise ValueError(f"{path} is not JSON ({e.msg.removesuffix(' at')} at line {e.lineno} "
+                         f"column {e.colno}); a Hugging Face config.json is one JSON object") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not a model config: a Hugging "
+                         f"Face config.json is one JSON object (model_type, hidden_size, ...)")
+    return hf
 
 
 def config_from_hf(path_or_dict: str | os.PathLike | dict, seq_len: int | None = None) -> GPTConfig:
@@ -47,7 +56,8 @@ def config_from_hf(path_or_dict: str | os.PathLike | dict, seq_len: int | None =
     required = _LLAMA_FIELDS if kind in LLAMA_LIKE else _GPT2_FIELDS
     missing = [f for f in required if f not in hf]
     if missing:
-        raise ValueError(f"this {kind} config lacks {', '.join(missing)} (needed: {', '.join(required)})")
+        raise ValueError(f"this {kind} config lacks {', '.join(missing)}, which every {kind} "
+                         f"config.json has: is it the model's whole config.json?")
     if kind == "gpt2":
         return GPTConfig(vocab_size=hf["vocab_size"], seq_len=seq_len or hf["n_positions"],
                          d_model=hf["n_embd"], n_layer=hf["n_layer"], n_head=hf["n_head"],

@@ -37,6 +37,7 @@ class Strategy:
     single_process: bool = False       # only on one rank
     offloads: bool = False             # can keep its sharded state in host memory or on disk
     hybrid: bool = False               # shards inside groups of shard_size ranks, replicates across
+    buckets: bool = False              # reduces gradients in buckets of bucket_cap_mb
     mixed_precision: str = "bf16_mixed"   # the ledger's precision when a run asks for bf16_mixed
 
     def ledger_precision(self, precision: str) -> str:
@@ -73,8 +74,18 @@ def get(name: str) -> Strategy:
     """The strategy called ``name`` (or one of its aliases)."""
     s = STRATEGIES.get(name) or _ALIASES.get(name)
     if s is None:
-        raise ValueError(f"unknown strategy {name!r}; expected one of {names()}")
+        raise ValueError(f"unknown strategy {name!r}; expected one of {described()}")
     return s
+
+
+def described() -> str:
+    """Every strategy once, by its name, with another name the course uses beside it (``zero3``
+    for ``fsdp``; a hyphen for an underscore, ``zero-1`` for ``zero1``, goes without saying)."""
+    def plain(a: str) -> str:
+        return a.replace("-", "").replace("_", "")
+    return ", ".join(s.name + "".join(f" (= {a})" for a in dict.fromkeys(map(plain, s.aliases))
+                                      if a != plain(s.name))
+                     for s in STRATEGIES.values())
 
 
 def names(with_aliases: bool = True) -> list[str]:
@@ -284,11 +295,11 @@ _ALL = [
     Strategy("single", "one process (the reference)", 0, _replicated, single_process=True),
     Strategy("ddp_naive", "naive DDP (one all-reduce per tensor)", 0,
              partial(_replicated, wrapper=_naive_ddp)),
-    Strategy("ddp", "DDP", 0, partial(_replicated, wrapper=_ddp)),
-    Strategy("zero1", "ZeRO-1", 1, _zero, aliases=("zero-1",)),
+    Strategy("ddp", "DDP", 0, partial(_replicated, wrapper=_ddp), buckets=True),
+    Strategy("zero1", "ZeRO-1", 1, _zero, aliases=("zero-1",), buckets=True),
     Strategy("zero1_allreduce", "ZeRO-1 (all-reduce, as first told)", 1,
-             partial(_zero, reduce="all_reduce"), aliases=("zero1-allreduce",)),
-    Strategy("zero2", "ZeRO-2", 2, _zero, aliases=("zero-2",)),
+             partial(_zero, reduce="all_reduce"), aliases=("zero1-allreduce",), buckets=True),
+    Strategy("zero2", "ZeRO-2", 2, _zero, aliases=("zero-2",), buckets=True),
     Strategy("fsdp", "ZeRO-3 / FSDP (per-parameter, as FSDP2)", 3, _fsdp, aliases=("zero3", "zero-3"),
              offloads=True, mixed_precision="bf16_fsdp"),
     Strategy("fsdp_flat", "FSDP with flat parameters (as FSDP1)", 3, partial(_fsdp, layout="flat"),
@@ -296,9 +307,9 @@ _ALL = [
     Strategy("hsdp", "hybrid sharding (HSDP)", 3, partial(_fsdp, hybrid=True), offloads=True,
              hybrid=True, mixed_precision="bf16_fsdp"),
     Strategy("torch_ddp", "PyTorch DistributedDataParallel", 0, _torch_ddp, aliases=("torch-ddp",),
-             instrumented=False),
+             instrumented=False, buckets=True),
     Strategy("torch_zero1", "PyTorch DDP + ZeroRedundancyOptimizer", 1, partial(_torch_ddp, zero=True),
-             aliases=("torch-zero1",), instrumented=False),
+             aliases=("torch-zero1",), instrumented=False, buckets=True),
     Strategy("torch_fsdp", "PyTorch FSDP2 fully_shard", 3, _torch_fsdp, aliases=("torch-fsdp",),
              instrumented=False, mixed_precision="bf16_fsdp"),
 ]

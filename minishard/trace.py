@@ -119,6 +119,13 @@ def _check(ev: dict, where: str) -> dict:
     return ev
 
 
+def json_problem(e: json.JSONDecodeError) -> str:
+    """``Unterminated string starting at column 147`` of a one-line document: the decoder's words
+    end in "at", its position follows (its ``str()`` says "at: line 1 column 147 (char 146)";
+    counted in characters, a line's newline is no line 2)."""
+    return f"{e.msg.removesuffix(' at')} at column {e.pos + 1}"
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     path = Path(path)
     events = []
@@ -128,7 +135,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 try:
                     ev = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise TraceFormatError(f"{path}:{n}: not JSON ({e})") from None
+                    raise TraceFormatError(f"{path}:{n}: not JSON ({json_problem(e)}): a line cut "
+                                           f"short, or not a trace") from None
                 events.append(_check(ev, f"{path}:{n}"))
     return events
 
@@ -143,8 +151,10 @@ def load(source: str | Path | Iterable[dict]) -> list[dict]:
             if not files:
                 raise FileNotFoundError(f"{p}: no rank*.jsonl trace files in this directory")
             events = [ev for f in files for ev in read_jsonl(f)]
-        else:
+        elif p.exists():
             events = read_jsonl(p)
+        else:
+            raise FileNotFoundError(f"{p}: no such trace directory or file (demo --trace DIR writes one)")
     else:
         events = [_check(ev, "event") for ev in source]
     return merge(events)

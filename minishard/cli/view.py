@@ -73,7 +73,7 @@ def _unreadable(line: str) -> str | None:
     try:
         ev = json.loads(line.strip())
     except json.JSONDecodeError as e:
-        return f"not JSON ({e.msg} at column {e.colno}): a line cut short, or not a trace"
+        return f"not JSON ({trace.json_problem(e)}): a line cut short, or not a trace"
     if not isinstance(ev, dict):
         return "not a trace event (a JSON object per line)"
     if ev.get("v") != trace.SCHEMA_VERSION:
@@ -90,17 +90,18 @@ def uneven_steps(events_by_file: dict[Path, list[dict]], lines: dict[Path, int])
     """One line per rank whose trace reaches fewer steps than the others' (a rank that stopped,
     or a file cut short): the ranks did not run the same steps, so bars of different ranks at
     the end of the trace are not the same moment."""
-    last = {}
+    last = {path: -1 for path in events_by_file}       # -1: not one step recorded
     for path, events in events_by_file.items():
         for ev in events:
             if ev.get("step") is not None:
-                last[path] = max(last.get(path, -1), ev["step"])
+                last[path] = max(last[path], ev["step"])
     if len(set(last.values())) <= 1:
         return []
     most = max(last.values())
     ahead = sorted(p.name for p, s in last.items() if s == most)
-    return [problem(path, lines[path], f"this rank's trace ends in step {s}, the others' "
-                                       f"({', '.join(ahead)}) in step {most}: it stopped early "
+    return [problem(path, lines[path], f"this rank's trace ends "
+                                       f"{f'in step {s}' if s >= 0 else 'before its first step'}, "
+                                       f"the others' ({', '.join(ahead)}) in step {most}: it stopped early "
                                        f"or its file was cut short; the player shows what it recorded")
             for path, s in sorted(last.items()) if s < most]
 
