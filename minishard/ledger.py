@@ -132,6 +132,7 @@ class Estimate:
     per_rank: dict[str, int]                       # category -> bytes on each rank
     sharded: dict[str, bool]                       # category -> sharded across ranks?
     full: dict[str, int] = field(default_factory=dict)   # category -> bytes if unsharded
+    shard_group: int | None = None                 # ranks a sharded category is split over
 
     @property
     def state_bytes(self) -> int:
@@ -173,12 +174,16 @@ def shard_numel(numel: int, world_size: int) -> int:
 
 def estimate(model: torch.nn.Module | None = None, *, n_params: int | None = None,
              world_size: int = 1, strategy: str = "ddp", precision: str = "bf16_mixed",
-             optimizer: str = "adamw", activation_bytes: int = 0) -> Estimate:
+             optimizer: str = "adamw", activation_bytes: int = 0, shard_group: int | None = None,
+             numel: tuple[int, int] | None = None, frozen: int = 0) -> Estimate:
     """Analytic per-rank memory of the training state.
 
     Pass a model (any device, meta included) or ``n_params``. ``activation_bytes`` (per rank) can
     come from :func:`gpt_activation_bytes`. Sharded categories hold ``ceil(n/N)`` elements per rank
-    (a flat buffer split N ways, padded), so the figures are exact for minishard's layouts.
+    (a flat buffer split N ways, padded). A run's knobs: ``shard_group`` (hybrid sharding: split
+    over groups of this many ranks, replicated across them); ``numel`` (elements a replicated and
+    a sharded category hold, as the strategy's layout pads them: exact for that layout);
+    ``frozen`` (elements of frozen weights kept: no gradient, no optimizer state).
     """
     if (model is None) == (n_params is None):
         raise ValueError("pass exactly one of model= or n_params=")
@@ -191,6 +196,9 @@ def estimate(model: torch.nn.Module | None = None, *, n_params: int | None = Non
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     stage = strategies.get(strategy).stage      # (a ValueError names the strategies there are)
+    group = world_size if shard_group is None else shard_group
+    if not isinstance(group, int) or group < 1 or world_size % group:
+        raise ValueError(f"shard_group must divide the world size {world_size}, got {shard_group!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
@@ -207,18 +215,23 @@ def estimate(model: torch.nn.Module | None = None, *, n_params: int | None = Non
     for c in state_cats:
         bpp[c] = state_bytes or prec.state
 
+    replica_elems, shard_elems = numel if numel is not None else (n_params, shard_numel(n_params, group))
     per_rank, sharded, full = {}, {}, {}
     for cat, b in bpp.items():
-        is_sharded = stage >= SHARDED_FROM_STAGE[cat] and world_size > 1
-        elems = shard_numel(n_params, world_size) if is_sharded else n_params
+        is_sharded = stage >= SHARDED_FROM_STAGE[cat] and group > 1
+        elems = shard_elems if is_sharded else replica_elems
         per_rank[cat], sharded[cat], full[cat] = elems * b, is_sharded, n_params * b
+    if frozen:                 # weights only, in the working precision (FSDP's fp32 shards: master)
+        per_rank["params" if prec.params else "master"] += frozen * (prec.params or prec.master)
     if activation_bytes:
         per_rank["activations"], sharded["activations"] = int(activation_bytes), False
-    return Estimate(n_params, world_size, strategy, precision, optimizer, per_rank, sharded, full)
+    return Estimate(n_params, world_size, strategy, precision, optimizer, per_rank, sharded, full, group)
 
 
 def gpt_activation_bytes(cfg, micro_batch: int, seq_len: int | None = None,
-                         dtype_bytes: int = 4, flash_attention: bool = False) -> int:
+                         dtype_bytes: int = 4, flash_attention: bool = False,
+                         recompute: bool = False, loss_chunk_tokens: int | None = None,
+                         train_embedding: bool = True) -> int:
     """Bytes autograd saves for backward in one forward of :class:`minishard.model.GPT`.
 
     Derived op by op from what each autograd node keeps; the measured ledger (saved-tensor
@@ -229,6 +242,10 @@ def gpt_activation_bytes(cfg, micro_batch: int, seq_len: int | None = None,
     ``flash_attention=True`` models a fused attention kernel instead (what real training uses,
     and the planner assumes): it keeps q, k, v, its output and one log-sum-exp per row, never
     the T x T scores.
+
+    ``recompute``: a block keeps only its input (its insides are made again in backward, one
+    block at a time, never saved in forward); ``loss_chunk_tokens``: the head runs chunk by chunk,
+    recomputed in backward, so no log-softmax is kept; ``train_embedding=False``: no token ids.
     """
     B, T = micro_batch, seq_len or cfg.seq_len
     C, H, F, V, L = cfg.d_model, cfg.n_head, cfg.ffn_hidden, cfg.vocab_size, cfg.n_layer
@@ -251,11 +268,11 @@ def gpt_activation_bytes(cfg, micro_batch: int, seq_len: int | None = None,
         + (3 if cfg.mlp == "swiglu" else 1) * BT * F * x   # gelu input | silu input, silu out, up out
         + BT * F * x                               # down projection: its input
     )
-    embed = BT * 8                                 # token ids (int64) for the embedding backward
-    head = (norm                                   # final norm
-            + BT * C * x                           # head: its input
-            + BT * V * x                           # log-softmax of the logits, for the loss
-            + BT * 8 + x)                          # targets (int64) and the loss's total weight
+    if recompute:
+        per_block = BT * C * x                     # the block's input, kept by its checkpoint
+    embed = BT * 8 if train_embedding else 0       # token ids (int64) for the embedding backward
+    head = (norm + BT * C * x + BT * 8             # final norm, the head's input, targets (int64)
+            + (0 if loss_chunk_tokens else BT * V * x + x))   # log-softmax of the logits; loss weight
     return L * per_block + embed + head
 
 

@@ -13,6 +13,7 @@ tests all call it, so that every chapter compares like with like.
 from __future__ import annotations
 
 import contextlib
+import math
 from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
@@ -23,7 +24,7 @@ from . import strategies
 from .comm import Comm
 from .config import OPTIMIZERS, PRECISIONS, WRAPS, TrainConfig
 from .launch import RankContext
-from .ledger import LiveLedger, estimate, gpt_activation_bytes
+from .ledger import STATE_CATEGORIES, LiveLedger, estimate, gpt_activation_bytes
 from .meter import Meter
 from .strategies import Built, build, wrap_targets
 from .trace import Tracer
@@ -68,7 +69,8 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
           on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train ``config.steps`` optimizer steps; each sees ``config.accum`` micro-batches of
     ``config.micro_batch`` sequences per rank. Returns this rank's measurements. ``on_step``
-    is called after every step with ``{rank, step, steps, loss, seconds, peak}`` (progress)."""
+    is called after every step with ``{rank, step, first, steps, loss, loss_resolution, seconds,
+    peak}`` (progress; ``step`` counts on from a resumed checkpoint's)."""
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train(rank, config) takes a TrainConfig, got {type(config).__name__}: "
                         f"train(rank, TrainConfig(strategy='ddp', steps=3))")
@@ -98,17 +100,15 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
                               track_activations=config.track_activations)
         meter.loss(loss)
         if on_step is not None:
-            on_step({"rank": rank.rank, "step": step - first_step, "steps": config.steps, "loss": loss,
-                     "seconds": meter.steps["step_times"][-1], "peak": ledger.peak if ledger else 0})
+            on_step({"rank": rank.rank, "step": step, "first": step == first_step,
+                     "steps": first_step + config.steps, "loss": loss, "loss_resolution":
+                     _loss_resolution(loss, config), "seconds": meter.steps["step_times"][-1],
+                     "peak": ledger.peak if ledger else 0})
     tracer.step = None
 
-    out: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size,
-                           "strategy": strategy.name, **meter.steps, "by_op": meter.by_op(),
-                           "n_params": model_mod.GPT(cfg, device="meta").num_params()}
-    if hasattr(built.optimizer, "layout"):
-        out["layout"] = built.optimizer.layout()
+    out = _measurements(rank, config, cfg, meter, built, first_step)
     if ledger is not None:
-        out["ledger"] = _ledger_report(ledger, config, cfg, strategy, rank.world_size)
+        out["ledger"] = _ledger_report(ledger, config, cfg, strategy, rank.world_size, built)
     if config.save_to is not None:
         from . import checkpoint
         ckpt["save"] = checkpoint.save(built.model, built.optimizer, config.save_to, comm=comm,
@@ -126,6 +126,20 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     return out
 
 
+def _measurements(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: Built,
+                  first_step: int) -> dict[str, Any]:
+    """What every run returns: the meter's per-step lists, and what they are."""
+    out: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size,
+                           "strategy": built.strategy.name, **meter.steps, "by_op": meter.by_op(),
+                           "n_params": model_mod.GPT(cfg, device="meta").num_params(),
+                           "first_step": first_step,
+                           "loss_resolution": [_loss_resolution(x, config) for x in meter.steps["losses"]],
+                           "exposed_comm_measured": bool(built.units)}   # (only FSDP's units time it)
+    if hasattr(built.optimizer, "layout"):
+        out["layout"] = built.optimizer.layout()
+    return out
+
+
 def _model(config: TrainConfig, cfg, device, rank: int = 0) -> torch.nn.Module:
     """The GPT this rank starts from (the same seed everywhere, unless ``rank_seeds``), its
     memory knobs set and the frozen parameters' gradients switched off."""
@@ -138,22 +152,88 @@ def _model(config: TrainConfig, cfg, device, rank: int = 0) -> torch.nn.Module:
     return net
 
 
-def _ledger_report(ledger: LiveLedger, config: TrainConfig, cfg, strategy, world_size: int) -> dict:
-    """The measured ledger, next to the analytic estimate for the same run."""
-    act = 0
-    if config.track_activations:
-        act = gpt_activation_bytes(cfg, config.micro_batch,
-                                   dtype_bytes=2 if config.precision == "bf16_mixed" else 4)
+def _ledger_report(ledger: LiveLedger, config: TrainConfig, cfg, strategy, world_size: int,
+                   built: Built) -> dict:
+    """The measured ledger, next to the analytic estimate for the same run: every knob it used
+    (hybrid shard groups, recomputation, a chunked loss, offload) and the strategy's layout."""
     trainable = model_mod.GPT(cfg, device="meta")
     for name, p in trainable.named_parameters():
         if config.freeze and name.startswith(config.freeze):
             p.requires_grad_(False)
+    act = 0
+    if config.track_activations:
+        act = gpt_activation_bytes(cfg, config.micro_batch,
+                                   dtype_bytes=2 if config.precision == "bf16_mixed" else 4,
+                                   recompute=config.recompute, loss_chunk_tokens=config.loss_chunk_tokens,
+                                   train_embedding=trainable.tok_emb.weight.requires_grad)
     est = estimate(trainable, world_size=world_size, strategy=strategy.name,
                    precision=strategy.ledger_precision(config.precision), optimizer=config.optimizer,
-                   activation_bytes=act)
-    return {"peak": ledger.peak, "peak_snapshot": ledger.peak_snapshot,
-            "category_peaks": {c: b for (c, d), b in ledger.category_peaks.items() if d == ledger.device},
-            "phase_peaks": ledger.phase_peaks, "final": ledger.current(), "estimate": est.per_rank}
+                   activation_bytes=act, shard_group=config.shard_size if strategy.hybrid else None,
+                   **_layout_numel(built))
+    formula: dict[str, dict[str, int]] = {}   # offload: FSDP's sharded state moves to the tier together
+    for c, nbytes in est.per_rank.items():
+        formula.setdefault(config.offload if config.offload and c in STATE_CATEGORIES else "device", {})[c] = nbytes
+    out = {"peak": ledger.peak, "peak_snapshot": ledger.peak_snapshot,
+           "category_peaks": {c: b for (c, d), b in ledger.category_peaks.items() if d == ledger.device},
+           "phase_peaks": ledger.phase_peaks, "final": ledger.current(), "estimate": est.per_rank,
+           "formula": formula, "shard_group": est.shard_group}
+    if built.tier is not None:
+        out["transfer_formula"] = _transfer_formula(built, config)
+    if config.track_activations and (config.recompute or config.loss_chunk_tokens):
+        out["unseen"] = _recomputed_bytes(cfg, config)
+    return out
+
+
+def _recomputed_bytes(cfg, config: TrainConfig) -> dict[str, int]:
+    """What backward recomputes lives outside the ledger's saved-tensor hooks: its size, by the
+    same formula (a real device holds it on top of the measured peak)."""
+    from dataclasses import replace
+    x = 2 if config.precision == "bf16_mixed" else 4
+    out = {}
+    if config.recompute:
+        one = [gpt_activation_bytes(replace(cfg, n_layer=n), config.micro_batch, dtype_bytes=x) for n in (0, 1)]
+        out["one block's activations, while backward recomputes them"] = one[1] - one[0]
+    if config.loss_chunk_tokens:
+        tokens = min(config.loss_chunk_tokens, config.micro_batch * cfg.seq_len)
+        out["one loss chunk's log-probabilities, while backward recomputes them"] = tokens * cfg.vocab_size * x
+    return out
+
+
+def _layout_numel(built: Built) -> dict:
+    """What the strategy laid out on this rank: ``numel`` — (elements a replicated category
+    holds, elements a sharded one holds) of the trainable parameters, padding included (absent:
+    unpadded) — and ``frozen``, the elements of frozen weights it keeps."""
+    buckets = getattr(built.optimizer, "buckets", None)
+    if buckets and hasattr(buckets[0], "chunk"):   # ZeRO: each bucket N equal chunks (frozen
+        # parameters stay plain replicas, outside its buffers and outside its ledger)
+        return {"numel": (sum(b.size for b in buckets), sum(b.chunk for b in buckets))}
+    if built.units:                                        # FSDP: the shards the units keep
+        shards = [t for u in built.units for t in u.layout.shard_tensors()]
+        n = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
+        return {"numel": (n, sum(t.numel() for t in shards if t.requires_grad)),
+                "frozen": sum(t.numel() for t in shards if not t.requires_grad)}
+    return {"frozen": sum(p.numel() for p in built.model.parameters() if not p.requires_grad)}
+
+
+def _transfer_formula(built: Built, config: TrainConfig) -> dict[str, int]:
+    """Offload's bytes per step: every gather brings the unit's shard over (h2d) — once in
+    forward, once more in backward if it was freed after forward — and every reduce-scatter
+    sends the reduced gradient slice to the tier (d2h); both once per micro-batch."""
+    h2d = d2h = 0
+    for u in built.units:
+        shards = u.layout.shard_tensors()
+        h2d += sum(t.numel() * t.element_size() for t in shards) * (1 + bool(u.reshard_after_forward))
+        dtype = u.mp_policy.reduce_dtype or u.mp_policy.param_dtype or u.layout.reduce_dtype
+        d2h += sum(t.numel() for t in shards if t.requires_grad) * dtype.itemsize
+    return {"h2d_bytes": h2d * config.accum, "d2h_bytes": d2h * config.accum}
+
+
+def _loss_resolution(loss: float, config: TrainConfig) -> float:
+    """The spacing of the numbers the loss is computed in, near this loss: a change smaller than
+    this does not show (bf16 keeps 8 significant bits: steps of 1/16 near 8)."""
+    eps = torch.finfo(torch.bfloat16 if config.precision == "bf16_mixed" else torch.float32).eps
+    per_micro = abs(loss) / config.accum                   # each micro-batch's loss / accum is rounded
+    return eps * 2.0 ** math.floor(math.log2(per_micro)) if per_micro > 0 else 0.0
 
 
 def _phase(ledger: LiveLedger | None, tracer: Tracer | None, name: str):

@@ -137,7 +137,9 @@ def test_fsdp_peak_is_shards_plus_the_largest_unit_plus_activations(pools, N, st
     for r in res:
         led = r["ledger"]
         state = sum(v for c, v in led["estimate"].items() if c != "activations")
-        assert abs(state - 16 * 6_868_992 / N) <= 0.002 * state        # 16 Psi / N, padded
+        # 16 Psi / N, padded: by the layout, at most one row of each tensor (the formula counts it)
+        rows = sum(p.numel() // p.shape[0] for p in GPT(cfg, device="meta").parameters())
+        assert 0 <= state - 16 * 6_868_992 / N < 16 * rows
         formula = state + 4 * root_params + gpt_activation_bytes(cfg, 4)
         assert abs(led["peak"] - formula) <= 0.02 * formula, (led["peak"], formula)
 

@@ -1,0 +1,128 @@
+"""The run report of ``minishard demo`` explains itself: its formula models every knob the run
+used (hybrid shard groups, recomputation, offload with its host bytes and transfers, the
+layout's padding), each peak - formula difference is named in the strategy's words and said
+once, a column that was not measured says so, and ``--save`` / ``--resume`` / ``--export`` each
+say what they did, the resumed run counting on from its step."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from minishard.cli.report import LEFT_OUT, NOT_MODELLED, explain, report
+from minishard.config import TrainConfig
+from minishard.ledger import STATE_CATEGORIES
+from minishard.train import train
+
+NANO = dict(model="nano", steps=2)
+
+
+def args_for(config: TrainConfig, **more) -> SimpleNamespace:
+    """What the command line would have parsed for this config."""
+    return SimpleNamespace(model=config.model, precision=config.precision, optimizer=config.optimizer,
+                           offload=config.offload, recompute=config.recompute,
+                           loss_chunk_tokens=config.loss_chunk_tokens, trace=None, resume=None,
+                           save=None, export=None, **more)
+
+
+def state(ledger_bytes: dict) -> dict:
+    return {c: b for c, b in ledger_bytes.items() if c in STATE_CATEGORIES}
+
+
+def assert_named(results: list[dict], family: str) -> None:
+    """Every category where the device peak differs from the formula is above it by what the
+    strategy really allocates, in its words, or below it (not all alive at the peak)."""
+    for r in results:
+        led = r["ledger"]
+        for c in set(led["peak_snapshot"]) | set(led["formula"]["device"]):
+            extra = led["peak_snapshot"].get(c, 0) - led["formula"]["device"].get(c, 0)
+            assert extra <= 0 or c in LEFT_OUT[family], (r["strategy"], c, extra)
+        assert NOT_MODELLED not in " ".join(explain(r))
+
+
+def test_hybrid_shards_and_recomputation_are_in_the_formula(pools):
+    config = TrainConfig(strategy="hsdp", shard_size=2, recompute=True, **NANO)
+    results = pools(4).run(train, config)
+    for r in results:
+        led = r["ledger"]
+        assert led["shard_group"] == config.shard_size
+        # the state the ranks hold after the run is the formula's, category by category
+        assert state(led["by_device"]["device"]) == state(led["formula"]["device"])
+        # recomputation: what autograd ever held in forward is what the formula says it keeps
+        assert led["category_peaks"]["activations"] == led["formula"]["device"]["activations"]
+        assert any("while backward recomputes them" in note for note in explain(r))
+    assert_named(results, "fsdp")
+    text = report(results, args_for(config))
+    assert "state sharded over 2 ranks (--shard-size 2; replicated across 2 groups)" in text
+    assert "--recompute" in text
+
+
+def test_offload_puts_the_state_beside_the_device_and_counts_its_transfers(pools):
+    config = TrainConfig(strategy="fsdp", offload="host", accum=2, **NANO)
+    results = pools(3).run(train, config)
+    for r in results:
+        led = r["ledger"]
+        assert not state(led["formula"]["device"]) and not state(led["by_device"].get("device", {}))
+        assert led["formula"]["host"] == led["by_device"]["host"]
+        assert led["transfer_formula"] == {k: r["transfer"][-1][k] for k in ("h2d_bytes", "d2h_bytes")}
+    assert_named(results, "fsdp")
+    text = report(results, args_for(config))
+    assert re.search(r"^rank .* peak MiB formula MiB  host MiB formula MiB", text, re.M)
+    assert "host = formula" in text and "transfers per step = formula" in text
+
+
+def test_zero_padding_is_in_the_formula_and_each_note_is_said_once(pools):
+    config = TrainConfig(strategy="zero1", **NANO)
+    results = pools(3).run(train, config)
+    padding = [b[2] * 3 - b[1] for b in results[0]["layout"]["buckets"]]
+    assert any(padding), "nano on 3 ranks pads a bucket: the case this test is about"
+    for r in results:
+        assert r["ledger"]["peak"] == sum(r["ledger"]["formula"]["device"].values())
+    text = report(results, args_for(config))
+    assert text.count("device: peak = formula") == 1 and "ranks 0-2: device: peak = formula" in text
+    assert "reduce-scatter" not in text.split("why:")[1]           # FSDP's words are not ZeRO's
+    # DDP and ZeRO do not time their waits: the column says so instead of 0.0
+    rows = [line for line in text.splitlines() if re.match(r"^\s+\d ", line)]
+    assert len(rows) == 3 and all(row.split()[-1] == "n/a" for row in rows)
+    assert "waited ms: n/a, not measured" in text
+
+
+def test_a_bf16_loss_says_its_resolution(pools):
+    config = TrainConfig(strategy="zero1", precision="bf16_mixed", **NANO)
+    results = pools(3).run(train, config)
+    for r in results:
+        for loss, step in zip(r["losses"], r["loss_resolution"]):
+            # a bf16 loss is a whole number of its resolution, and half a step more is no bf16 number
+            half = loss + step / 2
+            assert (loss / step).is_integer() and torch.tensor(half, dtype=torch.bfloat16).item() != half
+    text = report(results, args_for(config))
+    assert f"moves in steps of {max(max(r['loss_resolution']) for r in results):g}" in text
+
+
+def cli(*args: str, cwd: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "minishard", *args], capture_output=True, text=True,
+                         timeout=300, cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_save_resume_export_say_what_they_did_and_steps_count_on(tmp_path):
+    saved = cli("demo", "--world-size", "2", "--strategy", "fsdp", "--model", "nano", "--steps", "2",
+                "--save", "ckpt", cwd=tmp_path)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "ckpt").glob("rank*.safetensors"))
+    assert f"saved step 2 to ckpt (2 ranks, {on_disk:,} bytes)" in saved
+    out = cli("demo", "--world-size", "3", "--strategy", "zero1", "--model", "nano", "--steps", "2",
+              "--resume", "ckpt", "--export", "release", cwd=tmp_path)
+    assert "resumed ckpt at step 2: resharded 2 → 3 ranks, fsdp → zero1" in out
+    assert re.search(r"^step   3/4  loss", out, re.M) and re.search(r"^step   4/4  loss", out, re.M)
+    assert not re.search(r"^step   1/", out, re.M)
+    weights = list((tmp_path / "release").glob("*.safetensors"))
+    index = json.loads((tmp_path / "release" / "model.safetensors.index.json").read_text())
+    assert (f"exported step 4 to release: {len(weights)} weight files, "
+            f"{index['metadata']['total_size']:,} bytes of weights") in out
+    assert "(steps 3-4: resumed at step 2)" in out
+    # the per-step lines are rank 0's own, said once; the summary's losses are the global mean
+    assert out.count("rank 0's steps") == 1 and "losses, the global batch's" in out
