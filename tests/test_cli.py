@@ -87,7 +87,10 @@ def test_every_chapters_readme_line_runs_and_agrees_with_the_formulas(tmp_path):
             est = r["estimate"]
             assert sum(v for c, v in est.items() if c != "activations") == state, chapter
             assert est["activations"] == gpt_activation_bytes(config("nano"), 4,
-                                                              dtype_bytes=2 if prec == "bf16_mixed" else 4)
+                                                              dtype_bytes=2 if prec == "bf16_mixed" else 4,
+                                                              recompute="--recompute" in args)
+            if "--offload" in args:                                           # the state, off the device
+                assert sum(r["formula"]["host"].values()) == state, chapter
             assert r["peak"] >= state, chapter
         if "--trace" in args:
             events = trace.load(tmp_path / args[args.index("--trace") + 1])
@@ -157,13 +160,97 @@ def test_plan_gives_the_widgets_advice(strategy, nodes, inter, capsys):
     assert advice == pw.hints and advice and all(advice)
 
 
+QWEN2 = ROOT / "configs" / "qwen2-7b.json"
+
+
+def plan_out(capsys, *argv: str) -> str:
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_states_the_sequence_length_and_takes_the_configs_only_when_asked(capsys):
+    """Qwen2's config allows far more positions than a model is trained at: plan models the
+    training length (and says so), and the config's maximum only on ``--seq-len config``."""
+    from minishard.cli.plan import TRAINING_SEQ_LEN
+    longest = json.loads(QWEN2.read_text())["max_position_embeddings"]
+    assert longest > TRAINING_SEQ_LEN                      # the case the default is for
+    default = json.loads(plan_out(capsys, "--config", str(QWEN2), "--json"))
+    assert default["seq_len"] == TRAINING_SEQ_LEN
+    assert all(p["tokens_per_rank"] == TRAINING_SEQ_LEN for p in default["plans"].values())
+    assert any(p["fits"] for p in default["plans"].values())
+    text = plan_out(capsys, "--config", str(QWEN2))
+    assert f"sequence length {TRAINING_SEQ_LEN:,} tokens" in text and f"{longest:,}" in text
+    assert f"sequences of {TRAINING_SEQ_LEN:,} tokens" in (ROOT / "README.md").read_text()   # documented
+    asked = json.loads(plan_out(capsys, "--config", str(QWEN2), "--seq-len", "config", "--json"))
+    assert asked["seq_len"] == longest
+    assert f"sequence length {longest:,} tokens" in plan_out(capsys, "--config", str(QWEN2), "--seq-len", "config")
+    # a learned position table (GPT-2's) keeps its size whatever the sequence: the count is exact
+    gpt2 = ROOT / "configs" / "gpt2.json"
+    positions = json.loads(gpt2.read_text())["n_positions"]
+    counts = {json.loads(plan_out(capsys, "--config", str(gpt2), "--seq-len", str(n), "--json"))["n_params"]
+              for n in (positions // 2, positions)}
+    assert len(counts) == 1
+
+
+@pytest.mark.parametrize("seq_len, message", [("0", "--seq-len takes a positive number"),
+                                              ("long", "--seq-len takes a positive number"),
+                                              ("2048", "learned positions")])
+def test_plan_refuses_a_sequence_length_it_cannot_model(seq_len, message, capsys):
+    assert main(["plan", "--config", str(ROOT / "configs" / "gpt2.json"), "--seq-len", seq_len]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_plan_table_columns_and_advice_printed_once(capsys):
+    """Every heading is its own word (``activations`` and ``comm_buffers`` once ran together),
+    each row has a figure under each heading, and a sentence that holds for several strategies
+    is printed once; "faster" follows the two times the sentence compares."""
+    for argv in (["--seq-len", "config"], ["--cluster", "h100-2nodes-ethernet"]):
+        plans = json.loads(plan_out(capsys, "--config", str(QWEN2), *argv, "--json"))["plans"]
+        text = plan_out(capsys, "--config", str(QWEN2), *argv).splitlines()
+        cats = list(dict.fromkeys(c for p in plans.values() for c in p["memory"]))
+        head = next(i for i, line in enumerate(text) if line.startswith("strategy"))
+        assert text[head].split() == ["strategy", *cats, "GiB/GPU", "fits", "s/step", "tok/s/GPU", "waiting"]
+        for name, line in zip(plans, text[head + 1:head + 1 + len(plans)]):
+            assert line.split()[0] == name and len(line.split()) == len(text[head].split())
+        advice = [line for line in text if line.startswith(" - ")]
+        sentences = [line.split(": ", 1)[1] for line in advice]
+        assert len(sentences) == len(set(sentences))
+        assert set(sentences) == {h for p in plans.values() for h in p["advice"]}
+        if argv[0] == "--seq-len":               # the long sequence: advice shared by strategies
+            assert any(sum(s in p["advice"] for p in plans.values()) > 1 for s in sentences)
+        for line in advice:
+            m = re.search(r"is (faster|about as fast) \((\d+\.\d+) s a step against (\d+\.\d+) s\)", line)
+            if m:
+                assert (m.group(1) == "faster") == (float(m.group(2)) < float(m.group(3))), line
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_plan_names_the_link_between_nodes_only_when_there_are_nodes(nodes, capsys):
+    from minishard.costmodel import LINKS
+    inter = LINKS["ethernet-100g"].name
+    text = plan_out(capsys, "--nodes", str(nodes), "--inter", "ethernet-100g")
+    assert (inter in text.splitlines()[0]) == (nodes > 1)
+    cluster = json.loads(plan_out(capsys, "--nodes", str(nodes), "--inter", "ethernet-100g", "--json"))["cluster"]
+    assert cluster["inter"] == (inter if nodes > 1 else None)
+
+
+def test_ledger_prints_binary_units_with_the_decimal_figure(capsys):
+    est = estimate(GPT(config("llama3-8b"), device="meta"), world_size=8, strategy="zero3")
+    assert main(["ledger", "--world-size", "8", "--strategy", "zero3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines[2:]}
+    for cat, nbytes in [*est.per_rank.items(), ("total", est.total)]:
+        assert rows[cat].split()[1:5] == [f"{nbytes / 2**30:.3f}", "GiB", f"({nbytes / 1e9:.3f}", "GB)"], rows[cat]
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["demo", "--strategy", "zero4"], "unknown strategy 'zero4'; expected one of"),
-    (["demo", "--prefetch", "-1"], "prefetch must be an integer >= 0"),
+    (["demo", "--strategy", "zero4"], "--strategy zero4: unknown strategy; expected one of"),
+    (["demo", "--prefetch", "-1"], "--prefetch -1: must be an integer >= 0"),
     (["demo", "--strategy", "hsdp", "--world-size", "3"], "does not divide the world size 3"),
     (["demo", "--resume", "/nonexistent/ckpt"], "no such checkpoint directory"),
-    (["demo", "--offload", "host", "--strategy", "ddp"], "needs an FSDP strategy"),
-    (["ledger", "--model", "gpt-9"], "unknown model config 'gpt-9'"),
+    (["demo", "--offload", "host", "--strategy", "ddp"], "--offload host applies to an FSDP strategy"),
+    (["ledger", "--model", "gpt-9"], "--model gpt-9: no such built-in model"),
     (["ledger", "--config", "/nonexistent/config.json"], "no model config at"),
     (["plan", "--device-memory", "-3"], "--device-memory must be a positive"),
 ])

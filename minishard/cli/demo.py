@@ -26,10 +26,9 @@ MiB = 2**20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    names = ", ".join(f"{s.name} ({s.course_name})" for s in strategies.STRATEGIES.values())
     g = p.add_argument_group("what to train")
     g.add_argument("--strategy", default="ddp", metavar="NAME",
-                   help=f"ddp, zero1, zero2, zero3 (= fsdp), fsdp, fsdp-flat, hsdp, ... — all: {names}")
+                   help=f"one of {strategies.described()} (default ddp)")
     g.add_argument("--model", default="tiny", help="a built-in config: nano, tiny (default), gpt2-small, ...")
     g.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     g.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per forward")
@@ -41,17 +40,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--freeze", action="append", default=[], metavar="PREFIX",
                    help="freeze parameters whose name starts with PREFIX (repeatable; chapter 06)")
     g.add_argument("--seed", type=int, default=0, help="initial weights, the same on every rank")
-    g = p.add_argument_group("sharding (chapters 02-07)")
-    g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size in MiB (DDP, ZeRO-1/2)")
+    g = p.add_argument_group("sharding (chapters 02-07; hsdp's shard groups: chapter 10)")
+    g.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MIB",
+                   help="gradient bucket size in MiB (ddp, zero1, zero2; default 25)")
     g.add_argument("--wrap", default="block", help="FSDP units below the root: block, linear or model (chapter 06)")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free a unit's gathered parameters after its forward (chapter 06)")
     g.add_argument("--reshard-root", action="store_true", help="free the root too (the textbook ZeRO-3 schedule)")
-    g.add_argument("--prefetch", type=int, default=0, metavar="K", help="FSDP units gathered ahead (chapter 07)")
-    g.add_argument("--shard-size", type=int, default=2, help="hsdp: ranks per shard group, a node (chapter 10)")
+    g.add_argument("--prefetch", type=int, default=0, metavar="K", help="FSDP units gathered ahead (chapter 07; fsdp, fsdp_flat, hsdp)")
+    g.add_argument("--shard-size", type=int, default=2, help="hsdp only: ranks per shard group, a node (default 2)")
     g = p.add_argument_group("memory (chapters 07, 08, 10)")
     g.add_argument("--offload", choices=("host", "disk"), default=None, help="keep FSDP's sharded state off the device")
-    g.add_argument("--offload-dir", default=None, help="where --offload disk keeps its files")
+    g.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="where --offload disk keeps its files (needed with it, refused without)")
     g.add_argument("--recompute", action="store_true", help="activation recomputation: keep each block's input only")
     g.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N", help="compute the loss N tokens at a time")
     g.add_argument("--device-budget", type=float, default=None, metavar="MIB",
@@ -67,52 +68,133 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_of(args) -> "TrainConfig":
-    """The run's TrainConfig; every bad value is refused here, before any rank starts."""
-    from ..config import TrainConfig
-    return TrainConfig(
-        strategy=args.strategy, steps=args.steps, model=args.model, micro_batch=args.micro_batch,
-        accum=args.accum, seed=args.seed, optimizer=args.optimizer, lr=args.lr, precision=args.precision,
-        clip=args.clip, freeze=tuple(args.freeze), bucket_cap_mb=args.bucket_cap_mb, wrap=args.wrap,
-        reshard_after_forward=args.reshard_after_forward, reshard_root=args.reshard_root,
-        prefetch=args.prefetch, shard_size=args.shard_size, recompute=args.recompute,
-        loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=args.offload_dir,
-        device_budget=None if args.device_budget is None else int(args.device_budget * MiB),
-        track_activations=True, trace=True, resume_from=args.resume,
-        save_to=args.save or (str(Path(args.export) / ".checkpoint") if args.export else None))
+    """The run's TrainConfig; every bad value is refused here, before any rank starts, named by
+    its flag (``--prefetch -1``, not ``prefetch=-1``), and so is a flag the strategy never reads."""
+    from ..config import ConfigError, TrainConfig
+    try:
+        config = TrainConfig(
+            strategy=args.strategy, steps=args.steps, model=args.model, micro_batch=args.micro_batch,
+            accum=args.accum, seed=args.seed, optimizer=args.optimizer, lr=args.lr, precision=args.precision,
+            clip=args.clip, freeze=tuple(args.freeze), bucket_cap_mb=args.bucket_cap_mb, wrap=args.wrap,
+            reshard_after_forward=args.reshard_after_forward, reshard_root=args.reshard_root,
+            prefetch=args.prefetch, shard_size=args.shard_size, recompute=args.recompute,
+            loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=args.offload_dir,
+            device_budget=None if args.device_budget is None else int(args.device_budget * MiB),
+            track_activations=True, trace=True, resume_from=args.resume,
+            save_to=args.save or (str(Path(args.export) / ".checkpoint") if args.export else None))
+        config.refuse_unused()
+    except ConfigError as e:
+        raise ValueError(e.worded(lambda name, value: _flag(args, name, value))) from None
+    return config
+
+
+def _flag(args, name: str, value) -> str:
+    """A TrainConfig field as the command line spells it: the flag, and the value as typed."""
+    dest = {"resume_from": "resume", "save_to": "save"}.get(name, name)
+    flag = "--" + dest.replace("_", "-")
+    if value is ...:
+        return flag
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    typed = getattr(args, dest, value)                 # (--device-budget is MiB, the field bytes)
+    return f"{flag} {typed if typed is not None else value}"
 
 
 def check(args, config, world_size: int) -> None:
-    """What TrainConfig cannot know alone: the world size, the checkpoint on disk."""
+    """What TrainConfig cannot know alone: the world size, the files and checkpoints on disk.
+    Every refusal names the flag and what to do, before any rank starts."""
     from .. import checkpoint
+    from ..model import GPT
     from ..model import config as model_config
     if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
+        raise ValueError(f"--world-size {world_size}: a run needs at least one rank; use --world-size 1 or more")
     strategy = strategies.get(config.strategy)
     if strategy.single_process and world_size > 1:
-        raise ValueError(f"strategy {strategy.name!r} trains one process; use --world-size 1")
+        raise ValueError(f"--strategy {args.strategy} trains one process, not {world_size}; use "
+                         f"--world-size 1, or a strategy that spreads the work (ddp, zero1, fsdp, ...)")
     if strategy.hybrid and world_size % config.shard_size:
-        raise ValueError(f"hsdp: --shard-size {config.shard_size} does not divide the world size "
-                         f"{world_size}; use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+        raise ValueError(f"--shard-size {config.shard_size} does not divide the world size "
+                         f"{world_size} (hsdp); use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+    if config.freeze:
+        names = [n for n, _ in GPT(config.model, device="meta").named_parameters()]
+        for prefix in config.freeze:
+            if not any(n.startswith(prefix) for n in names):
+                tops = ", ".join(dict.fromkeys(n.split(".")[0] for n in names))
+                raise ValueError(f"--freeze {prefix} matches no parameter of --model {config.model}; "
+                                 f"parameter names start with {tops} (blocks.0., blocks.1., ...)")
+    for flag, target in (("--save", args.save), ("--export", args.export), ("--trace", args.trace),
+                         ("--offload-dir", args.offload_dir)):
+        if target is not None and Path(target).exists() and not Path(target).is_dir():
+            raise ValueError(f"{flag} {target} is a file, not a directory; name a new or existing directory")
+    if args.save and Path(args.save).is_dir() and any(Path(args.save).iterdir()) \
+            and not (Path(args.save) / checkpoint.METADATA).exists():
+        raise ValueError(f"--save {args.save} is a directory that holds other files, not a checkpoint; "
+                         f"name a new directory (a checkpoint there is replaced)")
     if args.resume:
-        if not Path(args.resume).is_dir():
-            raise FileNotFoundError(f"--resume {args.resume}: no such checkpoint directory")
-        saved = checkpoint.read_metadata(args.resume).get("model")
-        want = dataclasses.asdict(model_config(config.model))
-        if saved != want:
-            raise ValueError(f"--resume {args.resume} holds another model ({_describe(saved)}), not "
-                             f"--model {config.model} ({_describe(want)})")
+        _check_resume(args, config, checkpoint, model_config)
+
+
+def _check_resume(args, config, checkpoint, model_config) -> None:
+    """--resume DIR must be a whole checkpoint of this model and this optimizer: its metadata
+    says so, and every shard file it lists must be there at its size (the bytes themselves are
+    checked as the ranks read them)."""
+    where = f"--resume {args.resume}"
+    if not Path(args.resume).is_dir():
+        raise FileNotFoundError(f"{where}: no such checkpoint directory")
+    root = checkpoint.format.resolve(Path(args.resume))
+    if not (root / checkpoint.METADATA).exists():
+        raise ValueError(f"{where}: no {checkpoint.METADATA} in it, so not a checkpoint; name a "
+                         f"directory that demo --save DIR wrote")
+    try:
+        meta = checkpoint.read_metadata(args.resume)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"{where}: {e}; the checkpoint is damaged, save it again") from None
+    for fname, info in meta.get("files", {}).items():
+        f = root / fname
+        if not f.exists():
+            raise ValueError(f"{where}: shard file {fname} is missing (rank {info.get('rank')} of "
+                             f"{meta.get('world_size')} saved it); the checkpoint is incomplete, "
+                             f"save it again or resume another")
+        if f.stat().st_size != info.get("bytes"):
+            raise ValueError(f"{where}: {fname} is {f.stat().st_size:,} bytes, the metadata says "
+                             f"{info.get('bytes'):,}: cut short or overwritten; save it again")
+    saved = meta.get("model")
+    want = dataclasses.asdict(model_config(config.model))
+    if saved != want:
+        raise ValueError(f"{where} holds another model ({_describe(saved)}), not "
+                         f"--model {config.model} ({_describe(want)})")
+    kinds = {n.split("/", 1)[0] for n in meta.get("tensors", {})} - {"param"}
+    wants = {"adamw": {"exp_avg", "exp_avg_sq"}, "sgd": set(), "sgd_momentum": {"momentum_buffer"}}
+    if kinds != wants[config.optimizer]:
+        theirs = [o for o, k in wants.items() if k == kinds]
+        raise ValueError(f"{where} holds {(meta.get('optimizer') or {}).get('class', 'another')} state "
+                         f"({', '.join(sorted(kinds)) or 'none'}), which --optimizer {config.optimizer} "
+                         f"cannot continue; resume with "
+                         + (f"--optimizer {theirs[0]}" if theirs else "the optimizer that saved it"))
 
 
 def run(args) -> int:
     config = config_of(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:       # under torchrun
-        check(args, config, int(os.environ["WORLD_SIZE"]))
-        results, events = _under_torchrun(config, args)
+        world_size = int(os.environ["WORLD_SIZE"])
+        if args.world_size is not None and args.world_size != world_size:
+            raise ValueError(f"--world-size {args.world_size} under torchrun, which started "
+                             f"{world_size} ranks: torchrun's --nproc-per-node (times --nnodes) sets "
+                             f"the world size; drop --world-size")
+        check(args, config, world_size)
+        try:
+            results, events = _under_torchrun(config, args)
+        except Exception as e:      # as Ranks reports a rank's failure: its rank, its own traceback
+            import traceback
+
+            from ..launch import RankError
+            raise RankError(int(os.environ["RANK"]), repr(e), traceback.format_exc()) from None
     else:
-        check(args, config, args.world_size or 1)
+        world_size = 1 if args.world_size is None else args.world_size
+        check(args, config, world_size)
         from ..launch import Ranks
         from ..train import train
-        with Ranks(args.world_size or 1) as ranks:
+        with Ranks(world_size) as ranks:
             results = ranks.run(train, config, on_step=None if (args.quiet or args.json) else progress)
             events = ranks.last_events
         _finish(args, results, events)
@@ -146,31 +228,38 @@ def _finish(args, results: list[dict], events) -> None:
     if args.trace and events is not None:
         from ..trace import write_dir
         write_dir(events, args.trace)
+    exported = None
     if args.export:
         from .. import checkpoint
         ck = Path(args.export) / ".checkpoint"
-        info = checkpoint.export(args.save or ck, args.export)
+        exported = checkpoint.export(args.save or ck, args.export)
         if not args.save:
             shutil.rmtree(ck, ignore_errors=True)
-        print(f"exported {len(info['files'])} weight files to {args.export}")
     if args.json:
         import json
-        print(json.dumps(summary(results)))
+        print(json.dumps(summary(results, exported)))
     else:
-        print(report(results, args))
+        print(report(results, args, exported))
 
 
 def progress(info: dict) -> None:
-    """A line per optimizer step, printed by rank 0 only (the other ranks' lines would interleave)."""
-    if info["rank"] == 0:
-        print(f"step {info['step'] + 1:>3}/{info['steps']}  loss {info['loss']:.4f}  "
-              f"{info['seconds'] * 1e3:7.1f} ms  peak {info['peak'] / MiB:8.1f} MiB", flush=True)
+    """A line per optimizer step, printed by rank 0 only (the other ranks' lines would interleave):
+    its own loss, step time and peak; the first step says so once. Steps count on from a resumed
+    checkpoint's."""
+    if info["rank"] != 0:
+        return
+    if info.get("first", info["step"] == 0):
+        print("rank 0's steps (its own micro-batches' loss; the global batch's is in the summary):")
+    resolution = info.get("loss_resolution", 0.0)
+    rounded = f" (bf16: in steps of {resolution:g})" if resolution >= 5e-5 else ""
+    print(f"step {info['step'] + 1:>3}/{info['steps']}  loss {info['loss']:.4f}{rounded}  "
+          f"{info['seconds'] * 1e3:7.1f} ms  peak {info['peak'] / MiB:8.1f} MiB", flush=True)
 
 
 def say_once(message: str, file=sys.stdout) -> None:
     """Under torchrun every rank runs the command line: rank 0 speaks for them."""
     if os.environ.get("RANK", "0") == "0":
-        print(message, file=file)
+        print(message, file=file, flush=True)
 
 
 def _describe(cfg: dict | None) -> str:

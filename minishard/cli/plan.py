@@ -3,6 +3,12 @@
 A model is a built-in name (``llama3-8b``, ``gpt2-small``, ...) or ``--config FILE``, a Hugging
 Face ``config.json`` read from disk (``minishard.hf_config``); it is built on the meta device, so
 its parameter count is exact and nothing is allocated or downloaded.
+
+``plan`` models sequences of ``TRAINING_SEQ_LEN`` tokens unless ``--seq-len`` says otherwise: a
+config's ``max_position_embeddings`` is the longest sequence the model can read (Qwen2's is
+131,072), not the length it is trained at, and planning at it makes the activations, not the
+strategy, decide every answer. Memory is in binary units (GiB, as the chapters use), with the
+decimal GB in parentheses where papers quote decimal figures (the ledger's).
 """
 from __future__ import annotations
 
@@ -11,6 +17,9 @@ import json
 from dataclasses import asdict
 
 GiB = 2**30
+# plan's default tokens per sequence: Llama 2's context, a usual pretraining length (longer
+# contexts are usually added in a later, shorter stage of training)
+TRAINING_SEQ_LEN = 4096
 # named clusters for --cluster (each a shortcut for the four flags below it)
 CLUSTERS = {
     "h100-node": dict(device="h100-80gb", gpus_per_node=8, nodes=1, intra="nvlink4", inter="ib-ndr-400"),
@@ -25,7 +34,6 @@ def _model_arguments(p: argparse.ArgumentParser, default: str) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", default=default, help=f"a built-in config name (default {default})")
     g.add_argument("--config", metavar="FILE", help="a Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2), read locally")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -48,8 +56,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, help="devices per node (default 8)")
     g.add_argument("--nodes", type=int, help="nodes (default 1)")
     g.add_argument("--intra", choices=sorted(LINKS), help="the link inside a node (default nvlink4)")
-    g.add_argument("--inter", choices=sorted(LINKS), help="the link between nodes (default ib-ndr-400)")
+    g.add_argument("--inter", choices=sorted(LINKS), help="the link between nodes (default ib-ndr-400; "
+                                                          "unused on one node)")
     g = p.add_argument_group("the job")
+    g.add_argument("--seq-len", metavar="N|config",
+                   help=f"tokens per sequence (default {TRAINING_SEQ_LEN:,}, a usual training length, or "
+                        f"the config's maximum where that is shorter); 'config': the config's maximum "
+                        f"(max_position_embeddings)")
     g.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward")
     g.add_argument("--precision", default=None, help="default: each strategy's usual (docs/costmodel.md)")
     g.add_argument("--prefetch", type=int, default=1, help="FSDP units gathered ahead")
@@ -63,17 +76,68 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_config(args):
+    """The model as its config states it: positions up to the config's maximum, so that a
+    learned position table (GPT-2's) has its real size and the parameter count is exact."""
     from ..hf_config import config_from_hf
     from ..model import config
-    if args.config:
-        return config_from_hf(args.config, seq_len=args.seq_len)
-    cfg = config(args.model)
-    return cfg if args.seq_len is None else config(args.model, seq_len=args.seq_len)
+    return config_from_hf(args.config) if args.config else config(args.model)
+
+
+def _positions(args, cfg) -> tuple[int, str]:
+    """The longest sequence the config allows, and where that figure comes from."""
+    if not args.config:
+        return cfg.seq_len, f"{args.model}'s seq_len"
+    from ..hf_config import read_hf_config
+    if cfg.learned_pos:
+        return cfg.seq_len, "the config's n_positions"
+    if read_hf_config(args.config).get("max_position_embeddings"):
+        return cfg.seq_len, "the config's max_position_embeddings"
+    return cfg.seq_len, "the length assumed when a config has no max_position_embeddings"
+
+
+def sequence_length(args, cfg) -> tuple[int, str]:
+    """The tokens per sequence ``plan`` models, and how they were chosen (printed with the plan)."""
+    limit, source = _positions(args, cfg)
+    asked = args.seq_len
+    if asked is None:
+        if limit < TRAINING_SEQ_LEN:
+            return limit, f"{source}, shorter than the default {TRAINING_SEQ_LEN:,}"
+        return TRAINING_SEQ_LEN, f"the default training length; --seq-len config plans at {source}, {limit:,}"
+    if asked.strip().lower() == "config":
+        return limit, f"--seq-len config: {source}"
+    try:
+        n = int(asked.replace(",", "").replace("_", ""))
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--seq-len takes a positive number of tokens or 'config', got {asked!r}")
+    if cfg.learned_pos and n > limit:
+        raise ValueError(f"--seq-len {n:,} is longer than the model's {limit:,} learned positions "
+                         f"({source}): pass at most {limit:,}")
+    if n > limit:
+        return n, f"--seq-len, longer than {source}, {limit:,}"
+    return n, "--seq-len"
+
+
+def check_common(args) -> None:
+    """The flags ledger and plan share, refused in their own words before anything is built."""
+    from ..ledger import PRECISIONS
+    from ..model import CONFIGS
+    if getattr(args, "world_size", 1) < 1:
+        raise ValueError(f"--world-size {args.world_size}: must be an integer >= 1")
+    if args.precision is not None and args.precision not in PRECISIONS:      # plan: None = the model's own
+        raise ValueError(f"--precision {args.precision}: unknown; use one of {', '.join(sorted(PRECISIONS))}")
+    if not args.config and args.model not in CONFIGS:
+        raise ValueError(f"--model {args.model}: no such built-in model; use one of "
+                         f"{', '.join(sorted(CONFIGS))}, or --config a Hugging Face config.json")
+    if getattr(args, "prefetch", 0) < 0:
+        raise ValueError(f"--prefetch {args.prefetch}: must be an integer >= 0")
 
 
 def ledger(args) -> int:
     from ..ledger import estimate
     from ..model import GPT
+    check_common(args)
     name = args.config or args.model
     est = estimate(GPT(model_config(args), device="meta"), world_size=args.world_size,
                    strategy=args.strategy, precision=args.precision, optimizer=args.optimizer)
@@ -83,10 +147,29 @@ def ledger(args) -> int:
                           "optimizer": args.optimizer, "bytes_per_param": est.bytes_per_param,
                           "per_rank": est.per_rank}, indent=1))
         return 0
-    print(f"{name}: {est.n_params:,} parameters, {args.strategy} on {args.world_size} ranks, "
+    print(f"{name}: {est.n_params:,} parameters, {args.strategy} on {args.world_size} "
+          f"rank{'s' if args.world_size != 1 else ''}, "
           f"{args.precision}, {args.optimizer}: {est.bytes_per_param:.2f} bytes/param per rank")
-    print(est.table(unit=1e9, unit_name="GB"))
+    print(ledger_table(est))
     return 0
+
+
+def ledger_table(est) -> str:
+    """Bytes per rank in GiB, the decimal GB beside them: papers (ZeRO's 120 / 31.4 / 16.6 /
+    1.9 GB) and DeepSpeed's estimator quote decimal figures."""
+    rows = [("category", "per rank", "(decimal)", "sharded")]
+    for k, v in est.per_rank.items():
+        rows.append((k, f"{v / GiB:.3f} GiB", f"({v / 1e9:.3f} GB)", "yes" if est.sharded.get(k) else "no"))
+    rows.append(("total", f"{est.total / GiB:.3f} GiB", f"({est.total / 1e9:.3f} GB)", ""))
+    return _columns(rows, left=(0, 3))
+
+
+def _columns(rows: list[tuple[str, ...]], left: tuple[int, ...] = (0,)) -> str:
+    """Rows as a table: the ``left`` columns left-aligned, the others right-aligned, every column
+    two spaces from the next, however long its heading."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     .rstrip() for r in rows)
 
 
 def cluster_of(args):
@@ -107,13 +190,26 @@ def cluster_of(args):
                    LINKS[chosen["inter"]])
 
 
+def network(cluster) -> str:
+    """The links the plan's collectives run on: between nodes only when there is more than one."""
+    if cluster.nodes == 1:
+        return f"{cluster.intra.name} inside the node; one node, so no link between nodes"
+    return f"{cluster.intra.name} inside a node, {cluster.inter.name} between nodes"
+
+
 def plan(args) -> int:
     from .. import strategies
     from ..advice import Advice
     from ..model import GPT
+    check_common(args)
     cfg, cluster = model_config(args), cluster_of(args)
+    seq_len, chosen_by = sequence_length(args, cfg)
+    if args.micro_batch < 1:
+        raise ValueError(f"--micro-batch must be >= 1 sequence, got {args.micro_batch}")
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu is a fraction of peak FLOP/s in (0, 1], got {args.mfu}")
     n_params = GPT(cfg, device="meta").num_params()
-    job = dict(micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
+    job = dict(micro_batch=args.micro_batch, seq_len=seq_len, precision=args.precision,
                prefetch=args.prefetch, recompute=args.recompute, hybrid=args.hybrid,
                offload=args.offload, mfu=args.mfu, wrap=args.wrap)
     advice = {name: Advice(cfg, cluster, name, **job) for name in strategies.PLANNED}
@@ -121,27 +217,35 @@ def plan(args) -> int:
     hints = {name: a.hints() for name, a in advice.items()}      # the widget's sentences
     if args.json:
         print(json.dumps({"model": args.config or args.model, "n_params": n_params,
-                          "cluster": {"device": cluster.device.name, "gpus_per_node": cluster.gpus_per_node,
-                                      "nodes": cluster.nodes, "intra": cluster.intra.name,
-                                      "inter": cluster.inter.name},
+                          "seq_len": seq_len, "seq_len_from": chosen_by, "micro_batch": args.micro_batch,
+                          "cluster": {"device": cluster.device.name, "device_memory": cluster.device.memory,
+                                      "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes,
+                                      "intra": cluster.intra.name,
+                                      "inter": cluster.inter.name if cluster.nodes > 1 else None},
                           "plans": {n: {**_plan_dict(p), "warnings": costmodel_warnings(p),
                                         "advice": hints[n]} for n, p in plans.items()}},
                          indent=1))
         return 0
-    print(f"{args.config or args.model}: {n_params:,} parameters on {cluster.nodes} x "
-          f"{cluster.gpus_per_node} {cluster.device.name} ({cluster.intra.name} inside a node, "
-          f"{cluster.inter.name} between nodes)")
+    print(f"{args.config or args.model}: {n_params:,} parameters on {cluster.nodes} "
+          f"node{'s' if cluster.nodes > 1 else ''} x {cluster.gpus_per_node} {cluster.device.name} "
+          f"({cluster.device.memory / GiB:.1f} GiB each; {network(cluster)})")
+    print(f"sequence length {seq_len:,} tokens ({chosen_by}), micro-batch {args.micro_batch}; "
+          f"memory per GPU in GiB, time at {args.mfu:.0%} MFU")
     cats = list(dict.fromkeys(c for p in plans.values() for c in p.memory))
-    print(f"{'strategy':<8}" + "".join(f"{c:>12}" for c in cats) +
-          f"{'GiB/GPU':>9}{'fits':>6}{'s/step':>8}{'tok/s/GPU':>11}{'waiting':>9}")
+    rows = [("strategy", *cats, "GiB/GPU", "fits", "s/step", "tok/s/GPU", "waiting")]
     for name, p in plans.items():
-        print(f"{name:<8}" + "".join(f"{p.memory.get(c, 0) / GiB:>12.2f}" for c in cats) +
-              f"{p.total_memory / GiB:>9.1f}{'yes' if p.fits else 'no':>6}{p.step_s:>8.2f}"
-              f"{p.tokens_per_s_per_rank:>11,.0f}{p.exposed_comm_s / p.step_s:>9.0%}")
+        rows.append((name, *(f"{p.memory.get(c, 0) / GiB:.2f}" for c in cats), f"{p.total_memory / GiB:.1f}",
+                     "yes" if p.fits else "no", f"{p.step_s:.2f}", f"{p.tokens_per_s_per_rank:,.0f}",
+                     f"{p.exposed_comm_s / p.step_s:.0%}"))
+    print(_columns(rows))
     print("what would you change? (the planner widget's advice, chapter 10)")
+    # a sentence that holds for several strategies is printed once, naming them
+    said: dict[str, list[str]] = {}
     for name in plans:
         for h in hints[name]:
-            print(f" - {name}: {h}")
+            said.setdefault(h, []).append(name)
+    for h, names in said.items():
+        print(f" - {'every strategy' if len(names) == len(plans) else ', '.join(names)}: {h}")
     return 0
 
 
