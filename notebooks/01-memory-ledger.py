@@ -270,7 +270,7 @@ for N, out in measured.items():
 
 # %%
 ledger_bars({o["rank"]: o["ledger"]["peak_snapshot"] for o in measured[4]},
-            title="measured peak per rank, DDP on 4 ranks, tiny model (MB)").show()
+            title="measured peak per rank, DDP on 4 ranks, tiny model (MiB)").show()
 
 # %% [markdown]
 # Now the setting of the opening question, bf16 mixed precision: bf16 weights and gradients, an

@@ -153,14 +153,14 @@ def side_by_side(snapshots: dict[str, dict[int, dict[str, int]]], title: str) ->
                           if snap[c])
     x = [f"{name}<br>rank {r}" for name, s in snapshots.items() for r in sorted(s)]
     fig = go.Figure([go.Bar(name=c, x=x, marker_color=color(c),
-                            y=[s[r].get(c, 0) / 1e6 for s in snapshots.values() for r in sorted(s)])
+                            y=[s[r].get(c, 0) / 2**20 for s in snapshots.values() for r in sorted(s)])
                      for c in cats])
-    fig.update_layout(barmode="stack", title=title, yaxis_title="MB", width=760, height=380,
+    fig.update_layout(barmode="stack", title=title, yaxis_title="MiB", width=760, height=380,
                       legend=dict(traceorder="reversed"))
     return fig
 
 side_by_side({"DDP": before, "ZeRO-1": after},
-             "after the first AdamW step, nano model, bf16 mixed, 4 ranks (MB per rank)").show()
+             "after the first AdamW step, nano model, bf16 mixed, 4 ranks (MiB per rank)").show()
 
 # %% [markdown]
 # And the whole ZeRO-1 run in the offline player, which needs no kernel: every event, the

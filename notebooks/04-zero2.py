@@ -167,7 +167,7 @@ live.jump(worst_i)
 
 # %%
 ledger_bars(live.snapshot(), live.replay.ymax,
-            "when the bucket buffers peak: step 1, backward (MB)").show()
+            "when the bucket buffers peak: step 1, backward (MiB)").show()
 
 # %% [markdown]
 # Two buckets in flight plus the one filling: at most three buckets' worth. With 4 MiB buckets on a 26 MiB gradient that is most of it —

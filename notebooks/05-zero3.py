@@ -71,7 +71,7 @@ from minishard.train import TrainConfig, train
 from minishard.viz import Player, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
-MB = 1e6
+MiB = 2**20
 TINY = GPT("tiny", device="meta")
 PSI = TINY.num_params()                                     # Ψ: parameters
 ROOT = sum(p.numel() for n, p in TINY.named_parameters() if not n.startswith("blocks."))
@@ -89,7 +89,7 @@ R2 = Ranks(2)                                               # one warm pool for 
 # %%
 # NBVAL_CHECK_OUTPUT
 STAGES = ("ddp", "zero1", "zero2", "zero3")
-for label, model, N, prec, unit, name in [("tiny, N = 2, fp32", TINY, 2, "fp32", MB, "MB"),
+for label, model, N, prec, unit, name in [("tiny, N = 2, fp32", TINY, 2, "fp32", MiB, "MiB"),
                                           ("llama3-8b, N = 8, bf16 mixed", GPT("llama3-8b", device="meta"),
                                            8, "bf16_mixed", 1e9, "GB")]:
     print(f"--- {label}: model state per rank ({name})")
@@ -174,11 +174,11 @@ replay_html(events, title="ZeRO-3 (fsdp), 2 ranks, tiny model, 2 steps (offline 
 # %%
 # NBVAL_CHECK_OUTPUT
 series = unsharded_series(events, rank=0, step=1)
-first = {"root → unsharded": "root-unsharded-mb", "blocks.0 → unsharded": "root-and-block-unsharded-mb"}
+first = {"root → unsharded": "root-unsharded-mib", "blocks.0 → unsharded": "root-and-block-unsharded-mib"}
 for t, b, label in series:
     if label.endswith(("→ unsharded", "→ sharded")):
-        mb = glue(first.pop(label), b / MB, "{:.2f}") if label in first else f"{b / MB:.2f}"
-        print(f"{label:<26} unsharded = {mb:>6} MB")
+        mib = glue(first.pop(label), b / MiB, "{:.2f}") if label in first else f"{b / MiB:.2f}"
+        print(f"{label:<26} unsharded = {mib:>6} MiB")
 levels = {b for _, b, _ in series}
 assert max(levels) == 4 * (ROOT + BLOCK)                       # the root and one block, never more
 assert levels == {0, 4 * ROOT, 4 * (ROOT + BLOCK)}
@@ -186,12 +186,12 @@ assert series[-1][1] == 0                                       # all freed at t
 
 # %%
 t0 = series[0][0]
-fig = go.Figure(go.Scatter(x=[(t - t0) * 1e3 for t, _, _ in series], y=[b / MB for _, b, _ in series],
+fig = go.Figure(go.Scatter(x=[(t - t0) * 1e3 for t, _, _ in series], y=[b / MiB for _, b, _ in series],
                            line_shape="hv", mode="lines+markers", text=[s for _, _, s in series],
-                           hovertemplate="%{text}<br>%{y:.2f} MB<extra></extra>"))
-fig.add_hline(y=4 * PSI / MB, line_dash="dash", annotation_text="the whole model (what DDP keeps)")
+                           hovertemplate="%{text}<br>%{y:.2f} MiB<extra></extra>"))
+fig.add_hline(y=4 * PSI / MiB, line_dash="dash", annotation_text="the whole model (what DDP keeps)")
 fig.update_layout(title="rank 0, step 1: gathered (unsharded) parameters over time", height=360,
-                  width=900, xaxis_title="ms since the step began", yaxis_title="MB")
+                  width=900, xaxis_title="ms since the step began", yaxis_title="MiB")
 fig.show()
 
 # %% [markdown]
@@ -427,7 +427,7 @@ print(f"rank 0, step 1: forward {fwd * 1e3:.0f} ms, of which "
       f"{glue('forward-wait', (ag * 1e3, ag / fwd), '{:.0f} ms ({:.0%})')} waiting in all-gathers")
 
 # %% [markdown]
-# And what did the extra time buy? The tiny model under plain DDP needs 176 MB per rank at its
+# And what did the extra time buy? The tiny model under plain DDP needs 168 MiB per rank at its
 # peak (§2's table). It fits on any accelerator ever made; dividing its state by N buys nothing
 # but a slower step. Stage 3 pays off when the model does *not* fit otherwise — and then the
 # comparison is not "slower than DDP" but "runs versus does not run". Even then, take the
