@@ -26,7 +26,7 @@ from .. import strategies
 from ..strategies import STAGES
 from ..costmodel import param_counts
 from ..model import CONFIGS, config
-from .figures import category_order, color
+from .figures import category_order, color, fmt_bytes
 from .live_figure import LiveFigure
 
 GB = 1e9
@@ -136,7 +136,7 @@ class LedgerCalculator:
         need, have = self.per_rank_bytes, self.device_gb
         n = self.n_params
         params = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
-        per_rank = f"{need / GB:.1f} GB" if need >= GB else f"{need / 1e6:.3g} MB"     # decimal, like the device
+        per_rank = f"{need / GB:.1f} GB" if need >= GB else fmt_bytes(need)
         head = f"{params} params, {self.strategy} on {self.world_size} ranks: {per_rank} per rank"
         if self.fits:
             return f"fits: {head}, {need / (have * GB):.0%} of {have:g} GB"
