@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         rank = int(os.environ.get("RANK", "0"))
         if where == "peer":                  # let the rank that failed first speak first
             time.sleep(2.0)
+        elif where == "rank" and rank != 0:  # several ranks failing alike: rank 0's line comes first
+            time.sleep(1.0)                  # and is torchrun's root cause (the earliest error file)
         if where == "rank" or rank == 0:     # (every rank hit an "all" error: rank 0 says it)
             sys.stderr.write(line + "\n")   # one write: ranks' lines do not run together
             if args.debug:
