@@ -15,6 +15,7 @@ from .ledger import LiveLedger, conventions, count_params, estimate, gpt_activat
 from .model import CONFIGS, GPT, GPTConfig, batch, config
 from .parity import drift
 from .trace import Tracer, TraceFormatError
+from .watch import watch
 from .train import train, train_step
 from .zero import ZeroOptimizer
 
@@ -29,4 +30,4 @@ __all__ = ["checkpoint", "strategies", "Comm", "ring_wire_bytes", "TrainConfig",
            "MixedPrecisionPolicy", "fully_shard", "RankContext", "RankError", "Ranks", "run",
            "LiveLedger", "conventions", "count_params", "estimate", "gpt_activation_bytes",
            "CONFIGS", "GPT", "GPTConfig", "batch", "config", "drift", "Tracer", "TraceFormatError",
-           "train", "train_step", "ZeroOptimizer"]
+           "train", "train_step", "watch", "ZeroOptimizer"]
