@@ -5,8 +5,6 @@ once, a column that was not measured says so, and ``--save`` / ``--resume`` / ``
 say what they did, the resumed run counting on from its step."""
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +14,7 @@ from minishard.cli.report import LEFT_OUT, NOT_MODELLED, explain, report
 from minishard.config import TrainConfig
 from minishard.ledger import STATE_CATEGORIES
 from minishard.train import train
+from test_cli import cli                        # python -m minishard in a fresh process
 
 NANO = dict(model="nano", steps=2)
 
@@ -100,13 +99,6 @@ def test_a_bf16_loss_says_its_resolution(pools):
             assert (loss / step).is_integer() and torch.tensor(half, dtype=torch.bfloat16).item() != half
     text = report(results, args_for(config))
     assert f"moves in steps of {max(max(r['loss_resolution']) for r in results):g}" in text
-
-
-def cli(*args: str, cwd: Path) -> str:
-    out = subprocess.run([sys.executable, "-m", "minishard", *args], capture_output=True, text=True,
-                         timeout=300, cwd=cwd)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
 
 
 def test_save_resume_export_say_what_they_did_and_steps_count_on(tmp_path):
