@@ -211,18 +211,32 @@ def test_plan_table_columns_and_advice_printed_once(capsys):
         cats = list(dict.fromkeys(c for p in plans.values() for c in p["memory"]))
         head = next(i for i, line in enumerate(text) if line.startswith("strategy"))
         assert text[head].split() == ["strategy", *cats, "GiB/GPU", "fits", "s/step", "tok/s/GPU", "waiting"]
+        assert re.fullmatch(r"\S+(?: {2,}\S+)+", text[head].rstrip()), text[head]   # two spaces at least
         for name, line in zip(plans, text[head + 1:head + 1 + len(plans)]):
             assert line.split()[0] == name and len(line.split()) == len(text[head].split())
         advice = [line for line in text if line.startswith(" - ")]
         sentences = [line.split(": ", 1)[1] for line in advice]
         assert len(sentences) == len(set(sentences))
         assert set(sentences) == {h for p in plans.values() for h in p["advice"]}
+        for line in advice:                      # each sentence names exactly the strategies it holds for
+            who, sentence = line[3:].split(": ", 1)
+            holds = {n for n, p in plans.items() if sentence in p["advice"]}
+            assert (who == "every strategy") == (holds == set(plans)), line
+            if who != "every strategy":
+                assert set(who.split(", ")) == holds, line
         if argv[0] == "--seq-len":               # the long sequence: advice shared by strategies
             assert any(sum(s in p["advice"] for p in plans.values()) > 1 for s in sentences)
         for line in advice:
             m = re.search(r"is (faster|about as fast) \((\d+\.\d+) s a step against (\d+\.\d+) s\)", line)
             if m:
                 assert (m.group(1) == "faster") == (float(m.group(2)) < float(m.group(3))), line
+
+
+def test_plan_gives_the_devices_memory_in_gib(capsys):
+    from minishard.costmodel import DEVICES
+    first = plan_out(capsys).splitlines()[0]
+    gib = DEVICES["h100-80gb"].memory / 2**30
+    assert f"({gib:.1f} GiB each" in first, first
 
 
 @pytest.mark.parametrize("nodes", [1, 2])

@@ -35,7 +35,7 @@ def files(tmp_path_factory) -> dict[str, str]:
                             track_activations=False, trace=False))
     shard = sorted(p.name for p in ck.glob("*.safetensors"))[0]
     damaged = {}
-    for name in ("corrupt_meta", "flipped", "missing_shard"):
+    for name in ("corrupt_meta", "flipped", "missing_shard", "cut_shard"):
         damaged[name] = tmp / name
         shutil.copytree(ck, damaged[name])
     meta = damaged["corrupt_meta"] / "metadata.json"
@@ -45,6 +45,8 @@ def files(tmp_path_factory) -> dict[str, str]:
         data[i] ^= 0xFF
     (damaged["flipped"] / shard).write_bytes(bytes(data))
     (damaged["missing_shard"] / shard).unlink()
+    whole = (damaged["cut_shard"] / shard).read_bytes()
+    (damaged["cut_shard"] / shard).write_bytes(whole[: len(whole) - 100])
     (tmp / "not_ckpt").mkdir()
     (tmp / "not_ckpt" / "notes.txt").write_text("not a checkpoint")
     (tmp / "empty").mkdir()
@@ -119,6 +121,7 @@ CASES = [
     (["demo", "--resume", "{not_ckpt}"], 2, ["--resume", "not a checkpoint"]),
     (["demo", *NANO, "--resume", "{corrupt_meta}"], 2, ["--resume", "metadata.json", "JSON"]),
     (["demo", *NANO, "--resume", "{missing_shard}"], 2, ["--resume", "is missing"]),
+    (["demo", *NANO, "--resume", "{cut_shard}"], 2, ["--resume", "cut short"]),
     (["demo", *NANO, "--strategy", "single", "--optimizer", "sgd", "--resume", "{ck}"], 2,
      ["--optimizer sgd", "--optimizer adamw"]),
     (["demo", "--model", "tiny", "--resume", "{ck}"], 2, ["--resume", "another model"]),

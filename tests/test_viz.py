@@ -519,3 +519,10 @@ def test_timeline_draws_waits_on_communication_and_offload_transfers():
     train(ctx, TrainConfig(strategy="fsdp", model="nano", steps=1, micro_batch=1, offload="host", track_activations=False))
     names = {tr.name for tr in timeline_figure(ctx.tracer.events).data}
     assert {"transfer h2d", "transfer d2h"} <= names
+
+
+def test_sizes_are_binary_like_the_demo_and_the_chapters():
+    from minishard.playback import fmt_bytes
+    assert fmt_bytes(870_656) == "850 KiB"
+    assert fmt_bytes(3 * 2**20) == "3 MiB" and fmt_bytes(5 * 2**30) == "5 GiB"
+    assert fmt_bytes(1000) == "1000 B"
