@@ -286,3 +286,20 @@ def test_bad_input_under_torchrun(i, launched):
     root = text[text.index("Root Cause"):]
     assert f"exitcode  : {status}" in root, root
     assert f"traceback : {first}" in root, root
+
+
+def test_a_rank_that_fails_alone_says_so_whatever_its_rank(monkeypatch, capsys, tmp_path):
+    """Under torchrun each rank runs the command line; a failure only one rank saw (not rank 0)
+    must still be printed, by that rank, naming it, and be the error file's line."""
+    import minishard.cli as cli
+    from minishard.launch import RankError
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setattr(cli.time, "sleep", lambda s: None)
+    def fails(args):
+        raise RankError(1, "DeviceOutOfMemory('allocating 1 B of grads')", "tb")
+    monkeypatch.setattr(cli, "_dispatch", fails)
+    assert main(["demo", "--model", "nano"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[0].startswith("minishard demo: error: rank 1 ran out of device memory"), err
+    assert "rank 1 ran out of device memory" in (tmp_path / "error.json").read_text()

@@ -172,3 +172,22 @@ def test_every_knob_is_accepted_by_every_strategy_that_reads_it():
                 assert TrainConfig(strategy=s.name, **{name: values[name]}).unused() == [], (name, s.name)
                 accepted += 1
     assert accepted >= len(KNOBS)
+
+
+def test_the_resume_line_says_a_change_of_strategy_on_as_many_ranks():
+    from minishard.cli.report import checkpoint_lines
+    results = [{"world_size": 2, "strategy": "zero1",
+                "checkpoint": {"load": {"step": 3, "saved_world_size": 2, "saved_strategy": "fsdp",
+                                        "bytes_read": 10}}} for _ in range(2)]
+    line = checkpoint_lines(results, SimpleNamespace(resume="ck", save=None))[0]
+    assert line == "resumed ck at step 3: resharded 2 → 2 ranks, fsdp → zero1 (20 bytes read by 2 ranks)"
+    results[0]["checkpoint"]["load"]["saved_strategy"] = "zero1"
+    assert "nothing resharded" in checkpoint_lines(results, SimpleNamespace(resume="ck", save=None))[0]
+
+
+def test_json_says_null_for_a_wait_that_was_not_measured():
+    from minishard.cli.report import summary
+    rank = {"rank": 0, "losses": [1.0], "wire": [8], "wchar": [8], "calls": [1], "step_times": [0.1],
+            "exposed_comm": [0.0], "by_op": {}, "strategy": "ddp", "world_size": 1, "n_params": 2}
+    assert summary([{**rank, "exposed_comm_measured": False}])["ranks"][0]["exposed_comm"] is None
+    assert summary([{**rank, "exposed_comm_measured": True}])["ranks"][0]["exposed_comm"] == [0.0]
