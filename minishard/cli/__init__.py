@@ -115,10 +115,12 @@ def _leave(status: int, wait: bool) -> int:
     """Under torchrun, a rank that failed leaves at once: its process group may be stuck
     mid-collective, and gloo's threads abort an interpreter that shuts down around them
     ("terminate called without an active exception"). A rank that lets rank 0 speak for all
-    waits a moment first: torchrun stops the other ranks as soon as one has exited."""
+    waits for rank 0 to say it and leave — torchrun then stops the other ranks — however late
+    rank 0 started: leaving first would make torchrun's "closing signal" the first line printed.
+    (It cannot wait forever: rank 0 reaches the same error, the input being the same.)"""
     dist = sys.modules.get("torch.distributed")      # (not imported: no group to leave)
     if wait:
-        time.sleep(1.0)
+        time.sleep(60.0)
     if dist is not None and dist.is_available() and dist.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
