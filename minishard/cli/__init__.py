@@ -50,7 +50,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         line = f"{self.prog}: error: {message} (see {self.prog} --help)"
         demo.say_once(line, file=sys.stderr)
-        _write_error_file(line, line)
+        if os.environ.get("RANK", "0") == "0":   # only the rank that speaks writes torchrun's error file
+            _write_error_file(line, line)
         raise SystemExit(_leave(BAD_INPUT, wait=os.environ.get("RANK", "0") != "0"))
 
 
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.debug:
                 sys.stderr.write(tb or traceback.format_exc())
             sys.stderr.flush()
-        _write_error_file(line, (tb or traceback.format_exc()) + line if args.debug else line)
+        if where != "all" or rank == 0:      # the rank that speaks is the root cause torchrun shows:
+            _write_error_file(line, (tb or traceback.format_exc()) + line if args.debug else line)
         return _leave(status, wait=where == "all" and rank != 0)
 
 
