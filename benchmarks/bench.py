@@ -36,18 +36,18 @@ from minishard.train import TrainConfig, train
 
 # (label, train kwargs, baseline label to compare against, run by default?)
 CONTENDERS = [
-    ("torch DDP", dict(strategy="torch_ddp"), None, True),
+    ("torch DDP", dict(strategy="torch_ddp", trace=False), None, True),
     ("minishard DDP", dict(strategy="ddp", track_activations=False), "torch DDP", True),
     ("minishard DDP (+activation ledger)", dict(strategy="ddp"), "torch DDP", False),
     ("minishard naive DDP", dict(strategy="ddp_naive", track_activations=False), "torch DDP", False),
-    ("torch DDP + ZeroRedundancyOptimizer", dict(strategy="torch_zero1"), None, True),
+    ("torch DDP + ZeroRedundancyOptimizer", dict(strategy="torch_zero1", trace=False), None, True),
     ("minishard ZeRO-1", dict(strategy="zero1", track_activations=False),
      "torch DDP + ZeroRedundancyOptimizer", True),
     ("minishard ZeRO-1 (all-reduce variant)", dict(strategy="zero1_allreduce", track_activations=False),
      "torch DDP + ZeroRedundancyOptimizer", False),
     ("minishard ZeRO-2", dict(strategy="zero2", track_activations=False),
      "torch DDP + ZeroRedundancyOptimizer", True),
-    ("torch FSDP2 fully_shard (block + root)", dict(strategy="torch_fsdp"), None, True),
+    ("torch FSDP2 fully_shard (block + root)", dict(strategy="torch_fsdp", trace=False), None, True),
     ("minishard FSDP, per-parameter", dict(strategy="fsdp", track_activations=False),
      "torch FSDP2 fully_shard (block + root)", True),
     ("minishard FSDP, flat", dict(strategy="fsdp_flat", track_activations=False),

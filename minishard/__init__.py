@@ -15,7 +15,7 @@ from .ledger import LiveLedger, conventions, count_params, estimate, gpt_activat
 from .model import CONFIGS, GPT, GPTConfig, batch, config
 from .parity import drift
 from .trace import Tracer, TraceFormatError
-from .watch import watch
+from .watching import watch
 from .train import train, train_step
 from .zero import ZeroOptimizer
 

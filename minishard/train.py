@@ -28,6 +28,7 @@ from .ledger import STATE_CATEGORIES, LiveLedger, estimate, gpt_activation_bytes
 from .meter import Meter
 from .strategies import Built, build, wrap_targets
 from .trace import Tracer
+from .watching import watch
 
 __all__ = ["TrainConfig", "train", "train_step", "build", "Built", "wrap_targets",
            "OPTIMIZERS", "PRECISIONS", "WRAPS"]
@@ -90,20 +91,21 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
         first_step = ckpt["load"]["step"]
 
     meter = Meter(built.comms, built.units)
-    for step in range(first_step, first_step + config.steps):
-        tracer.step = step
-        batches = [model_mod.batch(cfg, step * config.accum + k, config.micro_batch, rank.rank,
-                                   rank.world_size, config.data_seed) for k in range(config.accum)]
-        batches = [(x.to(rank.device), y.to(rank.device)) for x, y in batches]
-        with meter.step():
-            loss = train_step(built, batches, clip=config.clip, ledger=ledger, tracer=tracer,
-                              track_activations=config.track_activations)
-        meter.loss(loss)
-        if on_step is not None:
-            on_step({"rank": rank.rank, "step": step, "first": step == first_step,
-                     "steps": first_step + config.steps, "loss": loss, "loss_resolution":
-                     _loss_resolution(loss, config), "seconds": meter.steps["step_times"][-1],
-                     "peak": ledger.peak if ledger else 0})
+    with _watching(built, config, tracer, alone) as w:
+        for step in range(first_step, first_step + config.steps):
+            tracer.step = step
+            batches = _batches(cfg, config, step, rank)
+            with meter.step():
+                loss = train_step(built, batches, clip=config.clip, ledger=ledger,
+                                  tracer=None if w else tracer,
+                                  track_activations=config.track_activations)
+            w.step() if w else None
+            meter.loss(loss)
+            if on_step is not None:
+                on_step({"rank": rank.rank, "step": step, "first": step == first_step,
+                         "steps": first_step + config.steps, "loss": loss, "loss_resolution":
+                         _loss_resolution(loss, config), "seconds": meter.steps["step_times"][-1],
+                         "peak": ledger.peak if ledger else 0})
     tracer.step = None
 
     out = _measurements(rank, config, cfg, meter, built, first_step)
@@ -124,6 +126,20 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     if built.tier is not None:
         built.tier.cleanup()
     return out
+
+
+def _batches(cfg, config: TrainConfig, step: int, rank: RankContext) -> list:
+    """This rank's ``config.accum`` micro-batches of the global batch of ``step``."""
+    return [(x.to(rank.device), y.to(rank.device)) for x, y in (
+        model_mod.batch(cfg, step * config.accum + k, config.micro_batch, rank.rank,
+                        rank.world_size, config.data_seed) for k in range(config.accum))]
+
+
+def _watching(built: Built, config: TrainConfig, tracer: Tracer, alone: bool):
+    """PyTorch's own strategies record nothing themselves: the watch traces them (phases too)."""
+    if built.strategy.instrumented or not config.trace or alone:
+        return nullcontext()
+    return watch(built.model, built.optimizer, trace=tracer)
 
 
 def _measurements(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: Built,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import minishard
 from minishard import trace
 from minishard.cli import view
-from minishard.watch import WatchError
+from minishard.watching import WatchError
 
 N, STEPS = 2, 2
 
@@ -83,6 +83,72 @@ def watched(rank, kind, out, raf=True):
             "wrapped_after": [getattr(dist, f).__name__ for f in ("all_reduce", "broadcast")]}
 
 
+def own_watched(rank, kind, with_ledger, out):
+    """2 steps of minishard's own strategy, built by hand as a user builds it (a Comm with no
+    tracer: the watch lends its own), under watch."""
+    from minishard.fsdp import ShardedOptimizer
+    torch.manual_seed(0)
+    net = minishard.GPT("nano")
+    ledger = minishard.LiveLedger() if with_ledger else None
+    comm = minishard.Comm(ledger=ledger)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)        # noqa: E731
+    if kind == "fsdp":
+        for i, block in enumerate(net.blocks):
+            minishard.fully_shard(block, comm=comm, ledger=ledger, name=f"blocks.{i}")
+        model = minishard.fully_shard(net, comm=comm, ledger=ledger, name="root")
+        opt = ShardedOptimizer(net, adamw(net.parameters()))
+    elif kind == "ddp":
+        model, opt = minishard.DDP(net, comm=comm, ledger=ledger, bucket_cap_mb=0.25), adamw(net.parameters())
+    else:
+        model = net
+        opt = minishard.ZeroOptimizer(net.parameters(), torch.optim.AdamW, stage=2, comm=comm,
+                                      ledger=ledger, lr=1e-3, bucket_cap_mb=0.25)
+    cfg = minishard.config("nano")
+    peaks = lambda: {c: b for (c, d), b in ledger.category_peaks.items()} if ledger else None  # noqa: E731
+    before = peaks()                             # (setting up broadcast rank 0's weights)
+    with minishard.watch(model, opt, trace=out) as w:
+        for step in range(STEPS):
+            x, y = minishard.batch(cfg, step, 2, rank.rank, rank.world_size)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+    return {"tracer_after": comm.tracer, "final": ledger.current() if ledger else None,
+            "peaks_before": before, "peaks": peaks()}
+
+
+def dies(rank, out):
+    """Rank 1 is killed before step 1; rank 0 goes on into step 1's first all-gather."""
+    import os
+    import signal
+    model, opt = _build("fsdp")
+    cfg = minishard.config("nano")
+    with minishard.watch(model, opt, trace=out) as w:
+        for step in range(STEPS):
+            if step == 1 and rank.rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = minishard.batch(cfg, step, 2, rank.rank, rank.world_size)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+
+
+def in_memory(rank, mode):
+    """trace=None keeps the events in w.tracer.events; trace=rank.tracer sends them to the
+    pool's tracer (they come back with the results)."""
+    model, opt = _build("ddp")
+    cfg = minishard.config("nano")
+    with minishard.watch(model, opt, trace=None if mode == "none" else rank.tracer) as w:
+        x, y = minishard.batch(cfg, 0, 2, rank.rank, rank.world_size)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        w.step()
+    return {"kept": len(w.tracer.events), "same": w.tracer is rank.tracer,
+            "ops": Counter(e["op"] for e in w.tracer.events if e["kind"] == "collective")}
+
+
 def refused(rank, what, out):
     """A watch that must fail in __enter__; its message, and whether it left anything behind."""
     model, opt = _build("ddp")
@@ -119,7 +185,8 @@ def _readable(out, events):
     assert view.run(argparse.Namespace(trace_dir=str(out), out=None, title=None)) == 0
     assert (out / view.DEFAULT_NAME).stat().st_size > 0
     spans = trace.phase_spans(events)
-    assert {s.name for s in spans} == {"step", "forward", "backward", "optimizer"}
+    # (minishard's own FSDP also traces its waits, per unit)
+    assert {s.name for s in spans if s.unit is None} == {"step", "forward", "backward", "optimizer"}
     assert sum(1 for s in spans if s.name == "step" and s.rank == 0) == STEPS
     return rp
 
@@ -243,3 +310,117 @@ def test_unwritable_trace_dir_fails_on_enter_and_leaves_nothing(pools, tmp_path)
     for r in res:
         assert "cannot write the trace" in r["msg"] and "a_file/trace/rank" in r["msg"], r["msg"]
         assert r["hooks"] == 0 and r["dist"] is False
+
+
+# --------------------------------------------------------------------------- more jobs, more ranks
+
+def test_four_ranks(pools, tmp_path):
+    """FSDP2 and DDP on 4 ranks: every collective's group is 4, the counts per step as on 2."""
+    for kind in ("fsdp", "ddp"):
+        out = tmp_path / kind
+        res = pools(4).run(watched, kind, str(out))
+        events = trace.load(out)
+        rp = trace.Replay(events)
+        assert rp.ranks == [0, 1, 2, 3]
+        coll = [e for e in events if e["kind"] == "collective"]
+        assert {e["group"] for e in coll} == {4}
+        last = rp.snapshot(rp.n - 1)
+        assert all(last[r]["params"] == res[r]["params_bytes"] for r in range(4))
+        for r in range(4):
+            per_step = Counter((e["step"], e["op"]) for e in coll if e["rank"] == r)
+            if kind == "fsdp":    # root once, 3 blocks twice; 4 units reduce-scattered
+                assert all(per_step[(s, "all_gather")] == 7 and per_step[(s, "reduce_scatter")] == 4
+                           for s in range(STEPS)), per_step
+            else:                 # one bucket at step 0, DDP's 3 rebuilt ones after
+                assert per_step[(0, "all_reduce")] == 1 and per_step[(1, "all_reduce")] == 3, per_step
+        # ring all-reduce of one bucket: each rank sends 2(N-1)/N of it
+        if kind == "ddp":
+            assert all(e["wire"] == 2 * 3 * e["payload"] // 4 for e in coll)
+
+
+def test_demo_torch_strategies_write_the_full_trace_through_watch(pools):
+    """train() (the demo's loop) watches PyTorch's own strategies: units, buckets, broadcasts."""
+    from minishard.train import TrainConfig, train
+    pool = pools(N)
+    for strategy, ops in (("torch_fsdp", {"all_gather", "reduce_scatter"}),
+                          ("torch_ddp", {"all_reduce"}), ("torch_zero1", {"all_reduce", "broadcast"})):
+        pool.run(train, TrainConfig(strategy=strategy, model="nano", steps=STEPS, micro_batch=2))
+        events = pool.last_events
+        coll = [e for e in events if e["kind"] == "collective"]
+        assert {e["op"] for e in coll} == ops, strategy
+        spans = trace.phase_spans(events)
+        # one step span per step per rank: train_step's own phases are not written twice
+        assert Counter(s.name for s in spans if s.rank == 0) == {
+            "step": STEPS, "forward": STEPS, "backward": STEPS, "optimizer": STEPS}, strategy
+        assert {e["step"] for e in coll} == set(range(STEPS))
+        assert trace.Replay(events).snapshot(len(events) - 1)[0]["params"] > 0
+        if strategy == "torch_fsdp":
+            assert {e["name"] for e in events if e["kind"] == "unit"} == {
+                "root", "blocks.0", "blocks.1", "blocks.2"}
+    # unwatched when the run does not trace
+    pool.run(train, TrainConfig(strategy="torch_fsdp", model="nano", steps=1, micro_batch=2, trace=False))
+    assert pool.last_events == []
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp", "zero2"])
+def test_minishard_own_strategies(pools, tmp_path, kind):
+    """minishard's own strategies, built by hand, record into the watch's trace: with their
+    ledger (its every byte, exactly) and without one (the watch counts memory itself)."""
+    psi = 217_664                                    # GPT("nano")'s parameters
+    for with_ledger in (True, False):
+        out = tmp_path / f"{kind}-{with_ledger}"
+        res = pools(N).run(own_watched, kind, with_ledger, str(out))
+        assert all(r["tracer_after"] is None for r in res)          # lent, then given back
+        events = trace.load(out)
+        rp = _readable(out, events)
+        coll = [e for e in events if e["kind"] == "collective" and e["rank"] == 0]
+        ops = Counter((e["step"], e["op"]) for e in coll)
+        if kind == "fsdp":
+            assert sorted(rp.unit_names) == ["blocks.0", "blocks.1", "blocks.2", "root"]
+            assert all(ops[(s, "reduce_scatter")] == 4 for s in range(STEPS)), ops
+        elif kind == "ddp":
+            for s in range(STEPS):       # every gradient byte all-reduced each step, in buckets
+                assert sum(e["payload"] for e in coll if e["step"] == s and e["op"] == "all_reduce") == 4 * psi
+        else:
+            assert all(ops[(s, "reduce_scatter")] >= 1 and ops[(s, "all_gather")] >= 1
+                       for s in range(STEPS)), ops
+        last = rp.snapshot(rp.n - 1)
+        for r in range(N):
+            if with_ledger:              # the trace ends where the strategy's own ledger ends
+                assert {c: b for c, b in last[r].items() if b} == res[r]["final"], (kind, r)
+                peaks = {}
+                for i in range(rp.n):
+                    for c, b in rp.snapshot(i)[r].items():
+                        peaks[c] = max(peaks.get(c, 0), b)
+                for c, b in res[r]["peaks"].items():      # each peak the ledger reached inside
+                    if b > res[r]["peaks_before"].get(c, 0):
+                        assert peaks[c] == b, (kind, r, c)
+            else:
+                assert last[r]["params"] > 0 and last[r]["exp_avg"] == last[r]["exp_avg_sq"] > 0
+
+
+def test_trace_none_keeps_events_and_a_tracer_receives_them(pools):
+    for mode in ("none", "tracer"):
+        res = pools(N).run(in_memory, mode)
+        for r in res:
+            assert r["kept"] > 0 and r["ops"]["all_reduce"] == 1   # step 0: DDP's one bucket
+            assert r["same"] == (mode == "tracer")
+
+
+def test_a_rank_that_dies_leaves_readable_traces(tmp_path):
+    """Every rank streams its trace a line at a time: rank 1 killed before step 1, both files
+    read back whole — rank 1's up to its step 0, rank 0's into step 1."""
+    from minishard.launch import RankError, Ranks
+    out = tmp_path / "dies"
+    with Ranks(2, timeout=120) as own:           # its own pool: a rank is killed on purpose
+        with pytest.raises(RankError):
+            own.run(dies, str(out))
+    events = trace.load(out)                     # every line parses: no half-written event
+    got, problems = view.read(out)                # the player says which rank stopped early
+    assert len(got) == len(events) and len(problems) == 1, problems
+    assert "rank1.jsonl" in problems[0] and "ends in step 0" in problems[0] and "stopped early" in problems[0]
+    r1 = trace.rank_events(events, 1)
+    r0 = trace.rank_events(events, 0)
+    assert max(e.get("step", 0) for e in r1) == 0
+    assert r1[-1] == {**r1[-1], "kind": "phase", "name": "step", "edge": "end"}
+    assert any(e["kind"] == "phase" and e["name"] == "forward" and e["step"] == 1 for e in r0)

@@ -1,0 +1,59 @@
+"""torch DDP under watch: each bucket's all-reduce, through a comm hook around DDP's own.
+
+A DDP model takes one comm hook, for good; the hook's state says which watch records now (None:
+it is DDP's default ``allreduce_hook`` and nothing more). Step 0 runs other buckets than the
+next steps: DDP first fills one bucket of at most ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB),
+then rebuilds its buckets in gradient-ready order and broadcasts the new plan from C++ (not seen
+here). The gradients are counted where autograd accumulates them (approximate: a ``.grad`` that
+is a view of a bucket, ``gradient_as_bucket_view=True``, is already counted there).
+"""
+from __future__ import annotations
+
+from .session import WatchError, _bytes, _dtype
+
+
+class _Relay:
+    """The state of the one comm hook a DDP model takes: the watch on now, or None."""
+    watch = None
+
+
+def _watched_allreduce_hook(relay: _Relay, bucket):
+    """DDP's default all-reduce of a bucket (``allreduce_hook``), recorded while a watch is on."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    if relay.watch is None:
+        return default_hooks.allreduce_hook(None, bucket)
+    return _bucket(relay.watch, bucket, default_hooks.allreduce_hook)
+
+
+def attach(w, model) -> None:
+    relay = getattr(model, "_minishard_watch_hook", None)
+    if relay is None:
+        if model._comm_hooks:
+            raise WatchError("minishard.watch: this DistributedDataParallel already has a comm "
+                             "hook (DDP takes one); watch it without the hook")
+        relay = _Relay()
+        model.register_comm_hook(relay, _watched_allreduce_hook)
+        model._minishard_watch_hook = relay
+    relay.watch = w
+    w._undo.append(lambda: setattr(relay, "watch", None))
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            h = p.register_post_accumulate_grad_hook(
+                lambda p, name=name: w._track("grads", p.grad.untyped_storage(),
+                                              f"grad:{name} (approx: at accumulation)"))
+            w._undo.append(h.remove)
+
+
+def _bucket(w, bucket, allreduce_hook):
+    """One DDP bucket: DDP's own all-reduce, timed to its future's completion."""
+    buf = bucket.buffer()
+    tag = f"bucket{bucket.index()}"
+    w._track("comm_buffers", buf.untyped_storage(), tag)
+    t0, step, payload = w.tracer.now(), w.tracer.step, _bytes(buf)
+    with w._recording():
+        fut = allreduce_hook(None, bucket)
+
+    def done(f):
+        w._collective("all_reduce", payload, _dtype(buf), None, t0, w.tracer.now(), tag, step)
+        return f.value()
+    return fut.then(done)

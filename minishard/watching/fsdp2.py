@@ -1,0 +1,133 @@
+"""FSDP2 under watch: each unit's collectives and memory states, by the unit's module name.
+
+FSDP2 takes a custom all-gather and reduce-scatter per module (``set_custom_all_gather`` /
+``set_custom_reduce_scatter``, public); subclasses of its defaults record each call and each
+buffer FSDP2 asks them to allocate, and still pass FSDP2's own ``isinstance`` checks. The
+states come from the parameter group's memory-state changes (``_to_unsharded``,
+``_to_sharded``, ``_to_sharded_post_forward``: internal, patched on the instance — the same ones
+``FSDPMemTracker`` patches; tests/test_watch.py pins them).
+
+FSDP2 **reshards before it reduce-scatters** (it keeps the unsharded gradients, not the
+parameters), so its units have no ``reduce_scattering`` state: the reduce-scatter follows
+``sharded``. The root's module name is ``""``; it is called ``root``, as in minishard's FSDP.
+"""
+from __future__ import annotations
+
+from .session import WatchError, _bytes, _dtype
+
+
+def _comms():
+    """FSDP2's default all-gather and reduce-scatter, subclassed. Built on first use: importing
+    FSDP2's internals costs half a second that a DDP job need not pay."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
+                                                                       DefaultReduceScatter)
+
+    class WatchedAllGather(DefaultAllGather):
+        """FSDP2's own all-gather, recorded under the unit it gathers (also a prefetch)."""
+
+        def __init__(self, w, unit):
+            self.w, self.unit, self.n = w, unit, 0
+
+        def allocate(self, size, *, dtype, device):
+            out, w = super().allocate(size, dtype=dtype, device=device), self.w
+            w._track("comm_buffers", out.untyped_storage(), f"all_gather_out:{self.unit}")
+            return out
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            w = self.w
+            w._emit("unit", name=self.unit, state="unsharding")
+            t0, step = w.tracer.now(), w.tracer.step
+            with w._recording():
+                work = super().__call__(output_tensor, input_tensor, group, async_op)
+            w._when_done(work if async_op else None, lambda t1: w._collective(
+                "all_gather", _bytes(output_tensor), _dtype(output_tensor), group, t0, t1,
+                self.unit, step))
+            return work
+
+    class WatchedReduceScatter(DefaultReduceScatter):
+        """FSDP2's own reduce-scatter; its output holds the unit's sharded gradients."""
+
+        __init__ = WatchedAllGather.__init__
+
+        def allocate(self, size, *, dtype, device):
+            out, w = super().allocate(size, dtype=dtype, device=device), self.w
+            # FSDP2 allocates the input (the unit's full gradients) first, then the output
+            self.n += 1
+            if self.n % 2:
+                w._track("comm_buffers", out.untyped_storage(), f"reduce_scatter_in:{self.unit}")
+            else:
+                w._track("grads", out.untyped_storage(), f"grads:{self.unit} (the reduce-scatter output)")
+            return out
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            w = self.w
+            t0, step = w.tracer.now(), w.tracer.step
+            with w._recording():
+                work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            w._when_done(work if async_op else None, lambda t1: w._collective(
+                "reduce_scatter", _bytes(input_tensor), _dtype(input_tensor), group, t0, t1,
+                self.unit, step))
+            return work
+
+    return WatchedAllGather, WatchedReduceScatter
+
+
+def attach(w, model) -> None:
+    """Give every FSDP2 module of ``model`` the watched collectives and unit states."""
+    from torch.distributed.fsdp import FSDPModule
+    WatchedAllGather, WatchedReduceScatter = _comms()
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        unit = name or "root"
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise WatchError(f"minishard.watch: FSDP2 module {unit!r} has {len(groups)} "
+                             f"parameter groups (shard_placement_fn); one per module is supported")
+        for pg in groups:
+            ag, rs = pg._all_gather_comm, pg._reduce_scatter_comm
+            w._undo.append(lambda m=m, ag=ag, rs=rs: (m.set_custom_all_gather(ag),
+                                                     m.set_custom_reduce_scatter(rs)))
+            m.set_custom_all_gather(WatchedAllGather(w, unit))
+            m.set_custom_reduce_scatter(WatchedReduceScatter(w, unit))
+            _states(w, pg, unit)
+
+
+def _states(w, pg, unit: str) -> None:
+    """One parameter group's memory-state changes, as minishard's unit states, and the gathered
+    bytes the unit holds while unsharded."""
+    held, hooked = [0], {}
+
+    def unsharded_grads() -> None:
+        """The unsharded gradients autograd accumulates into the gathered parameters (FSDP2
+        copies them into the reduce-scatter input and lets them go: their storages die)."""
+        for fp in pg.fsdp_params:
+            p = getattr(fp, "_unsharded_param", None)
+            if p is not None and p.requires_grad and id(p) not in hooked:
+                hooked[id(p)] = p.register_post_accumulate_grad_hook(
+                    lambda p: w._track("grads", p.grad.untyped_storage(), f"grads_unsharded:{unit}"))
+    w._undo.append(lambda: [h.remove() for h in hooked.values()])
+    for method, state in (("_to_unsharded", "unsharded"), ("_to_sharded", "sharded"),
+                          ("_to_sharded_post_forward", "sharded")):
+        orig = getattr(pg, method)
+
+        def wrapped(orig=orig, state=state):
+            before = pg._sharded_state
+            orig()
+            if pg._sharded_state == before:      # the root asked again: nothing changed
+                return
+            w._emit("unit", name=unit, state=state)
+            if state == "unsharded":
+                unsharded_grads()
+                storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
+                            for fp in pg.fsdp_params for o in fp.all_gather_outputs}
+                w._gathered |= set(storages)
+                held[0] = sum(storages.values())
+                w._emit("alloc", category="unsharded", bytes=held[0], tag=f"unsharded:{unit}",
+                        device="host")
+            elif held[0]:
+                w._emit("free", category="unsharded", bytes=held[0], tag=f"unsharded:{unit}",
+                        device="host")
+                held[0] = 0
+        setattr(pg, method, wrapped)
+        w._undo.append(lambda method=method: pg.__dict__.pop(method, None))
