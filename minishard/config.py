@@ -48,7 +48,7 @@ KNOBS: dict[str, tuple[Callable[[Any], bool], str]] = {       # knob: (reads it?
     "wrap": (lambda s: s.stage == 3, "FSDP"),
     "reshard_after_forward": (lambda s: s.stage == 3, "FSDP"),
     "reshard_root": (lambda s: s.offloads, "minishard's FSDP"),
-    "prefetch": (lambda s: s.offloads, "minishard's FSDP"),
+    "prefetch": (lambda s: s.stage == 3, "FSDP"),
     "fsdp_accumulate_unsharded": (lambda s: s.offloads, "minishard's FSDP"),
     "shard_size": (lambda s: s.hybrid, "hybrid sharding"),
     "offload": (lambda s: s.offloads, "an FSDP strategy"),
@@ -84,6 +84,7 @@ class TrainConfig:
     reshard_after_forward: bool = True   # free a unit's gathered parameters after its forward
     reshard_root: bool = False       # the root too (the textbook ZeRO-3 schedule; FSDP2 keeps it)
     prefetch: int = 0                # FSDP units gathered ahead, forward and backward
+                                     # (torch_fsdp: FSDP2 gathers 1 ahead in backward at 0)
     # DeepSpeed's ZeRO-3 bounds, in elements (fsdp/limits.py): None leaves FSDP's depth rule
     prefetch_bucket_size: int | None = None   # stage3_prefetch_bucket_size: gathered ahead
     max_live_parameters: int | None = None    # stage3_max_live_parameters: gathered at once

@@ -257,12 +257,27 @@ def _torch_fsdp(strategy, net, config, comm, ledger) -> Built:
     opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
     mp = (MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed"
           else MixedPrecisionPolicy())
-    for _, m in wrap_targets(net, config.wrap):
+    units = [m for _, m in wrap_targets(net, config.wrap)]
+    for m in units:
         fully_shard(m, reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
     fully_shard(net, mp_policy=mp)
+    _torch_prefetch(net, units, config.prefetch)
     opt = opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
     return Built(strategy, net, opt, (comm,), no_sync=lambda: _torch_fsdp_no_sync(net),
                  gather=lambda: {n: p.full_tensor() for n, p in net.named_parameters()})
+
+
+def _torch_prefetch(net, units: list, depth: int) -> None:
+    """minishard's ``prefetch`` depth on FSDP2's explicit lists, so that both run one schedule:
+    in forward the root and each unit gather the next ``depth`` units; in backward FSDP2 gathers
+    the unit before by itself (depth 1 even at ``prefetch=0``), and a deeper ``depth`` gives each
+    unit the ``depth`` before it."""
+    for i, m in enumerate([net, *units] if depth else []):
+        if units[i:i + depth]:
+            m.set_modules_to_forward_prefetch(units[i:i + depth])
+    for i, m in enumerate(units if depth > 1 else []):
+        if i:
+            m.set_modules_to_backward_prefetch(units[max(0, i - depth):i][::-1])
 
 
 def _torch_ddp(strategy, net, config, comm, ledger, *, zero=False) -> Built:

@@ -10,6 +10,8 @@
    memory: step time, transfer bytes and seconds, device peak.
 3. The live ledger's device peak against ``torch.cuda.max_memory_allocated`` (what the ledger
    cannot see: cuBLAS workspaces, autograd temporaries, allocator rounding).
+4. ``minishard.watch`` on PyTorch's own FSDP2 ``fully_shard`` over NCCL: the watched ledger's
+   total at each phase edge of the last step against ``torch.cuda.memory_allocated`` there.
 """
 from __future__ import annotations
 
@@ -42,6 +44,41 @@ def bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: int, cuda: bool) ->
         times.append(time.perf_counter() - t0)
     times = sorted(times[1:])
     return src.numel() * src.element_size() / times[len(times) // 2] / GB
+
+
+def watch_fsdp2(device: torch.device, cuda: bool, steps: int) -> list[tuple[str, str, str]]:
+    """PyTorch's FSDP2 (each block, then the root; AdamW) watched on this one rank: at every
+    phase edge of the last step, the watch's ledger against the allocator's count."""
+    import minishard
+    from minishard.trace import Replay
+    from torch.distributed.fsdp import fully_shard
+    size = "tiny" if cuda else "nano"
+    net = minishard.GPT(size).to(device)
+    for block in net.blocks:
+        fully_shard(block)
+    fully_shard(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    allocated: dict[int, int] = {}             # phase event's seq -> bytes the allocator holds
+
+    def at_phase(ev: dict) -> None:
+        if ev["kind"] == "phase":
+            allocated[ev["seq"]] = torch.cuda.memory_allocated() if cuda else 0
+    tracer = Tracer(0, 1, sink=at_phase)
+    cfg = minishard.config(size)
+    with minishard.watch(net, opt, trace=tracer) as w:
+        for step in range(steps):
+            x, y = (t.to(device) for t in minishard.batch(cfg, step, 2, 0, 1))
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+    rp, rows = Replay(tracer.events), []
+    for i, e in enumerate(rp.events):
+        if e["kind"] == "phase" and e.get("step") == steps - 1 and e["name"] != "step":
+            ledger, real = sum(rp.snapshot(i)[0].values()), allocated[e["seq"]]
+            rows.append((f"watch FSDP2 ({size}), {e['name']} {e['edge']}", f"ledger {ledger / GB:.3f} GB",
+                         f"allocated {real / GB:.3f} GB, ledger/real {ledger / real:.3f}" if real else "dry run"))
+    return rows
 
 
 def main() -> int:
@@ -98,6 +135,7 @@ def main() -> int:
             real = torch.cuda.max_memory_allocated()
             rows.append(("  torch.cuda.max_memory_allocated", f"{real / GB:.2f} GB",
                          f"ledger/real = {led['peak'] / real:.3f}"))
+    rows += watch_fsdp2(device, cuda, args.steps)
     dist.destroy_process_group()
 
     width = max(len(r[0]) for r in rows)

@@ -103,7 +103,7 @@ CASES = [
     (["demo", "--strategy", "ddp", "--no-reshard-after-forward"], 2, ["--no-reshard-after-forward"]),
     (["demo", "--strategy", "fsdp", "--bucket-cap-mb", "4"], 2, ["--bucket-cap-mb 4", "--strategy fsdp"]),
     (["demo", "--strategy", "zero2", "--shard-size", "4"], 2, ["--shard-size 4", "--strategy zero2"]),
-    (["demo", "--strategy", "torch_fsdp", "--prefetch", "1"], 2, ["--prefetch 1", "--strategy torch_fsdp"]),
+    (["demo", "--strategy", "torch_ddp", "--prefetch", "1"], 2, ["--prefetch 1", "--strategy torch_ddp"]),
     # memory
     (["demo", "--strategy", "ddp", "--offload", "host"], 2, ["--offload host", "--strategy ddp"]),
     (["demo", "--strategy", "fsdp", "--offload", "nvme"], 2, ["--offload", "'nvme'"]),

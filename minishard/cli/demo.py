@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free a unit's gathered parameters after its forward (chapter 06)")
     g.add_argument("--reshard-root", action="store_true", help="free the root too (the textbook ZeRO-3 schedule)")
-    g.add_argument("--prefetch", type=int, default=0, metavar="K", help="FSDP units gathered ahead (chapter 07; fsdp, fsdp_flat, hsdp)")
+    g.add_argument("--prefetch", type=int, default=0, metavar="K", help="FSDP units gathered ahead (chapter 07; fsdp, fsdp_flat, hsdp, torch_fsdp: FSDP2 gathers 1 ahead in backward at 0)")
     g.add_argument("--shard-size", type=int, default=2, help="hsdp only: ranks per shard group, a node (default 2)")
     g = p.add_argument_group("memory (chapters 07, 08, 10)")
     g.add_argument("--offload", choices=("host", "disk"), default=None, help="keep FSDP's sharded state off the device")

@@ -9,9 +9,10 @@ from ..offline_player import replay_html          # the player with no kernel: o
 from .calculator import LedgerCalculator          # the ledger calculator widget, chapter 01
 from .figures import ledger_bars, timeline_figure
 from .planner import PlannerWidget                # the planner widget, chapter 10
+from .pair import PlayerPair                   # two traces side by side, chapters 02 and 06
 from .player import Player, Replay, static_player_figure
 from .reshard import reshard_figure               # the reshard map, chapter 09
 from .ring import ring_figure, ring_schedule
 
-__all__ = ["LedgerCalculator", "Player", "PlannerWidget", "Replay", "ledger_bars", "replay_html",
+__all__ = ["LedgerCalculator", "Player", "PlayerPair", "PlannerWidget", "Replay", "ledger_bars", "replay_html",
            "reshard_figure", "ring_figure", "ring_schedule", "static_player_figure", "timeline_figure"]
