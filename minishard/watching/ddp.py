@@ -49,11 +49,11 @@ def _bucket(w, bucket, allreduce_hook):
     buf = bucket.buffer()
     tag = f"bucket{bucket.index()}"
     w._track("comm_buffers", buf.untyped_storage(), tag)
-    t0, step, payload = w.tracer.now(), w.tracer.step, _bytes(buf)
+    t0, step, payload, dtype = w.tracer.now(), w.tracer.step, _bytes(buf), _dtype(buf)
     with w._recording():
         fut = allreduce_hook(None, bucket)
 
     def done(f):
-        w._collective("all_reduce", payload, _dtype(buf), None, t0, w.tracer.now(), tag, step)
+        w._collective("all_reduce", payload, dtype, None, t0, w.tracer.now(), tag, step)
         return f.value()
     return fut.then(done)

@@ -37,11 +37,13 @@ def _comms():
             w = self.w
             w._emit("unit", name=self.unit, state="unsharding")
             t0, step = w.tracer.now(), w.tracer.step
+            # the record keeps numbers, not the tensor: a closure holding it would keep FSDP2's
+            # buffer alive until the work's future goes, and the ledger would show that
+            nbytes, dtype = _bytes(output_tensor), _dtype(output_tensor)
             with w._recording():
                 work = super().__call__(output_tensor, input_tensor, group, async_op)
             w._when_done(work if async_op else None, lambda t1: w._collective(
-                "all_gather", _bytes(output_tensor), _dtype(output_tensor), group, t0, t1,
-                self.unit, step))
+                "all_gather", nbytes, dtype, group, t0, t1, self.unit, step))
             return work
 
     class WatchedReduceScatter(DefaultReduceScatter):
@@ -62,11 +64,11 @@ def _comms():
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             w = self.w
             t0, step = w.tracer.now(), w.tracer.step
+            nbytes, dtype = _bytes(input_tensor), _dtype(input_tensor)
             with w._recording():
                 work = super().__call__(output_tensor, input_tensor, group, op, async_op)
             w._when_done(work if async_op else None, lambda t1: w._collective(
-                "reduce_scatter", _bytes(input_tensor), _dtype(input_tensor), group, t0, t1,
-                self.unit, step))
+                "reduce_scatter", nbytes, dtype, group, t0, t1, self.unit, step))
             return work
 
     return WatchedAllGather, WatchedReduceScatter
@@ -96,7 +98,7 @@ def attach(w, model) -> None:
 def _states(w, pg, unit: str) -> None:
     """One parameter group's memory-state changes, as minishard's unit states, and the gathered
     bytes the unit holds while unsharded."""
-    held, hooked = [0], {}
+    held, hooked, gathered = [0], {}, []
 
     def unsharded_grads() -> None:
         """The unsharded gradients autograd accumulates into the gathered parameters (FSDP2
@@ -121,11 +123,15 @@ def _states(w, pg, unit: str) -> None:
                 unsharded_grads()
                 storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
                             for fp in pg.fsdp_params for o in fp.all_gather_outputs}
+                # while gathered, a saved tensor in these storages is a parameter, not an
+                # activation; once resharded their addresses go to other tensors
+                gathered[:] = storages
                 w._gathered |= set(storages)
                 held[0] = sum(storages.values())
                 w._emit("alloc", category="unsharded", bytes=held[0], tag=f"unsharded:{unit}",
                         device="host")
             elif held[0]:
+                w._gathered -= set(gathered)
                 w._emit("free", category="unsharded", bytes=held[0], tag=f"unsharded:{unit}",
                         device="host")
                 held[0] = 0

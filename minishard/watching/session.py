@@ -151,7 +151,7 @@ class Watch:
         return None
 
     def _write(self, ev: dict) -> None:                  # line-buffered: on disk at once
-        self._file.write(json.dumps(ev) + "\n")
+        self._file.write(json.dumps(ev, separators=(",", ":")) + "\n")
 
     def _emit(self, kind: str, **fields) -> None:
         with self._lock:

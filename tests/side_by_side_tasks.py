@@ -1,0 +1,100 @@
+"""Rank tasks for tests/test_side_by_side.py: one job under minishard's strategy and the same job
+under PyTorch's, both traced, on the same ranks.
+
+The two sides share everything but the strategy: the model (``TrainConfig.model``, the same
+seed), the wrapping (each block a unit, then the root), the precision, the batches and the loop
+(``minishard.train.train_step``). minishard's side records into its own tracer (``train``);
+torch's is built by ``minishard.strategies`` (``torch_fsdp`` / ``torch_ddp`` / ``torch_zero1``)
+and recorded by ``minishard.watch``. A scenario is ``(mine, theirs, knobs)``: strategy names and
+the ``TrainConfig`` fields both sides take.
+"""
+from __future__ import annotations
+
+import torch
+
+import minishard
+from minishard import model as model_mod
+from minishard.comm import Comm
+from minishard.launch import RankContext
+from minishard.trace import Tracer, load
+from minishard.train import TrainConfig, build, train, train_step
+
+STEPS = 2                                # step 0 and one step after DDP's bucket rebuild
+
+
+def _mine(rank, strategy: str, knobs: dict) -> list[dict]:
+    """minishard's run, into a tracer of its own (events of one scenario only)."""
+    tracer = Tracer(rank.rank, rank.world_size, origin=rank.tracer.origin)
+    train(RankContext(rank.rank, rank.world_size, rank.device, tracer, rank.backend),
+          TrainConfig(strategy=strategy, steps=STEPS, trace=True, **knobs))
+    return load(tracer.events)
+
+
+def _theirs(rank, strategy: str, knobs: dict, plant=None) -> list[dict]:
+    """torch's run of the same job under ``minishard.watch``. ``plant(model)``: a test's change
+    to torch's job before it runs (a planted difference the comparison must catch)."""
+    config = TrainConfig(strategy=strategy, steps=STEPS, **knobs)
+    cfg = model_mod.config(config.model)
+    net = model_mod.GPT(cfg, seed=config.seed).to(rank.device)   # train()'s model, train()'s seed
+    built = build(net, config, Comm())
+    if strategy == "torch_fsdp":
+        _forward_prefetch_as_minishard(net, config.prefetch)
+    if plant is not None:
+        plant(built.model)
+    tracer = Tracer(rank.rank, rank.world_size, origin=rank.tracer.origin)
+    with minishard.watch(built.model, built.optimizer, trace=tracer) as w:
+        for step in range(STEPS):
+            batch = model_mod.batch(cfg, step, config.micro_batch, rank.rank, rank.world_size,
+                                    config.data_seed)
+            train_step(built, [batch])
+            w.step()
+    return load(tracer.events)
+
+
+def _forward_prefetch_as_minishard(net, depth: int) -> None:
+    """FSDP2 prefetches in backward by itself (the unit before, in forward order) but in forward
+    only when told: give each unit the next ``depth`` units, the root the first ones — the rule
+    minishard's ``set_prefetch(net, depth, depth)`` applies to both directions."""
+    if depth:
+        order = list(net.blocks)
+        for i, m in enumerate([net, *order]):
+            ahead = order[i:i + depth]
+            if ahead:
+                m.set_modules_to_forward_prefetch(ahead)
+
+
+def pair(rank, scenarios: list[tuple]) -> list:
+    """Each scenario's ``(mine, theirs)`` events on this rank. A scenario is ``(minishard's
+    strategy, torch's, knobs, plant on torch's model, plant on minishard's)``; a plant is the
+    name of a function below (tests of the comparison itself), undone after its scenario."""
+    out = []
+    for mine, theirs, knobs, plant_theirs, plant_mine in scenarios:
+        undo = globals()[plant_mine]() if plant_mine else None
+        try:
+            m = _mine(rank, mine, knobs)
+        finally:
+            if undo is not None:
+                undo()
+        out.append((m, _theirs(rank, theirs, knobs, globals()[plant_theirs] if plant_theirs else None)))
+    return out
+
+
+# ---------------------------------------------------------------------------- planted changes
+
+def plant_no_backward_prefetch():
+    """minishard's units gather no unit ahead in backward (FSDP2 still does: an empty explicit
+    list means its default, ``_fsdp_state.py``: ``default_prefetch = len(...) == 0``). Returns
+    the undo."""
+    from minishard.fsdp.unit import FSDPUnit
+    orig = FSDPUnit._prefetch_targets
+    FSDPUnit._prefetch_targets = lambda self, forward: orig(self, forward) if forward else []
+    return lambda: setattr(FSDPUnit, "_prefetch_targets", orig)
+
+
+def plant_reversed_buckets():
+    """minishard's DDP fills its buckets first layers first (torch's reducer: gradient-ready
+    order, last layers first). Returns the undo."""
+    from minishard import buckets
+    orig = buckets.plan_buckets
+    buckets.plan_buckets = lambda *a, **k: orig(*a, **k)[::-1]
+    return lambda: setattr(buckets, "plan_buckets", orig)
