@@ -36,9 +36,7 @@ def _theirs(rank, strategy: str, knobs: dict, plant=None) -> list[dict]:
     config = TrainConfig(strategy=strategy, steps=STEPS, **knobs)
     cfg = model_mod.config(config.model)
     net = model_mod.GPT(cfg, seed=config.seed).to(rank.device)   # train()'s model, train()'s seed
-    built = build(net, config, Comm())
-    if strategy == "torch_fsdp":
-        _forward_prefetch_as_minishard(net, config.prefetch)
+    built = build(net, config, Comm())     # torch_fsdp runs minishard's prefetch schedule
     if plant is not None:
         plant(built.model)
     tracer = Tracer(rank.rank, rank.world_size, origin=rank.tracer.origin)
@@ -49,18 +47,6 @@ def _theirs(rank, strategy: str, knobs: dict, plant=None) -> list[dict]:
             train_step(built, [batch])
             w.step()
     return load(tracer.events)
-
-
-def _forward_prefetch_as_minishard(net, depth: int) -> None:
-    """FSDP2 prefetches in backward by itself (the unit before, in forward order) but in forward
-    only when told: give each unit the next ``depth`` units, the root the first ones — the rule
-    minishard's ``set_prefetch(net, depth, depth)`` applies to both directions."""
-    if depth:
-        order = list(net.blocks)
-        for i, m in enumerate([net, *order]):
-            ahead = order[i:i + depth]
-            if ahead:
-                m.set_modules_to_forward_prefetch(ahead)
 
 
 def pair(rank, scenarios: list[tuple]) -> list:

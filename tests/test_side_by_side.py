@@ -50,6 +50,10 @@ def _check_fsdp(mine, theirs, rank, world):
     # gathers in the same order, forward and backward (prefetch included)
     bad = [r for r in t["gathers"] if r["difference"] != "same"]
     assert not bad, "all-gather order differs:\n" + sbs.render(bad)
+    # forward: the units' states interleaved alike (a forward prefetch gathers the next unit
+    # before this one reshards; the all-gathers alone run in the same order either way)
+    assert sbs.interleaving(mine, rank) == sbs.interleaving(theirs, rank), \
+        "\n".join(f"{a:<28}{b}" for a, b in zip(sbs.interleaving(mine, rank), sbs.interleaving(theirs, rank)))
     # every collective: op, unit, payload, dtype, in issue order
     bad = [r for r in t["collectives"] if r["difference"] != "same"]
     assert not bad, "collectives differ:\n" + sbs.render(t["collectives"])

@@ -65,6 +65,17 @@ def lifecycle(events: list[dict], rank: int = 0, step: int = 1) -> dict[str, lis
     return out
 
 
+def interleaving(events: list[dict], rank: int = 0, step: int = 1,
+                 phase: str = "forward") -> list[str]:
+    """Every unit's state changes in one phase, all units together, in issue order
+    (``blocks.1 unsharding`` before ``blocks.0 sharded`` is a forward prefetch): what each
+    unit's own lifecycle and the collectives' order cannot show, since in forward the
+    all-gathers run in the same order with or without prefetch."""
+    evs = _in_order(events, rank, step)
+    return [f"{e['name']} {e['state']}" for e, ph in zip(evs, _phase_of(evs))
+            if ph == phase and e["kind"] == "unit"]
+
+
 def _phase_of(events: list[dict]) -> list[str | None]:
     """The top-level phase (forward / backward / optimizer) each event happened in, by ``t``."""
     spans = {}
