@@ -279,10 +279,11 @@ class FSDPUnit:
         inp = self.layout.reduce_scatter_input(dtype)
         replicas = self.replicate.world_size if self.replicate is not None else 1
         inp.div_(self.comm.world_size * replicas)   # sum / N: the gradient of the global mean loss
+        self._release_full_grads()                  # packed into ``inp``: not needed
         out = self.layout.reduce_scatter_output(dtype)
-        self._release_full_grads()
         if self.ledger is not None:
             self.ledger.alloc("comm_buffers", inp.numel() * inp.element_size(), f"{self.name}:rs")
+            self.ledger.alloc("grads", out.numel() * out.element_size(), f"{self.name}:rs_out")
         work = self.comm.reduce_scatter(out, inp, async_op=True, tag=self.name)
         self._pending_rs = (work, out, inp)
         if self.replicated:
@@ -330,6 +331,7 @@ class FSDPUnit:
                                self.comm.tracer, self.name)
         if self.ledger is not None:
             self.ledger.free(f"{self.name}:rs")
+            self.ledger.free(f"{self.name}:rs_out")
         self._pending_rs = None
 
     def _finish_all_reduce(self) -> None:
