@@ -105,10 +105,10 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
                 on_step({"rank": rank.rank, "step": step, "first": step == first_step,
                          "steps": first_step + config.steps, "loss": loss, "loss_resolution":
                          _loss_resolution(loss, config), "seconds": meter.steps["step_times"][-1],
-                         "peak": ledger.peak if ledger else 0})
+                         "peak": ledger.peak if ledger else w.peak if w else 0})
     tracer.step = None
 
-    out = _measurements(rank, config, cfg, meter, built, first_step)
+    out = _measurements(rank, config, cfg, meter, built, first_step, w)
     if ledger is not None:
         out["ledger"] = _ledger_report(ledger, config, cfg, strategy, rank.world_size, built)
     if config.save_to is not None:
@@ -143,8 +143,9 @@ def _watching(built: Built, config: TrainConfig, tracer: Tracer, alone: bool):
 
 
 def _measurements(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: Built,
-                  first_step: int) -> dict[str, Any]:
-    """What every run returns: the meter's per-step lists, and what they are."""
+                  first_step: int, watched=None) -> dict[str, Any]:
+    """What every run returns: the meter's per-step lists, and what they are (PyTorch's own
+    strategies: what the watch measured, too)."""
     out: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size,
                            "strategy": built.strategy.name, **meter.steps, "by_op": meter.by_op(),
                            "n_params": model_mod.GPT(cfg, device="meta").num_params(),
@@ -153,6 +154,10 @@ def _measurements(rank: RankContext, config: TrainConfig, cfg, meter: Meter, bui
                            "exposed_comm_measured": bool(built.units)}   # (only FSDP's units time it)
     if hasattr(built.optimizer, "layout"):
         out["layout"] = built.optimizer.layout()
+    if watched is not None:
+        steps = range(first_step, first_step + config.steps)
+        out["watched"] = {"peak": watched.peak, "peak_snapshot": watched.peak_snapshot,
+                          "wire": [watched.wire.get(s, 0) for s in steps]}
     return out
 
 

@@ -337,6 +337,83 @@ mean_acc = [sum(o["losses"][s] for o in acc) / 2 for s in range(2)]
 assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mean_acc, single_acc["losses"]))
 assert drift(acc[0]["params"], single_acc["params"], INIT).within(1e-3)
 
+# %% [markdown]
+# ## 7. Beside PyTorch's DDP, bucket by bucket
+# Parity says minishard's DDP and PyTorch's end with the same bits; here is how each gets there.
+# `minishard.watch` records PyTorch's own `DistributedDataParallel` in minishard's trace — two
+# lines in any training script (README, "Your own PyTorch job") — and `train` runs the
+# `torch_ddp` strategy under it. Both runs: the nano model, buckets of 0.25 MB (so that its
+# 217,664 parameters make three), two steps. One slider moves both players to the same step and
+# phase.
+#
+# <details><summary>中文</summary>
+#
+# 对齐（parity）只说明 minishard 的 DDP 和 PyTorch 的最后得到同样的比特；这里看各自是怎么走到那里的。
+# `minishard.watch` 把 PyTorch 自己的 `DistributedDataParallel` 记进 minishard 的 trace——任何训练脚本里
+# 加两行就行（README 的 “Your own PyTorch job”）——`train` 跑 `torch_ddp` 策略时就套着它。两边都是：
+# nano 模型，桶大小 0.25 MB（这样它的 217,664 个参数分成三个桶），两个 step。一个滑块把两个播放器同时
+# 拨到同一个 step 的同一个阶段。
+#
+# </details>
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from minishard.course import side_by_side as sbs
+from minishard.viz import PlayerPair
+
+SBS = dict(model="nano", steps=2, micro_batch=2, bucket_cap_mb=0.25)
+R2.run(train, TrainConfig(strategy="ddp", **SBS))
+ours_ev = R2.last_events
+R2.run(train, TrainConfig(strategy="torch_ddp", **SBS))
+torch_ev = R2.last_events
+pair = PlayerPair(ours_ev, torch_ev, titles=("minishard DDP", "PyTorch DDP (watched)"))
+pair.show("backward", step=1, edge="end")
+display(pair.widget)
+
+# %% [markdown]
+# Each step's buckets in the order they were launched, on rank 0 (`minishard.course.side_by_side`;
+# `tests/test_side_by_side.py` asserts every row):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+NANO_PSI = GPT("nano", device="meta").num_params()
+rows = sbs.compare_ddp(ours_ev, torch_ev, rank=0)
+print("step  bucket  minishard bytes  PyTorch bytes")
+for r in rows:
+    ours_b = "" if r["bytes"] is None else f"{r['bytes']:,}"
+    theirs_b = "" if r["their_bytes"] is None else (
+        glue("sbs-torch-step0-bucket", r["their_bytes"], "{:,}") if r["step"] == 0 else f"{r['their_bytes']:,}")
+    print(f"{r['step']:>4}  {r['i']:>6}  {ours_b:>15}  {theirs_b:>13}")
+later = [r for r in rows if r["step"] == 1]
+print("from step 1 on, the same buckets in the same order:", all(r["difference"] == "same" for r in later),
+      f"({glue('sbs-ddp-buckets', len(later))} buckets)")
+print("PyTorch's step 0: one bucket of 4Ψ:", [r["their_bytes"] for r in rows if r["step"] == 0 and r["their_bytes"]] == [4 * NANO_PSI],
+      f"(its first bucket is capped at {glue('sbs-first-bucket-mib', torch.distributed._DEFAULT_FIRST_BUCKET_BYTES // 2**20)} MiB)")
+assert all(r["difference"] == "same" for r in later) and len(later) == 3
+assert sum(r["bytes"] for r in rows if r["step"] == 0) == 4 * NANO_PSI
+
+# %% [markdown]
+# From the second step on, the two reducers launch the same three buckets, last layers first,
+# with the same bytes: minishard plans its buckets in the order backward produces the gradients
+# (the reverse of the parameters'), which is the order PyTorch's reducer *learns*. In the first
+# step PyTorch does not know that order yet: it fills one bucket, capped at 1 MiB, in the
+# parameters' reverse order, records the order in which the gradients actually arrive, and then
+# rebuilds its buckets and broadcasts the new plan to every rank (two small broadcasts issued
+# from C++, which the watch does not see). On nano the whole gradient, 870,656 bytes, fits under
+# that first cap, so step 0 is a single all-reduce. Table and sources:
+# [docs/side-by-side.md](../docs/side-by-side.md).
+#
+# <details><summary>中文</summary>
+#
+# 从第二个 step 起，两个 reducer 发起同样的三个桶，从最后几层开始，字节数也一样：minishard 按反向
+# 产生梯度的顺序（参数顺序的逆序）规划桶，这正是 PyTorch 的 reducer *学到*的顺序。第一个 step 时
+# PyTorch 还不知道这个顺序：它按参数逆序填一个上限 1 MiB 的桶，记下梯度实际到达的顺序，然后重建桶，
+# 并把新方案广播给每个 rank（两次从 C++ 发起的小广播，watch 看不到）。nano 的整个梯度 870,656 字节
+# 放得进这个首桶上限，所以第 0 步只有一次 all-reduce。表格和出处见
+# [docs/side-by-side.md](../docs/side-by-side.md)。
+#
+# </details>
+
 # %%
 R2.close()
 R4.close()

@@ -456,11 +456,118 @@ print("minishard FSDP (mean)    :", [f"{x:.6f}" for x in mean_loss])
 print(f"params vs single process : largest element gap {fsdp_drift.max_abs:.1e}, "
       f"worst tensor's gap / its movement {fsdp_drift.worst:.1e} ({fsdp_drift.worst_tensor})")
 
+# %% [markdown]
+# ## 7. Beside PyTorch's FSDP2, event by event
+# Parity says the two FSDPs end with the same bits. This section shows how each gets there.
+# `minishard.watch` records PyTorch's own `fully_shard` job in minishard's trace — two lines in
+# any training script (README, "Your own PyTorch job") — and `train` runs the `torch_fsdp`
+# strategy under it. Both runs: the nano model, a unit per block plus the root, fp32, prefetch 1
+# (FSDP2 gets the same schedule on its explicit prefetch lists), two steps. One slider moves both
+# players to the same step and phase; in between, each plays its own events.
+#
+# <details><summary>中文</summary>
+#
+# 对齐（parity）只说明两个 FSDP 最后得到同样的比特。这一节看它们各自是怎么走到那里的。
+# `minishard.watch` 把 PyTorch 自己的 `fully_shard` 作业记进 minishard 的 trace——任何训练脚本里加两行
+# 就行（README 的 “Your own PyTorch job”）——`train` 跑 `torch_fsdp` 策略时就套着它。两边都是：nano
+# 模型，每个 block 一个单元再加 root，fp32，预取（prefetch）1（FSDP2 通过它显式的预取列表得到同样的
+# 调度），两个 step。一个滑块把两个播放器同时拨到同一个 step 的同一个阶段；两个时刻之间，各自播放
+# 自己的事件。
+#
+# </details>
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from minishard.course import side_by_side as sbs
+from minishard.viz import PlayerPair
+
+SBS = dict(model="nano", steps=2, micro_batch=2, prefetch=1)
+R2.run(train, TrainConfig(strategy="fsdp", **SBS))
+ours = R2.last_events
+R2.run(train, TrainConfig(strategy="torch_fsdp", **SBS))
+fsdp2 = R2.last_events
+pair = PlayerPair(ours, fsdp2, titles=("minishard fully_shard", "PyTorch FSDP2 fully_shard (watched)"))
+pair.show("backward", step=1)
+display(pair.widget)
+
+# %% [markdown]
+# Rank 0, step 1, compared event by event (`minishard.course.side_by_side`; the test that
+# asserts every row is `tests/test_side_by_side.py`): the collectives, each unit's lifecycle, the
+# units' states interleaved in forward (where a prefetch shows), and each memory category's peak.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+t = sbs.compare_fsdp(ours, fsdp2, rank=0, step=1)
+same = sum(r["difference"] == "same" for r in t["collectives"])
+print(f"collectives (op, unit, bytes, dtype) in issue order: {glue('sbs-collectives-same', same)} "
+      f"of {glue('sbs-collectives', len(t['collectives']))} the same")
+print("units' states in forward, all units interleaved, the same:",
+      sbs.interleaving(ours) == sbs.interleaving(fsdp2))
+print("each unit's lifecycle (FSDP2's where it differs):")
+for r in t["lifecycle"]:
+    print(f"  {r['unit']:<9} {' '.join(r['mine']):<70} "
+          + ("same" if r["difference"] == "same" else f"FSDP2: ... {' '.join(r['theirs'][-2:])}  ({r['difference']})"))
+peak = {(r["category"], r["phase"]): r for r in t["peaks"]}
+named = {("unsharded", "all"): ("sbs-unsharded-peak", None),          # the figures the chapter quotes
+         ("comm_buffers", "forward"): ("sbs-ag-buffers-ours", "sbs-ag-buffers-fsdp2"),
+         ("grads", "backward"): ("sbs-grads-ours", "sbs-grads-fsdp2"),
+         ("activations", "optimizer"): (None, "sbs-ids-held")}
+print("\npeak bytes, rank 0, step 1      minishard      FSDP2")
+for c, ph in (("params", "all"), ("unsharded", "all"), ("exp_avg", "all"), ("activations", "forward"),
+              ("comm_buffers", "forward"), ("comm_buffers", "backward"), ("grads", "backward"),
+              ("activations", "optimizer")):
+    r, names = peak[(c, ph)], named.get((c, ph), (None, None))
+    a, b = (glue(n, r[k], "{:,}") if n else f"{r[k]:,}" for n, k in zip(names, ("mine", "theirs")))
+    print(f"  {c + ' (' + ph + ')':<28}{a:>12}{b:>12}")
+assert same == len(t["collectives"]) and sbs.interleaving(ours) == sbs.interleaving(fsdp2)
+assert all(r["difference"] in ("same", "reshard_before_reduce_scatter") for r in t["lifecycle"])
+for c in ("params", "unsharded", "exp_avg", "exp_avg_sq"):
+    assert peak[(c, "all")]["mine"] == peak[(c, "all")]["theirs"]
+assert peak[("activations", "forward")]["mine"] == peak[("activations", "forward")]["theirs"]
+
+# %% [markdown]
+# Everything that moves on the wire is the same: every all-gather and reduce-scatter, in the same
+# order, with the same bytes; the units change state in the same interleaving; the shards, the
+# gathered parameters (at most the root and one block: 470,784 bytes), the optimizer's moments
+# and the activations peak at the same byte. Four differences remain, each one a choice the two
+# implementations make (the full table, with each formula and where in torch's source it comes
+# from: [docs/side-by-side.md](../docs/side-by-side.md)):
+#
+# - **FSDP2 reshards before it reduce-scatters** (`reshard_before_reduce_scatter`): it takes the
+#   gradients out of the gathered parameters and frees them first; minishard's unit keeps its
+#   parameters gathered until its reduce-scatter is issued, then reshards.
+# - **FSDP2 frees a forward all-gather's buffer one unit late** (`deferred_all_gather_free`):
+#   it keeps each unit's all-gather output until the next unit has copied its parameters out,
+#   so that on a GPU the copy overlaps the next all-gather — two buffers at once in forward.
+# - **minishard keeps one reduce-scatter in flight** (`reduce_scatter_in_flight`): the previous
+#   unit's reduced slice is still arriving while the next unit's gradients are computed; on
+#   gloo, FSDP2's reduce-scatter is synchronous (on a GPU it overlaps too, on its own stream).
+# - **The watch keeps the batch's token ids and targets until the step ends**: the caller holds
+#   them; minishard's ledger drops a saved tensor when autograd lets go of it.
+#
+# <details><summary>中文</summary>
+#
+# 线上走的一切都相同：每一次 all-gather 和 reduce-scatter，顺序一样，字节一样；各单元状态交错的次序
+# 一样；分片、收集起来的参数（至多 root 加一个 block：470,784 字节）、优化器的两个矩和激活值，峰值
+# 精确到字节都相同。剩下四处不同，每一处都是两种实现各自的选择（完整的表、每条公式、出自 torch 源码
+# 何处：[docs/side-by-side.md](../docs/side-by-side.md)）：
+#
+# - **FSDP2 先 reshard 再 reduce-scatter**：它先把梯度从收集起来的参数里取走、释放参数；minishard 的
+#   单元则保持参数收集状态直到发出 reduce-scatter，之后才 reshard。
+# - **FSDP2 晚一个单元才释放前向 all-gather 的缓冲区**：它留着每个单元的 all-gather 输出，直到下一个
+#   单元把参数拷出，这样在 GPU 上拷贝能和下一次 all-gather 重叠——前向时同时有两块缓冲区。
+# - **minishard 让一个 reduce-scatter 在途**：下一个单元算梯度时，上一个单元归约后的那一片还在到达；
+#   在 gloo 上 FSDP2 的 reduce-scatter 是同步的（GPU 上它也在自己的 stream 上重叠）。
+# - **watch 把这一批的 token id 和目标一直记到 step 结束**：调用方还持有它们；minishard 的账本在
+#   autograd 放手时就把保存的张量记为释放。
+#
+# </details>
+
 # %%
 R2.close()
 
 # %% [markdown]
-# ## 7. So: are ZeRO-3 and FSDP the same thing?
+# ## 8. So: are ZeRO-3 and FSDP the same thing?
 # Not quite, and this notebook holds the evidence. **ZeRO-3 is a partitioning of the training
 # state**: every rank stores 1/N of the parameters, gradients and optimizer state, and parameters
 # are gathered for use (chapter 05: 16Ψ/N bytes of state, 3(N−1)/N·Ψ elements on the wire).

@@ -696,7 +696,7 @@ print("checkpoint on disk = 12Ψ bytes (fp32 parameters and both AdamW moments) 
 #
 # | question | answer | evidence |
 # |---|---|---|
-# | 1. Are ZeRO-3 and FSDP the same thing? | No: ZeRO-3 is *what* is sharded (all state, 16Ψ/N); FSDP is PyTorch's framework that does it with units, hooks, wrap policies, layouts and reshard options — some of which are not stage 3 at all | [chapter 05](05-zero3.ipynb) §1, [chapter 06](06-fsdp-units.ipynb) §7 |
+# | 1. Are ZeRO-3 and FSDP the same thing? | No: ZeRO-3 is *what* is sharded (all state, 16Ψ/N); FSDP is PyTorch's framework that does it with units, hooks, wrap policies, layouts and reshard options — some of which are not stage 3 at all | [chapter 05](05-zero3.ipynb) §1, [chapter 06](06-fsdp-units.ipynb) §8 |
 # | 2. If stage 3 saves the most memory, why not always use it? | 1.5× the traffic, more and smaller collectives on the critical path; on a model that fits anyway it is slower, and on a slow network much slower | [chapter 05](05-zero3.ipynb) §4; §1 and §4.3 here |
 # | 3. FSDP vs tensor parallelism? | FSDP shards storage and gathers each layer whole; TP splits the multiply, never holds a full matrix, and sends activations | §3 here |
 # | 4. FSDP is on and it still OOMs: what first? | wrap granularity → prefetch depth → recomputation → the big logits tensor, reading the ledger at the OOM | §2 here |

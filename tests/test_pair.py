@@ -46,3 +46,15 @@ def test_a_moment_they_do_not_share_is_refused(traces):
     assert {m[1] for m in shared_moments(mine, only_forward)} == {"forward"}
     with pytest.raises(ValueError, match="share no phase"):
         PlayerPair(mine, [e for e in theirs if e["kind"] != "phase"])
+
+
+def test_a_live_player_follows_a_watched_torch_job(pools):
+    """The live Player, fed as PyTorch's FSDP2 trains under the watch (``train`` runs it so)."""
+    from minishard.viz import Player
+    p = Player()
+    pool = pools(2)
+    pool.run(train, TrainConfig(strategy="torch_fsdp", model="nano", steps=1, micro_batch=2), on_event=p.feed)
+    p.flush()
+    assert p.replay.n == len(pool.last_events) > 0
+    assert p.index == p.replay.n - 1                         # it follows the newest event
+    assert sorted(p.replay.unit_names) == ["blocks.0", "blocks.1", "blocks.2", "root"]

@@ -191,3 +191,19 @@ def test_json_says_null_for_a_wait_that_was_not_measured():
             "exposed_comm": [0.0], "by_op": {}, "strategy": "ddp", "world_size": 1, "n_params": 2}
     assert summary([{**rank, "exposed_comm_measured": False}])["ranks"][0]["exposed_comm"] is None
     assert summary([{**rank, "exposed_comm_measured": True}])["ranks"][0]["exposed_comm"] == [0.0]
+
+
+def test_a_watched_pytorch_run_reports_what_the_watch_measured():
+    """PyTorch's own strategies have no ledger; under the watch (``trace`` on) the report shows
+    its peak by category and the bytes sent, and says there is no formula; unwatched, it says so."""
+    from minishard.cli.report import table
+    MiB = 2 ** 20
+    watched = {"rank": 0, "strategy": "torch_fsdp", "wire": [0, 0],
+               "watched": {"peak": 3 * MiB, "peak_snapshot": {"params": MiB, "activations": 2 * MiB},
+                           "wire": [5, 1_170_560]}}
+    line = "\n".join(table([watched]))
+    assert ("watched: peak 3.00 MiB = params 1.00, activations 2.00; sent/step 1,170,560 B by the "
+            "ring model; no formula") in line
+    assert "peak - formula" not in line                      # nothing to explain without a formula
+    plain = {k: v for k, v in watched.items() if k != "watched"}
+    assert "not instrumented" in "\n".join(table([plain]))

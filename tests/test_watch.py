@@ -6,6 +6,7 @@ the warm 2-rank pool; the trace it streamed is then read back here with minishar
 per step, unit names, the params category to the byte. Bad input is refused with its message.
 """
 import argparse
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -40,7 +41,7 @@ class EncoderLM(torch.nn.Module):
 
 
 def _build(kind, raf=True):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
     torch.manual_seed(0)
@@ -51,9 +52,12 @@ def _build(kind, raf=True):
                if kind == "zero" else torch.optim.AdamW(net.parameters(), lr=1e-3))
         return model, opt
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if kind == "fsdp_mp" else MixedPrecisionPolicy()
+    # FSDP2's CPU offload: on a CPU-only machine it needs pin_memory=False (pinning asks for an
+    # accelerator); the shards then stay where they are, and the optimizer steps them there
+    off = dict(offload_policy=CPUOffloadPolicy(pin_memory=False)) if kind == "fsdp_offload" else {}
     for block in (net.encoder.layers if kind == "encoder" else net.blocks):
-        fully_shard(block, reshard_after_forward=raf, mp_policy=mp)
-    fully_shard(net, mp_policy=mp)
+        fully_shard(block, reshard_after_forward=raf, mp_policy=mp, **off)
+    fully_shard(net, mp_policy=mp, **off)
     return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
 
 
@@ -184,6 +188,9 @@ def _readable(out, events):
     assert problems == [] and len(got) == len(events)
     assert view.run(argparse.Namespace(trace_dir=str(out), out=None, title=None)) == 0
     assert (out / view.DEFAULT_NAME).stat().st_size > 0
+    chrome = json.loads(trace.write_chrome(events, out / "trace.json").read_text())   # Perfetto
+    assert sum(e.get("tid") == 1 and e["ph"] == "X" for e in chrome["traceEvents"]) == \
+        sum(e["kind"] == "collective" for e in events)           # the communication track
     spans = trace.phase_spans(events)
     # (minishard's own FSDP also traces its waits, per unit)
     assert {s.name for s in spans if s.unit is None} == {"step", "forward", "backward", "optimizer"}
@@ -230,9 +237,9 @@ def test_torch_zero(pools, tmp_path):
     assert 0 < last[0]["exp_avg"] < 4 * psi
 
 
-@pytest.mark.parametrize("raf", [True, False])
-def test_torch_fsdp2(pools, tmp_path, raf):
-    res, events, out = _run(pools, tmp_path, "fsdp", raf)
+@pytest.mark.parametrize("kind,raf", [("fsdp", True), ("fsdp", False), ("fsdp_offload", True)])
+def test_torch_fsdp2(pools, tmp_path, kind, raf):
+    res, events, out = _run(pools, tmp_path, kind, raf)
     rp = _readable(out, events)
     _params_exact(rp, res)
     units = res[0]["units"]
@@ -344,8 +351,15 @@ def test_demo_torch_strategies_write_the_full_trace_through_watch(pools):
     pool = pools(N)
     for strategy, ops in (("torch_fsdp", {"all_gather", "reduce_scatter"}),
                           ("torch_ddp", {"all_reduce"}), ("torch_zero1", {"all_reduce", "broadcast"})):
-        pool.run(train, TrainConfig(strategy=strategy, model="nano", steps=STEPS, micro_batch=2))
+        res = pool.run(train, TrainConfig(strategy=strategy, model="nano", steps=STEPS, micro_batch=2))
         events = pool.last_events
+        rp = trace.Replay(events)
+        for r in range(N):           # the run report's figures are the trace's
+            w = res[r]["watched"]
+            totals = [sum(rp.snapshot(i)[r].values()) for i in range(rp.n)]
+            assert w["peak"] == max(totals) and sum(w["peak_snapshot"].values()) == w["peak"]
+            assert w["wire"] == [sum(e["wire"] for e in events if e["kind"] == "collective"
+                                     and e["rank"] == r and e["step"] == s) for s in range(STEPS)]
         coll = [e for e in events if e["kind"] == "collective"]
         assert {e["op"] for e in coll} == ops, strategy
         spans = trace.phase_spans(events)

@@ -154,6 +154,12 @@ def table(results: list[dict], modelled: str = "") -> list[str]:
                     f"ledger, state + activations{' (' + modelled + ')' if modelled else ''}", head], {}
     for r in results:
         led = r.get("ledger")
+        if led is None and "watched" in r:      # PyTorch's own strategy, under minishard.watch
+            w = r["watched"]
+            lines.append(f"{r['rank']:>4}  (PyTorch's own strategy, watched: peak {w['peak'] / MiB:.2f} MiB = "
+                         + ", ".join(f"{c} {b / MiB:.2f}" for c, b in w["peak_snapshot"].items())
+                         + f"; sent/step {w['wire'][-1]:,} B by the ring model; no formula)")
+            continue
         if led is None:
             lines.append(f"{r['rank']:>4}  (PyTorch's own strategy: not instrumented)  "
                          f"sent/step {r['wire'][-1]:,} B")
@@ -169,8 +175,9 @@ def table(results: list[dict], modelled: str = "") -> list[str]:
         lines.append(row + f" {r['wire'][-1]:>13,} {waited}")
         for note in explain(r):
             notes.setdefault(note, []).append(r["rank"])
-    lines.append("peak - formula (bytes), by ledger category, and why:")
-    lines += [f"  {ranks_of(rs, len(results))}: {note}" for note, rs in notes.items()]
+    if notes:
+        lines.append("peak - formula (bytes), by ledger category, and why:")
+        lines += [f"  {ranks_of(rs, len(results))}: {note}" for note, rs in notes.items()]
     if any("ledger" in r and not waited_measured(r) for r in results):
         lines.append("  waited ms: n/a, not measured: DDP and ZeRO wait for their buckets' collectives "
                      "inside backward and the step, untimed (FSDP's units time each wait)")

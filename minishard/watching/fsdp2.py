@@ -129,11 +129,11 @@ def _states(w, pg, unit: str) -> None:
                 w._gathered |= set(storages)
                 held[0] = sum(storages.values())
                 w._emit("alloc", category="unsharded", bytes=held[0], tag=f"unsharded:{unit}",
-                        device="host")
+                        device="device")
             elif held[0]:
                 w._gathered -= set(gathered)
                 w._emit("free", category="unsharded", bytes=held[0], tag=f"unsharded:{unit}",
-                        device="host")
+                        device="device")
                 held[0] = 0
         setattr(pg, method, wrapped)
         w._undo.append(lambda method=method: pg.__dict__.pop(method, None))

@@ -90,6 +90,11 @@ class Watch:
         self._phase: str | None = None
         self._in_step = self._closed = False
         self._file = None
+        # what a run report shows, folded as events go by (minishard's own strategies have
+        # their ledger; this covers what the watch itself enters)
+        self.held: dict[str, int] = {}           # category -> bytes on the device now
+        self.peak, self.peak_snapshot = 0, {}    # the most the device held, and its categories then
+        self.wire: dict[int, int] = {}           # step -> bytes this rank sent (the ring model)
 
     # ------------------------------------------------------------------ enter: checks first
     def __enter__(self) -> "Watch":
@@ -99,6 +104,7 @@ class Watch:
                              "initialised; call dist.init_process_group(...) (or run under "
                              "torchrun) before entering watch")
         rank, world = dist.get_rank(), dist.get_world_size()
+        self._accelerated = dist.get_backend() != "gloo"
         problem = self._open_trace(rank)
         # one collective, before anything is patched: every rank learns whether every rank can
         # write its trace (so they fail together, not hang), and rank 0's clock is everyone's
@@ -156,6 +162,13 @@ class Watch:
     def _emit(self, kind: str, **fields) -> None:
         with self._lock:
             self.tracer.emit(kind, **fields)
+            if kind in ("alloc", "free") and fields["device"] == "device":
+                c = fields["category"]
+                self.held[c] = self.held.get(c, 0) + (fields["bytes"] if kind == "alloc" else -fields["bytes"])
+                if (total := sum(self.held.values())) > self.peak:
+                    self.peak, self.peak_snapshot = total, {k: b for k, b in self.held.items() if b}
+            elif kind == "collective" and fields.get("step") is not None:
+                self.wire[fields["step"]] = self.wire.get(fields["step"], 0) + fields["wire"]
 
     # ------------------------------------------------------------------ memory, by storage
     def _track(self, category: str, storage, tag: str) -> None:
@@ -167,14 +180,17 @@ class Watch:
         if storage.data_ptr() == 0 or key in self._live:
             return
         nbytes = storage.nbytes()
+        # a job computing on an accelerator keeps host storages off the device (FSDP2's
+        # CPUOffloadPolicy shards); on gloo the CPU is the device
+        device = "host" if self._accelerated and storage.device.type == "cpu" else "device"
         self._live[key] = (category, nbytes, tag)
-        self._emit("alloc", category=category, bytes=nbytes, tag=tag, device="device")
+        self._emit("alloc", category=category, bytes=nbytes, tag=tag, device=device)
         # the callback holds the watch and numbers, never the storage (that would keep it alive)
-        weakref.finalize(storage, self._untrack, key, category, nbytes, tag)
+        weakref.finalize(storage, self._untrack, key, category, nbytes, tag, device)
 
-    def _untrack(self, key: int, category: str, nbytes: int, tag: str) -> None:
+    def _untrack(self, key: int, category: str, nbytes: int, tag: str, device: str) -> None:
         if self._live.pop(key, None) is not None and not self._closed:
-            self._emit("free", category=category, bytes=nbytes, tag=tag, device="device")
+            self._emit("free", category=category, bytes=nbytes, tag=tag, device=device)
 
     # ------------------------------------------------------------------ collectives
     def _collective(self, op: str, payload: int, dtype: str, group, t: float, t_end: float,
