@@ -41,6 +41,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .flight import FlightRecorder
 from .trace import Tracer
 
 
@@ -216,14 +217,21 @@ class Comm:
     collective needs (gloo's reduce-scatter receive buffer) as ``comm_buffers``.
     """
 
-    def __init__(self, tracer: Tracer | None = None, group=None, ledger=None, *, alone: bool = False):
+    def __init__(self, tracer: Tracer | None = None, group=None, ledger=None, *, alone: bool = False,
+                 flight: FlightRecorder | None = None, name: str = "world"):
         """``alone``: a world of one even inside a process group (one rank training by itself,
-        e.g. the no-communication reference a benchmark measures on every rank at once)."""
+        e.g. the no-communication reference a benchmark measures on every rank at once).
+        ``flight``: the rank's flight recorder (one is made if None; ``split`` shares it, each
+        group numbering its own collectives under ``name``)."""
         self.tracer, self.group, self.ledger = tracer, group, ledger
         self.initialized = not alone and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.initialized else 0
         self.world_size = dist.get_world_size(group) if self.initialized else 1
         self.backend = dist.get_backend(group) if self.initialized else "none"
+        self.name = name
+        self.flight = flight if flight is not None else FlightRecorder(
+            dist.get_rank() if self.initialized else 0,
+            dist.get_world_size() if self.initialized else 1)
         self.totals = {"payload": 0, "wire": 0, "calls": 0}
         self.by_op: dict[str, dict[str, int]] = {}
         self._p2p_collectives = 0              # tags for the point-to-point collectives
@@ -236,11 +244,15 @@ class Comm:
         return self._p2p_collectives % (1 << 24)
 
     def _begin(self, op: str, tensor: torch.Tensor, nbytes: int, tag: str, **extra) -> dict:
-        t0 = self.tracer.now() if self.tracer is not None else 0.0
+        tr = self.tracer
+        t0 = tr.now() if tr is not None else 0.0
+        flight = self.flight.issued(op, self.name, self.world_size, (tensor,), nbytes, tag,
+                                    tr.step if tr is not None else None,
+                                    tr.current_phase if tr is not None else None, t0)
         return {"op": op, "payload": nbytes,
                 "wire": ring_wire_bytes(op, nbytes, self.world_size, self.rank, extra.get("src", 0)),
                 "dtype": str(tensor.dtype).replace("torch.", ""), "group": self.world_size,
-                "tag": tag, "t": t0, **extra}
+                "tag": tag, "t": t0, "_flight": flight, **extra}
 
     def _record(self, ev: dict) -> None:
         self.totals["payload"] += ev["payload"]
@@ -250,10 +262,14 @@ class Comm:
         o["payload"] += ev["payload"]
         o["wire"] += ev["wire"]
         o["calls"] += 1
+        flight = ev.pop("_flight")
         if self.tracer is not None:
             t = ev.pop("t")
             t_end = ev.pop("t_done", None) or self.tracer.now()
+            self.flight.completed(flight, t_end)
             self.tracer.emit("collective", t=t, t_end=round(t_end, 7), **ev)
+        else:
+            self.flight.completed(flight, 0.0)
 
     def reset_counters(self) -> None:
         self.totals = {"payload": 0, "wire": 0, "calls": 0}
@@ -373,7 +389,8 @@ class Comm:
             g = dist.new_group(list(range(offset, N, shard_size)))
             if self.rank % shard_size == offset:
                 mine_rep = g
-        return (Comm(self.tracer, mine_shard, self.ledger), Comm(self.tracer, mine_rep, self.ledger))
+        return (Comm(self.tracer, mine_shard, self.ledger, flight=self.flight, name="shard"),
+                Comm(self.tracer, mine_rep, self.ledger, flight=self.flight, name="replicate"))
 
     def all_gather_object(self, obj) -> list:
         """Small Python objects from every rank, on every rank (a checkpoint's piece tables, and

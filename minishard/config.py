@@ -100,6 +100,8 @@ class TrainConfig:
     # what the run records and returns
     track_activations: bool = True   # enter what autograd saves in the ledger
     trace: bool = True               # record events (the player replays them)
+    flight_dir: str | None = None    # write each rank's flight recorder here (flight.py): at the
+                                     # end, on an exception, on SIGTERM
     return_params: bool = False      # the final parameters, gathered (parity tests)
     return_state: bool = False       # this rank's optimizer state_dict
     resume_from: str | None = None   # start from a checkpoint (any world size or strategy)

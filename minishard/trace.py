@@ -65,7 +65,12 @@ class Tracer:
         self.sink, self.keep, self.enabled = sink, keep, enabled
         self.events: list[dict] = []
         self.step: int | None = None
+        self._phases: list[str] = []            # open phases, innermost last (the flight recorder's)
         self._seq = 0
+
+    @property
+    def current_phase(self) -> str | None:
+        return self._phases[-1] if self._phases else None
 
     def now(self) -> float:
         return time.perf_counter() - self._perf0
@@ -91,9 +96,11 @@ class Tracer:
     def phase(self, name: str, **fields) -> Iterator[None]:
         """``with tracer.phase("forward"):`` emits a begin and an end event around the block."""
         self.emit("phase", name=name, edge="begin", **fields)
+        self._phases.append(name)
         try:
             yield
         finally:
+            self._phases.pop()
             self.emit("phase", name=name, edge="end", **fields)
 
     def write_jsonl(self, path: str | Path) -> Path:

@@ -22,6 +22,7 @@ import torch
 from . import model as model_mod
 from . import strategies
 from .comm import Comm
+from .flight import dumping
 from .config import OPTIMIZERS, PRECISIONS, WRAPS, TrainConfig
 from .launch import RankContext
 from .ledger import STATE_CATEGORIES, LiveLedger, estimate, gpt_activation_bytes
@@ -91,7 +92,7 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
         first_step = ckpt["load"]["step"]
 
     meter = Meter(built.comms, built.units)
-    with _watching(built, config, tracer, alone) as w:
+    with _flight(comm, config), _watching(built, config, tracer, alone) as w:
         for step in range(first_step, first_step + config.steps):
             tracer.step = step
             batches = _batches(cfg, config, step, rank)
@@ -133,6 +134,11 @@ def _batches(cfg, config: TrainConfig, step: int, rank: RankContext) -> list:
     return [(x.to(rank.device), y.to(rank.device)) for x, y in (
         model_mod.batch(cfg, step * config.accum + k, config.micro_batch, rank.rank,
                         rank.world_size, config.data_seed) for k in range(config.accum))]
+
+
+def _flight(comm: Comm, config: TrainConfig):
+    """The rank's last collectives, written to ``config.flight_dir`` however the run ends."""
+    return dumping(comm.flight, config.flight_dir) if config.flight_dir else nullcontext()
 
 
 def _watching(built: Built, config: TrainConfig, tracer: Tracer, alone: bool):

@@ -80,7 +80,7 @@ def config_of(args) -> "TrainConfig":
             prefetch=args.prefetch, shard_size=args.shard_size, recompute=args.recompute,
             loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=args.offload_dir,
             device_budget=None if args.device_budget is None else int(args.device_budget * MiB),
-            track_activations=True, trace=True, resume_from=args.resume,
+            track_activations=True, trace=True, flight_dir=args.trace, resume_from=args.resume,
             save_to=args.save or (str(Path(args.export) / ".checkpoint") if args.export else None))
         config.refuse_unused()
     except ConfigError as e:

@@ -1,0 +1,91 @@
+"""The flight recorder: every rank's last collectives, written however a run ends.
+
+Checked on real ranks: each collective minishard issues is entered once, numbered per group in
+issue order (the same numbers on every rank), with its shapes, bytes, the unit or bucket, the
+step and phase, the engine's line that issued it and the caller's, and completed when it is;
+``TrainConfig(flight_dir=...)`` writes one file per rank at the end and, with the error, when a
+rank raises; SIGTERM writes it too."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+
+from minishard.flight import FlightRecorder, dumping
+from minishard.train import TrainConfig, train
+
+
+def test_a_run_writes_every_collective_numbered_alike_on_every_rank(pools, tmp_path):
+    res = pools(2).run(train, TrainConfig(strategy="fsdp", model="nano", steps=2, micro_batch=2,
+                                          flight_dir=str(tmp_path)))
+    dumps = [json.loads((tmp_path / f"flight_rank{r}.json").read_text()) for r in range(2)]
+    events = pools(2).last_events
+    for r, d in enumerate(dumps):
+        assert (d["rank"], d["world_size"], d["reason"], d["error"]) == (r, 2, "end", None)
+        ents = d["entries"]
+        coll = [e for e in events if e["kind"] == "collective" and e["rank"] == r]
+        # one entry per traced collective (the units' start-up broadcasts of rank 0's weights
+        # included), numbered 0, 1, 2, ... in issue order
+        assert len(ents) == len(coll) and [e["seq"] for e in ents] == list(range(len(ents)))
+        assert Counter((e["op"], e["tag"], e["bytes"]) for e in ents) == \
+            Counter((e["op"], e["tag"], e["payload"]) for e in coll)
+        assert all(e["state"] == "completed" and e["t_completed"] >= e["t_issued"] for e in ents)
+        rs = [e for e in ents if e["op"] == "reduce_scatter"]
+        assert {e["phase"] for e in rs} == {"backward"} and {e["step"] for e in rs} == {0, 1}
+        assert all(e["where"].startswith("minishard/fsdp/unit.py:") for e in rs)
+        assert ents[0]["tag"] == "replicate" and ents[0]["step"] is None   # before the first step
+        # the bytes and shapes: a reduce-scatter's payload is its input, numel x dtype size
+        for e in rs:
+            (shape,), (dtype,) = e["shapes"], e["dtypes"]
+            assert e["bytes"] == 4 * shape[0] and dtype == "float32"
+    # every rank numbered the same collectives the same way
+    sig = [[(e["seq"], e["op"], e["shapes"], e["tag"]) for e in d["entries"]] for d in dumps]
+    assert sig[0] == sig[1]
+    assert res[0]["losses"]                      # (the run itself went on as ever)
+
+
+def test_the_caller_is_the_first_line_outside_minishard_and_torch():
+    import torch
+    from minishard.comm import Comm
+    comm = Comm(alone=True)
+    comm.all_reduce(torch.ones(3), tag="mine")             # this line is the caller
+    (e,) = comm.flight.entries
+    assert e["caller"].startswith(f"tests/{os.path.basename(__file__)}:") and "in test_the_caller" in e["caller"]
+    assert e["where"] == e["caller"]                       # issued from here, not from the engine
+    assert (e["op"], e["shapes"], e["bytes"], e["state"]) == ("all_reduce", [[3]], 12, "completed")
+
+
+def test_the_ring_keeps_the_last_capacity_and_an_exception_is_written(tmp_path):
+    import torch
+    rec = FlightRecorder(capacity=3)
+    for k in range(5):
+        rec.issued("broadcast", "world", 1, (torch.zeros(2),), 8, f"t{k}", None, None, 0.0)
+    assert [e["seq"] for e in rec.entries] == [2, 3, 4]    # the oldest dropped, numbers kept
+    with pytest.raises(RuntimeError, match="planted"):
+        with dumping(rec, tmp_path):
+            raise RuntimeError("planted")
+    d = json.loads((tmp_path / "flight_rank0.json").read_text())
+    assert d["reason"] == "exception" and d["error"] == "RuntimeError: planted"
+    assert [e["state"] for e in d["entries"]] == ["issued"] * 3
+
+
+def test_sigterm_writes_the_recorder_then_terminates(tmp_path):
+    """torchrun stops the other ranks with SIGTERM when one fails: the recorder is written
+    first, then the process ends as SIGTERM ends it."""
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from minishard.flight import FlightRecorder, dumping
+        rec = FlightRecorder(rank=3, world_size=4)
+        rec.issued("all_reduce", "world", 4, (torch.zeros(1),), 4, "bucket0", 1, "backward", 0.5)
+        with dumping(rec, {str(tmp_path)!r}):
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pause()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGTERM, out.stderr
+    d = json.loads((tmp_path / "flight_rank3.json").read_text())
+    assert d["reason"] == "sigterm" and d["entries"][0]["state"] == "issued"
