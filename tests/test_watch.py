@@ -257,6 +257,12 @@ def test_torch_fsdp2(pools, tmp_path, kind, raf):
                if (e["kind"] == "unit" and e["name"] == b)
                or (e["kind"] == "collective" and e["op"] == "reduce_scatter" and e["tag"] == b)]
         assert seq[-2:] == ["sharded", "rs"], (b, seq)
+    # the flight recorder beside the trace: torch's collectives, numbered alike on every rank
+    dumps = [json.loads((out / f"flight_rank{r}.json").read_text()) for r in range(N)]
+    assert all(d["reason"] == "end" for d in dumps)
+    sig = [[(e["group"], e["seq"], e["op"], e["shapes"], e["tag"]) for e in d["entries"]] for d in dumps]
+    assert sig[0] == sig[1] and len(sig[0]) == sum(e["kind"] == "collective" and e["rank"] == 0 for e in events)
+    assert all(e["state"] == "completed" for d in dumps for e in d["entries"])
     # the gathered parameters: the root and one block at most when resharding after forward
     peak = max(rp.snapshot(i)[0].get("unsharded", 0) for i in range(rp.n))
     assert peak == (470_784 if raf else 4 * res[0]["psi"])
@@ -438,3 +444,9 @@ def test_a_rank_that_dies_leaves_readable_traces(tmp_path):
     assert max(e.get("step", 0) for e in r1) == 0
     assert r1[-1] == {**r1[-1], "kind": "phase", "name": "step", "edge": "end"}
     assert any(e["kind"] == "phase" and e["name"] == "forward" and e["step"] == 1 for e in r0)
+    # rank 0's flight recorder, written as its watch unwound: the all-gather it was left in
+    d = json.loads((out / "flight_rank0.json").read_text())
+    assert d["reason"] == "exception" and d["error"]
+    last = d["entries"][-1]
+    assert (last["op"], last["step"], last["state"]) == ("all_gather", 1, "issued"), last
+    assert not (out / "flight_rank1.json").exists()       # killed: nothing written

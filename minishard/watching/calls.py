@@ -38,10 +38,11 @@ def attach(w) -> None:
                 src = dist.get_global_rank(group, a.get("group_src") or 0)
             t0, step = w.tracer.now(), w.tracer.step
             nbytes, dtype = _bytes(t), _dtype(t)       # numbers: the record must not hold t
+            entry = w._issued(op, t, nbytes, group, f"dist.{fname}", t0)
             with w._recording():
                 work = orig(*args, **kwargs)
             w._when_done(work if a.get("async_op") else None, lambda t1: w._collective(
-                op, nbytes, dtype, group, t0, t1, f"dist.{fname}", step, src))
+                op, nbytes, dtype, group, t0, t1, f"dist.{fname}", step, src, entry=entry))
             return work
         wrapped.__minishard_watch__ = True
         wrapped.__wrapped__ = orig

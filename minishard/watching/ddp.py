@@ -50,10 +50,11 @@ def _bucket(w, bucket, allreduce_hook):
     tag = f"bucket{bucket.index()}"
     w._track("comm_buffers", buf.untyped_storage(), tag)
     t0, step, payload, dtype = w.tracer.now(), w.tracer.step, _bytes(buf), _dtype(buf)
+    entry = w._issued("all_reduce", buf, payload, None, tag, t0)
     with w._recording():
         fut = allreduce_hook(None, bucket)
 
     def done(f):
-        w._collective("all_reduce", payload, dtype, None, t0, w.tracer.now(), tag, step)
+        w._collective("all_reduce", payload, dtype, None, t0, w.tracer.now(), tag, step, entry=entry)
         return f.value()
     return fut.then(done)

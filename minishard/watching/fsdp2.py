@@ -40,10 +40,11 @@ def _comms():
             # the record keeps numbers, not the tensor: a closure holding it would keep FSDP2's
             # buffer alive until the work's future goes, and the ledger would show that
             nbytes, dtype = _bytes(output_tensor), _dtype(output_tensor)
+            entry = w._issued("all_gather", output_tensor, nbytes, group, self.unit, t0)
             with w._recording():
                 work = super().__call__(output_tensor, input_tensor, group, async_op)
             w._when_done(work if async_op else None, lambda t1: w._collective(
-                "all_gather", nbytes, dtype, group, t0, t1, self.unit, step))
+                "all_gather", nbytes, dtype, group, t0, t1, self.unit, step, entry=entry))
             return work
 
     class WatchedReduceScatter(DefaultReduceScatter):
@@ -65,10 +66,11 @@ def _comms():
             w = self.w
             t0, step = w.tracer.now(), w.tracer.step
             nbytes, dtype = _bytes(input_tensor), _dtype(input_tensor)
+            entry = w._issued("reduce_scatter", input_tensor, nbytes, group, self.unit, t0)
             with w._recording():
                 work = super().__call__(output_tensor, input_tensor, group, op, async_op)
             w._when_done(work if async_op else None, lambda t1: w._collective(
-                "reduce_scatter", nbytes, dtype, group, t0, t1, self.unit, step))
+                "reduce_scatter", nbytes, dtype, group, t0, t1, self.unit, step, entry=entry))
             return work
 
     return WatchedAllGather, WatchedReduceScatter

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ring_wire_bytes
+from ..flight import FlightRecorder
 from ..trace import Tracer
 
 SUPPORTED = ("torch.nn.parallel.DistributedDataParallel (any torch.optim optimizer, or "
@@ -62,6 +63,13 @@ def _kind(model: torch.nn.Module, optimizer) -> str:
                      f"knows; supported are {SUPPORTED}")
 
 
+def _group_name(group) -> str:
+    """The same name on every rank: "world" for the default group (however it is passed)."""
+    if group is None or group is dist.group.WORLD or group == dist.distributed_c10d._get_default_group():
+        return "world"
+    return f"pg{group.group_name}"
+
+
 def _stepped(optimizer):
     """The torch optimizer whose ``step`` marks the optimizer phase: minishard's
     ShardedOptimizer steps the one it wraps."""
@@ -105,6 +113,7 @@ class Watch:
                              "torchrun) before entering watch")
         rank, world = dist.get_rank(), dist.get_world_size()
         self._accelerated = dist.get_backend() != "gloo"
+        self.flight = FlightRecorder(rank, world)    # torch's collectives, as minishard's Comm keeps its own
         problem = self._open_trace(rank)
         # one collective, before anything is patched: every rank learns whether every rank can
         # write its trace (so they fail together, not hang), and rank 0's clock is everyone's
@@ -193,8 +202,15 @@ class Watch:
             self._emit("free", category=category, bytes=nbytes, tag=tag, device=device)
 
     # ------------------------------------------------------------------ collectives
+    def _issued(self, op: str, tensor, nbytes: int, group, tag: str, t: float) -> dict:
+        """Enter a collective in the flight recorder as it is issued (a hang leaves it so)."""
+        return self.flight.issued(op, _group_name(group), dist.get_world_size(group), (tensor,),
+                                  nbytes, tag, self.tracer.step, self._phase, t)
+
     def _collective(self, op: str, payload: int, dtype: str, group, t: float, t_end: float,
-                    tag: str, step, src: int | None = None) -> None:
+                    tag: str, step, src: int | None = None, entry: dict | None = None) -> None:
+        if entry is not None:
+            self.flight.completed(entry, t_end)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         src = dist.get_group_rank(group, src) if src is not None and group is not None else src
         self._emit("collective", t=t, t_end=round(t_end, 7), op=op, payload=payload,
@@ -287,9 +303,12 @@ class Watch:
         self._undo.append(lambda: hooks.__exit__(None, None, None))
 
     # ------------------------------------------------------------------ exit
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, tb) -> None:
         self._end_step()
         self._detach()
+        if self._file is not None:               # a trace directory: the flight recorder beside it
+            self.flight.dump(self._trace, "end" if error is None else "exception",
+                             None if error is None else f"{kind.__name__}: {error}")
 
     def _detach(self) -> None:
         while self._undo:
