@@ -362,10 +362,7 @@ from minishard.course import side_by_side as sbs
 from minishard.viz import PlayerPair
 
 SBS = dict(model="nano", steps=2, micro_batch=2, bucket_cap_mb=0.25)
-R2.run(train, TrainConfig(strategy="ddp", **SBS))
-ours_ev = R2.last_events
-R2.run(train, TrainConfig(strategy="torch_ddp", **SBS))
-torch_ev = R2.last_events
+ours_ev, torch_ev = sbs.traces(R2, "ddp", "torch_ddp", **SBS)
 pair = PlayerPair(ours_ev, torch_ev, titles=("minishard DDP", "PyTorch DDP (watched)"))
 pair.show("backward", step=1, edge="end")
 display(pair.widget)

@@ -482,10 +482,7 @@ from minishard.course import side_by_side as sbs
 from minishard.viz import PlayerPair
 
 SBS = dict(model="nano", steps=2, micro_batch=2, prefetch=1)
-R2.run(train, TrainConfig(strategy="fsdp", **SBS))
-ours = R2.last_events
-R2.run(train, TrainConfig(strategy="torch_fsdp", **SBS))
-fsdp2 = R2.last_events
+ours, fsdp2 = sbs.traces(R2, "fsdp", "torch_fsdp", **SBS)
 pair = PlayerPair(ours, fsdp2, titles=("minishard fully_shard", "PyTorch FSDP2 fully_shard (watched)"))
 pair.show("backward", step=1)
 display(pair.widget)

@@ -10,11 +10,8 @@ KW = dict(model="nano", steps=2, micro_batch=2, prefetch=1)
 
 @pytest.fixture(scope="module")
 def traces(pools):
-    pool = pools(2)
-    pool.run(train, TrainConfig(strategy="fsdp", **KW))
-    mine = pool.last_events
-    pool.run(train, TrainConfig(strategy="torch_fsdp", **KW))
-    return mine, pool.last_events
+    from minishard.course.side_by_side import traces
+    return traces(pools(2), "fsdp", "torch_fsdp", **KW)
 
 
 def test_the_pair_moves_both_players_to_the_same_moment(traces):

@@ -44,6 +44,20 @@ DOCUMENTED = {
 }
 
 
+# ---------------------------------------------------------------------------- running both
+
+def traces(ranks, mine: str, theirs: str, **knobs) -> tuple[list[dict], list[dict]]:
+    """The same job under minishard's strategy ``mine`` and PyTorch's ``theirs`` (watched: that
+    is how ``train`` runs PyTorch's strategies), one after the other on the same warm ranks
+    (``minishard.launch.Ranks``), with the same ``TrainConfig`` knobs: both traces."""
+    from ..train import TrainConfig, train
+    out = []
+    for strategy in (mine, theirs):
+        ranks.run(train, TrainConfig(strategy=strategy, **knobs))
+        out.append(ranks.last_events)
+    return out[0], out[1]
+
+
 # ---------------------------------------------------------------------------- reading one side
 
 def _in_order(events: list[dict], rank: int, step: int) -> list[dict]:
