@@ -248,7 +248,7 @@ class Comm:
         t0 = tr.now() if tr is not None else 0.0
         flight = self.flight.issued(op, self.name, self.world_size, (tensor,), nbytes, tag,
                                     tr.step if tr is not None else None,
-                                    tr.current_phase if tr is not None else None, t0)
+                                    tr.current_phase if tr is not None else None, t0, **extra)
         return {"op": op, "payload": nbytes,
                 "wire": ring_wire_bytes(op, nbytes, self.world_size, self.rank, extra.get("src", 0)),
                 "dtype": str(tensor.dtype).replace("torch.", ""), "group": self.world_size,
@@ -389,8 +389,11 @@ class Comm:
             g = dist.new_group(list(range(offset, N, shard_size)))
             if self.rank % shard_size == offset:
                 mine_rep = g
-        return (Comm(self.tracer, mine_shard, self.ledger, flight=self.flight, name="shard"),
-                Comm(self.tracer, mine_rep, self.ledger, flight=self.flight, name="replicate"))
+        # each group named by its members: the same name on each of them, another elsewhere
+        shard = list(range(self.rank - self.rank % shard_size, self.rank - self.rank % shard_size + shard_size))
+        rep = list(range(self.rank % shard_size, N, shard_size))
+        return (Comm(self.tracer, mine_shard, self.ledger, flight=self.flight, name=f"shard{shard}"),
+                Comm(self.tracer, mine_rep, self.ledger, flight=self.flight, name=f"replicate{rep}"))
 
     def all_gather_object(self, obj) -> list:
         """Small Python objects from every rank, on every rank (a checkpoint's piece tables, and

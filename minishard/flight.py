@@ -7,7 +7,8 @@ PyTorch's c10d keeps one for NCCL (``TORCH_FR_BUFFER_SIZE``) and writes it on a 
 of the last ``capacity`` collectives, each with
 
     seq        this group's collective number (ranks issue collectives in the same order,
-               so the k-th one must be the same collective everywhere)
+               so the k-th one must be the same collective everywhere); ``group`` is named
+               by its members where it is not the world ("shard[0, 1]")
     op, group, shapes, dtypes, bytes, tag (the unit or bucket), step, phase
     state      "issued" until the collective completed on this rank, then "completed"
     where      the engine's line that issued it; caller: the first line outside minishard
@@ -67,8 +68,9 @@ class FlightRecorder:
         self._lock = threading.Lock()
 
     def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
-               step: int | None, phase: str | None, t: float) -> dict:
-        """Enter a collective as it is issued; the entry is completed in place."""
+               step: int | None, phase: str | None, t: float, **extra) -> dict:
+        """Enter a collective as it is issued; the entry is completed in place. ``extra``: what
+        else must agree across ranks (a broadcast's ``src``)."""
         where, caller = call_sites(3)
         with self._lock:
             seq = self._seq[group] = self._seq.get(group, -1) + 1
@@ -77,7 +79,7 @@ class FlightRecorder:
                      "dtypes": [str(x.dtype).removeprefix("torch.") for x in tensors],
                      "bytes": nbytes, "tag": tag, "step": step, "phase": phase,
                      "state": "issued", "where": where, "caller": caller,
-                     "t_issued": round(t, 7), "t_completed": None}
+                     "t_issued": round(t, 7), "t_completed": None, **extra}
             self.entries.append(entry)
         return entry
 
@@ -91,6 +93,7 @@ class FlightRecorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             body = {"v": FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size,
+                    "capacity": self.entries.maxlen,    # a full ring has dropped older ones
                     "reason": reason, "error": error, "time": time.time(),
                     "entries": list(self.entries)}
         tmp = path.with_suffix(".tmp")

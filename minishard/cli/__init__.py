@@ -6,6 +6,7 @@
     python -m minishard plan --config configs/qwen2-7b.json --gpus-per-node 8 --nodes 2
     python -m minishard perfetto DIR out.json
     python -m minishard view DIR                 # DIR/player.html: step through it offline
+    python -m minishard doctor DIR               # hangs and desyncs, from the ranks' flight dumps
 
 ``demo`` trains (every knob a chapter teaches is a flag) and prints, per rank, the ledger by
 category, the peak against the formula, the bytes sent per step and the time compute waited on
@@ -27,7 +28,7 @@ import sys
 import time
 import traceback
 
-from . import demo, plan, view
+from . import demo, doctor, plan, view
 
 __all__ = ["main"]
 
@@ -57,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="minishard", description=DESCRIPTION)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ledger,plan,perfetto,view}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ledger,plan,perfetto,view,doctor}")
     demo.add_arguments(sub.add_parser(
         "demo", help="train on N ranks: per-step progress, the ledger per rank, bytes, a trace",
         description="Train the course's GPT under a strategy, on the ranks torchrun started (or "
@@ -80,6 +81,11 @@ def parser() -> argparse.ArgumentParser:
         description="Write the step-through player of a trace (DIR/rank*.jsonl, e.g. from "
                     "torchrun ... demo --trace DIR) as one self-contained HTML file: every rank's "
                     "ledger, the collective on the ring, the FSDP units, the timeline."))
+    doctor.add_arguments(sub.add_parser(
+        "doctor", help="what went wrong in a run: hangs and desyncs, from the ranks' flight dumps",
+        description="Read the flight-recorder dumps (DIR/flight_rank*.json) and traces of a run and "
+                    "print what went wrong, most important first, with the evidence and the fix. "
+                    "Exit status 0: nothing found; 1: a problem found; 2: unreadable input."))
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true",
                              help="when something fails, print the full traceback too (of the rank that failed)")
@@ -139,6 +145,8 @@ def _dispatch(args) -> int:
         return plan.plan(args)
     if args.cmd == "view":
         return view.run(args)
+    if args.cmd == "doctor":
+        return doctor.run(args)
     from ..trace import load, write_chrome
     write_chrome(load(args.trace_dir), args.out)
     print(f"wrote {args.out}")

@@ -1,0 +1,62 @@
+"""``minishard doctor TRACE_DIR``: what went wrong in a run, from the files its ranks left.
+
+    torchrun --standalone --nproc-per-node 4 -m minishard demo --strategy fsdp --trace traces/fsdp
+    python -m minishard doctor traces/fsdp            # findings, most important first
+    python -m minishard doctor traces/fsdp --json     # the same, for tools
+
+It reads each rank's flight-recorder dump (``flight_rank{r}.json``) and notes the traces beside
+them (``minishard/doctor.py`` says what it looks for). Exit status: 0 when it finds nothing, 1
+when it finds a problem, 2 when the input cannot be read (the file, and the line, named).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from .. import doctor
+
+FOUND = 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace_dir", help="a directory with flight_rank*.json (TrainConfig(flight_dir=DIR), "
+                                     "demo --trace DIR) and rank*.jsonl traces")
+    p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+
+
+def run(args) -> int:
+    report = doctor.diagnose(args.trace_dir)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print("\n".join(text(report)))
+    return FOUND if report.findings else 0
+
+
+def text(report: doctor.Report) -> list[str]:
+    lines = [f"minishard doctor {report.directory}: {what_was_read(report)}"]
+    if not report.dumps:
+        lines.append("no flight_rank*.json: hangs and desyncs cannot be checked; record the run "
+                     "with TrainConfig(flight_dir=DIR) or demo --trace DIR")
+    if not report.findings:
+        if report.dumps:
+            lines.append("nothing found: every rank issued the same collectives in the same order, "
+                         "and every one completed")
+        return lines
+    n = len(report.findings)
+    lines.append(f"{n} finding{'s' if n > 1 else ''}, most important first:")
+    for i, f in enumerate(report.findings, 1):
+        lines += ["", f"{i}. [{f.kind}] {f.title}"]
+        lines += [f"   - {e}" for e in f.evidence]
+        lines.append(f"   fix: {f.fix}")
+    return lines
+
+
+def what_was_read(report: doctor.Report) -> str:
+    reasons: dict[str, int] = {}
+    for body in report.dumps.values():
+        reasons[body["reason"]] = reasons.get(body["reason"], 0) + 1
+    dumps = (f"{len(report.dumps)} flight dump{'s' if len(report.dumps) != 1 else ''} of a world of "
+             f"{report.world_size} (written on " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items()))
+             + ")") if report.dumps else "no flight dumps"
+    return f"{dumps}, {len(report.traces)} trace{'s' if len(report.traces) != 1 else ''}"
