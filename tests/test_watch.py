@@ -46,10 +46,11 @@ def _build(kind, raf=True):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
     torch.manual_seed(0)
     net = EncoderLM() if kind == "encoder" else minishard.GPT("nano")
-    if kind in ("ddp", "zero"):
+    if kind in ("ddp", "zero", "ddp_sgd"):
         model = TorchDDP(net, bucket_cap_mb=0.25)
         opt = (ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
-               if kind == "zero" else torch.optim.AdamW(net.parameters(), lr=1e-3))
+               if kind == "zero" else torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+               if kind == "ddp_sgd" else torch.optim.AdamW(net.parameters(), lr=1e-3))
         return model, opt
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if kind == "fsdp_mp" else MixedPrecisionPolicy()
     # FSDP2's CPU offload: on a CPU-only machine it needs pin_memory=False (pinning asks for an
@@ -232,6 +233,10 @@ def test_torch_zero(pools, tmp_path):
         bc = _per_step(events, "broadcast")[s]
         assert len(bc) == 41 and sum(e["payload"] for e in bc) == 4 * psi   # one per parameter
         assert {e["tag"] for e in bc} == {"dist.broadcast"}
+    from minishard.course.side_by_side import collectives
+    for r in range(N):               # the owners' broadcasts come with the optimizer's step
+        for s in range(STEPS):
+            assert {c["phase"] for c in collectives(events, r, s) if c["op"] == "broadcast"} == {"optimizer"}
     last = rp.snapshot(rp.n - 1)
     assert last[0]["exp_avg"] + last[1]["exp_avg"] == 4 * psi  # opt.optim.state: each its part
     assert 0 < last[0]["exp_avg"] < 4 * psi
@@ -328,7 +333,10 @@ def test_unwritable_trace_dir_fails_on_enter_and_leaves_nothing(pools, tmp_path)
 # --------------------------------------------------------------------------- more jobs, more ranks
 
 def test_four_ranks(pools, tmp_path):
-    """FSDP2 and DDP on 4 ranks: every collective's group is 4, the counts per step as on 2."""
+    """FSDP2 and DDP on 4 ranks: every collective's group is 4, the counts per step as on 2;
+    the same model on the same batch saves the same activations under both (parameters and
+    gathered parameters are not activations)."""
+    acts = {}
     for kind in ("fsdp", "ddp"):
         out = tmp_path / kind
         res = pools(4).run(watched, kind, str(out))
@@ -346,9 +354,11 @@ def test_four_ranks(pools, tmp_path):
                            for s in range(STEPS)), per_step
             else:                 # one bucket at step 0, DDP's 3 rebuilt ones after
                 assert per_step[(0, "all_reduce")] == 1 and per_step[(1, "all_reduce")] == 3, per_step
+        acts[kind] = [max(rp.snapshot(i)[r].get("activations", 0) for i in range(rp.n)) for r in range(4)]
         # ring all-reduce of one bucket: each rank sends 2(N-1)/N of it
         if kind == "ddp":
             assert all(e["wire"] == 2 * 3 * e["payload"] // 4 for e in coll)
+    assert acts["ddp"] == acts["fsdp"] and min(acts["ddp"]) > 0, acts
 
 
 def test_demo_torch_strategies_write_the_full_trace_through_watch(pools):
@@ -450,3 +460,21 @@ def test_a_rank_that_dies_leaves_readable_traces(tmp_path):
     last = d["entries"][-1]
     assert (last["op"], last["step"], last["state"]) == ("all_gather", 1, "issued"), last
     assert not (out / "flight_rank1.json").exists()       # killed: nothing written
+
+
+def test_sgd_momentum_is_the_momentum_category(pools, tmp_path):
+    res, events, out = _run(pools, tmp_path, "ddp_sgd")
+    last = trace.Replay(events).snapshot(len(events) - 1)
+    assert all(last[r]["momentum"] == 4 * res[r]["psi"] for r in range(N))
+    assert "exp_avg" not in last[0]
+
+
+def test_the_reentrancy_guard_survives_an_exception():
+    import threading
+    from minishard.watching import Watch
+    w = Watch.__new__(Watch)
+    w._guard = threading.local()
+    with pytest.raises(RuntimeError):
+        with w._recording():
+            raise RuntimeError("a collective failed inside a hook")
+    assert not w._quiet()            # a later user collective is recorded again

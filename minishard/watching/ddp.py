@@ -13,16 +13,20 @@ from .session import WatchError, _bytes, _dtype
 
 
 class _Relay:
-    """The state of the one comm hook a DDP model takes: the watch on now, or None."""
+    """The state of the one comm hook a DDP model takes: the watch on now (or None), and DDP's
+    own process group (its all-reduce must stay in it: the hook's ``None`` means the world)."""
     watch = None
+
+    def __init__(self, group):
+        self.group = group
 
 
 def _watched_allreduce_hook(relay: _Relay, bucket):
     """DDP's default all-reduce of a bucket (``allreduce_hook``), recorded while a watch is on."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     if relay.watch is None:
-        return default_hooks.allreduce_hook(None, bucket)
-    return _bucket(relay.watch, bucket, default_hooks.allreduce_hook)
+        return default_hooks.allreduce_hook(relay.group, bucket)
+    return _bucket(relay.watch, bucket, default_hooks.allreduce_hook, relay.group)
 
 
 def attach(w, model) -> None:
@@ -31,7 +35,7 @@ def attach(w, model) -> None:
         if model._comm_hooks:
             raise WatchError("minishard.watch: this DistributedDataParallel already has a comm "
                              "hook (DDP takes one); watch it without the hook")
-        relay = _Relay()
+        relay = _Relay(model.process_group)
         model.register_comm_hook(relay, _watched_allreduce_hook)
         model._minishard_watch_hook = relay
     relay.watch = w
@@ -44,17 +48,17 @@ def attach(w, model) -> None:
             w._undo.append(h.remove)
 
 
-def _bucket(w, bucket, allreduce_hook):
-    """One DDP bucket: DDP's own all-reduce, timed to its future's completion."""
+def _bucket(w, bucket, allreduce_hook, group):
+    """One DDP bucket: DDP's own all-reduce in DDP's group, timed to its future's completion."""
     buf = bucket.buffer()
     tag = f"bucket{bucket.index()}"
     w._track("comm_buffers", buf.untyped_storage(), tag)
     t0, step, payload, dtype = w.tracer.now(), w.tracer.step, _bytes(buf), _dtype(buf)
-    entry = w._issued("all_reduce", buf, payload, None, tag, t0)
+    entry = w._issued("all_reduce", buf, payload, group, tag, t0)
     with w._recording():
-        fut = allreduce_hook(None, bucket)
+        fut = allreduce_hook(group, bucket)
 
     def done(f):
-        w._collective("all_reduce", payload, dtype, None, t0, w.tracer.now(), tag, step, entry=entry)
+        w._collective("all_reduce", payload, dtype, group, t0, w.tracer.now(), tag, step, entry=entry)
         return f.value()
     return fut.then(done)
