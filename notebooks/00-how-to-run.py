@@ -157,8 +157,10 @@ static_player_figure(R.last_events, max_frames=60).show()
 # ## 3. The same job under `torchrun`
 # On a cluster you start ranks with `torchrun`, one process per device. `python -m minishard demo`
 # is written for that: each rank joins the process group from torchrun's environment, trains,
-# and writes its events to `DIR/rank{r}.jsonl`. Here the notebook runs it as a subprocess (with a
-# timeout, always) and then replays the trace files in the same player.
+# and writes its events to `DIR/rank{r}.jsonl` — and its last collectives to
+# `DIR/flight_rank{r}.json`, the flight recorder `python -m minishard doctor DIR` reads when a run
+# breaks. Here the notebook runs it as a subprocess (with a timeout, always) and then replays the
+# trace files in the same player.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -172,7 +174,8 @@ proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 print(proc.stdout)
 print(f"torchrun took {time.perf_counter() - t0:.1f} s (a cold start: each rank imports torch)")
 assert proc.returncode == 0, proc.stderr[-3000:]
-assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl", "trace.json"]
+assert sorted(p.name for p in trace_dir.iterdir()) == ["flight_rank0.json", "flight_rank1.json",
+                                                       "rank0.jsonl", "rank1.jsonl", "trace.json"]
 
 # %% [markdown]
 # Same model, same seeds, same data, two launchers: the losses agree to every digit `torchrun`
