@@ -218,12 +218,16 @@ class Comm:
     """
 
     def __init__(self, tracer: Tracer | None = None, group=None, ledger=None, *, alone: bool = False,
-                 flight: FlightRecorder | None = None, name: str = "world"):
+                 flight: FlightRecorder | None = None, name: str = "world",
+                 skip=None, synced_start: bool = True):
         """``alone``: a world of one even inside a process group (one rank training by itself,
         e.g. the no-communication reference a benchmark measures on every rank at once).
         ``flight``: the rank's flight recorder (one is made if None; ``split`` shares it, each
         group numbering its own collectives under ``name``)."""
         self.tracer, self.group, self.ledger = tracer, group, ledger
+        # a planted fault (minishard.faults): skip(op, tag, step, phase) names the collectives this
+        # rank never issues; synced_start=False: the strategies do not broadcast rank 0's weights
+        self.skip, self.synced_start = skip, synced_start
         self.initialized = not alone and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.initialized else 0
         self.world_size = dist.get_world_size(group) if self.initialized else 1
@@ -246,15 +250,19 @@ class Comm:
     def _begin(self, op: str, tensor: torch.Tensor, nbytes: int, tag: str, **extra) -> dict:
         tr = self.tracer
         t0 = tr.now() if tr is not None else 0.0
+        step, phase = (tr.step, tr.current_phase) if tr is not None else (None, None)
+        if self.skip is not None and self.skip(op, tag, step, phase):
+            return {"_skipped": True}          # never issued: no flight entry, no event, no bytes
         flight = self.flight.issued(op, self.name, self.world_size, (tensor,), nbytes, tag,
-                                    tr.step if tr is not None else None,
-                                    tr.current_phase if tr is not None else None, t0, **extra)
+                                    step, phase, t0, **extra)
         return {"op": op, "payload": nbytes,
                 "wire": ring_wire_bytes(op, nbytes, self.world_size, self.rank, extra.get("src", 0)),
                 "dtype": str(tensor.dtype).replace("torch.", ""), "group": self.world_size,
                 "tag": tag, "t": t0, "_flight": flight, **extra}
 
     def _record(self, ev: dict) -> None:
+        if ev.get("_skipped"):
+            return
         self.totals["payload"] += ev["payload"]
         self.totals["wire"] += ev["wire"]
         self.totals["calls"] += 1
@@ -276,7 +284,7 @@ class Comm:
         self.by_op = {}
 
     def _run(self, ev: dict, launch, async_op: bool, finish=None) -> Work | None:
-        handle = launch() if self.world_size > 1 else None
+        handle = launch() if self.world_size > 1 and not ev.get("_skipped") else None
         stamp = async_op and self.tracer is not None and self.tracer.enabled
         work = Work(self, handle, ev, finish, stamp=stamp)
         if async_op:
@@ -353,6 +361,11 @@ class Comm:
         tensors = list(tensors)
         if self.world_size == 1 or not tensors:
             return
+        if not self.synced_start:                 # the fault unsynced-init: each keeps its own
+            self.flight.facts.setdefault("start_not_replicated", []).append(len(tensors))
+            return
+        self.flight.facts.setdefault("start_replicated", []).append(
+            {"group": self.name, "tensors": len(tensors)})
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         if ledger is not None:
             ledger.alloc("comm_buffers", flat.numel() * flat.element_size(), "replicate")
@@ -392,8 +405,9 @@ class Comm:
         # each group named by its members: the same name on each of them, another elsewhere
         shard = list(range(self.rank - self.rank % shard_size, self.rank - self.rank % shard_size + shard_size))
         rep = list(range(self.rank % shard_size, N, shard_size))
-        return (Comm(self.tracer, mine_shard, self.ledger, flight=self.flight, name=f"shard{shard}"),
-                Comm(self.tracer, mine_rep, self.ledger, flight=self.flight, name=f"replicate{rep}"))
+        same = dict(flight=self.flight, skip=self.skip, synced_start=self.synced_start)
+        return (Comm(self.tracer, mine_shard, self.ledger, name=f"shard{shard}", **same),
+                Comm(self.tracer, mine_rep, self.ledger, name=f"replicate{rep}", **same))
 
     def all_gather_object(self, obj) -> list:
         """Small Python objects from every rank, on every rank (a checkpoint's piece tables, and

@@ -102,6 +102,9 @@ class TrainConfig:
     trace: bool = True               # record events (the player replays them)
     flight_dir: str | None = None    # write each rank's flight recorder here (flight.py): at the
                                      # end, on an exception, on SIGTERM
+    # a failure planted on purpose (minishard.faults; chapter 11): its name, and the rank it is on
+    fault: str | None = None         # skip-collective, reorder, unsynced-init, no-master, local-clip
+    fault_rank: int = 1
     return_params: bool = False      # the final parameters, gathered (parity tests)
     return_state: bool = False       # this rank's optimizer state_dict
     resume_from: str | None = None   # start from a checkpoint (any world size or strategy)
@@ -149,6 +152,10 @@ class TrainConfig:
         if self.offload_dir is not None and self.offload is None:
             raise ConfigError("{offload_dir} is where {offload} keeps its files; set both, or neither",
                               offload_dir=self.offload_dir, offload="disk")
+        from . import faults
+        faults.check(self, strategy)
+        if isinstance(self.fault_rank, bool) or not isinstance(self.fault_rank, int) or self.fault_rank < 0:
+            raise ConfigError("{fault_rank}: must be a rank (an integer >= 0)", fault_rank=self.fault_rank)
         for name in ("offload", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
             if name in self.unused():
                 self.refuse_unused(only=(name,))

@@ -29,6 +29,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import torch_flight
 from .flight import FORMAT_VERSION
 from .playback import fmt_bytes
 from .trace import TraceFormatError
@@ -37,7 +38,11 @@ DUMP = re.compile(r"flight_rank(\d+)\.json")
 TRACE = re.compile(r"rank(\d+)\.jsonl")
 ENTRY_NEEDS = ("seq", "op", "group", "group_size", "shapes", "dtypes", "bytes", "state")
 DUMP_NEEDS = ("rank", "world_size", "reason", "entries")
-KINDS = ("desync", "exception", "missing_dump", "hang")      # most important first
+# most important first: the cause before its consequences (a timeout is what a hang raises)
+KINDS = ("desync", "exception", "missing_dump", "hang", "timeout", "weights", "clip", "precision",
+         "memory")
+# what a rank raises when the collective it waits in never completes, or its peer went away
+TIMED_OUT = re.compile(r"timed? ?out|timeout|connection (closed|reset) by peer", re.IGNORECASE)
 
 
 @dataclass
@@ -102,9 +107,15 @@ def read_dir(directory: str | Path) -> Report:
                                 f"demo --trace DIR writes one)")
     dumps = {int(m.group(1)): read_dump(p) for p in sorted(d.iterdir()) if (m := DUMP.fullmatch(p.name))}
     traces = {int(m.group(1)): p for p in sorted(d.iterdir()) if (m := TRACE.fullmatch(p.name))}
-    if not dumps and not traces:
-        raise FileNotFoundError(f"{d}: no flight_rank*.json dumps and no rank*.jsonl traces in this "
-                                f"directory: nothing to diagnose")
+    theirs = {r: p for p in sorted(d.iterdir()) if (r := torch_flight.rank_of(p)) is not None}
+    if not dumps and not traces and not theirs:
+        raise FileNotFoundError(f"{d}: no flight_rank*.json dumps, no rank*.jsonl traces and no "
+                                f"PyTorch flight-recorder dumps in this directory: nothing to diagnose")
+    # PyTorch's own dumps stand in for the ranks that left none of minishard's
+    world_of_theirs = max([r + 1 for r in theirs] + [b["world_size"] for b in dumps.values()], default=0)
+    for r, p in theirs.items():
+        if r not in dumps:
+            dumps[r] = torch_flight.read(p, r, world_of_theirs)
     sizes = {r: b["world_size"] for r, b in dumps.items()}
     if len(set(sizes.values())) > 1:
         raise TraceFormatError(f"{d}: dumps of different runs: world sizes "
@@ -119,23 +130,28 @@ def read_dir(directory: str | Path) -> Report:
 # --------------------------------------------------------------------------- words
 
 def describe(e: dict) -> str:
-    """``all_reduce [8] float32, 32 B`` — what a collective was, the same on every rank."""
+    """``all_reduce [8] float32, 32 B`` — what a collective was, the same on every rank (``of
+    blocks.0`` when it names the unit or bucket it moves)."""
     shapes = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in e["shapes"])
-    return f"{e['op']} {shapes} {','.join(e['dtypes'])}, {fmt_bytes(e['bytes'])}"
+    of = f" of {e['tag']}" if e.get("tag") else ""
+    return f"{e['op']}{of} {shapes} {','.join(e['dtypes'])}, {fmt_bytes(e['bytes'])}"
 
 
 def site(e: dict) -> str:
-    where, caller = e.get("where") or "?", e.get("caller") or ""
-    return f"at {where}" + (f", called from {caller}" if caller and caller != where else "")
+    where, caller = e.get("where") or "", e.get("caller") or ""
+    if not where:
+        return ""
+    return f"; at {where}" + (f", called from {caller}" if caller and caller != where else "")
 
 
 def state(e: dict) -> str:
-    return "completed" if e["state"] == "completed" else "issued, never completed"
+    return {"completed": "completed", "retired": "ended (PyTorch's gloo recorder does not say "
+            "whether it succeeded)"}.get(e["state"], "issued, never completed")
 
 
 def entry_line(who: str, e: dict) -> str:
-    extra = "".join(f", {k} {e[k]}" for k in ("tag", "step", "phase") if e.get(k) not in (None, ""))
-    return f"{who}: seq {e['seq']} {describe(e)}{extra} — {state(e)}; {site(e)}"
+    extra = "".join(f", {k} {e[k]}" for k in ("step", "phase") if e.get(k) not in (None, ""))
+    return f"{who}: seq {e['seq']} {describe(e)}{extra} — {state(e)}{site(e)}"
 
 
 def ranks_word(ranks) -> str:
@@ -144,8 +160,15 @@ def ranks_word(ranks) -> str:
 
 
 def signature(e: dict) -> tuple:
-    """What must agree across ranks at one seq."""
-    return (e["op"], tuple(map(tuple, e["shapes"])), tuple(e["dtypes"]))
+    """What must agree across ranks at one seq: the collective, and what it moves (the unit or
+    bucket it is tagged with, the step it belongs to: two units of one size swapped pair up
+    without an error, and the model is silently wrong)."""
+    return (e["op"], tuple(map(tuple, e["shapes"])), tuple(e["dtypes"]), e.get("tag") or "",
+            e.get("step"))
+
+
+def sizes_agree(a: dict, b: dict) -> bool:
+    return signature(a)[:3] == signature(b)[:3]
 
 
 # --------------------------------------------------------------------------- findings
@@ -179,12 +202,15 @@ def desync(group: str, held: dict[int, dict[int, dict]], ranks: list[int]) -> Fi
         parts = sorted(sides.values(), key=lambda rs: (-len(rs), rs))
         odd = [r for rs in parts[1:] for r in rs] if len(parts[0]) > len(parts[1]) else ranks
         said = "; ".join(f"{ranks_word(rs)} {describe(held[rs[0]][seq])}" for rs in parts)
+        silent = all(sizes_agree(held[ranks[0]][seq], held[r][seq]) for r in ranks)
         return Finding(
             "desync", odd,
             f"ranks issued collectives in different orders: at seq {seq} of group {group!r}, {said}",
             [entry_line(f"rank {r}", held[r][seq]) for r in ranks]
             + ([f"the collectives before it agree on every rank (seqs {min(common)}..{seq - 1} "
-                f"compared)"] if seq > min(common) else []),
+                f"compared)"] if seq > min(common) else [])
+            + (["their ops, shapes and dtypes agree, so nothing failed: the collectives paired up "
+                "across what they move, and every rank computed with the wrong tensors"] if silent else []),
             "every rank must issue the same collectives in the same order, with the same shapes and "
             "dtypes: find the branch between the call sites above that differs by rank (a condition "
             "on the rank, the data, or on parameters that have no gradient here; buckets or units "
@@ -216,12 +242,13 @@ def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
         mine = held.get(r, {})
         evidence.append(entry_line(f"rank {r}, its last collective", mine[last[r]]) if mine else
                         f"rank {r}: holds no collective of group {group!r}")
-        evidence.append(f"rank {r}'s dump was written on {_reason(dumps[r])}")
+        evidence.append(f"rank {r}'s dump was written on {_reason(dumps[r])}" if dumps[r]["reason"] != "torch"
+                        else f"rank {r}'s dump is PyTorch's own flight recorder's (it records no reason)")
     wait = f"; {ranks_word(waiting)} wait in {'it' if shown == first else f'seq {shown}'}" if waiting else ""
     return Finding(
         "hang", behind,
-        f"{ranks_word(behind)} never issued "
-        f"{e['op'] + ' ' if shown == first else ''}seq {first} of group {group!r}{wait}",
+        f"{ranks_word(behind)} never issued seq {first} of group {group!r}"
+        f"{f' ({_what(e)})' if shown == first else ''}{wait}",
         evidence,
         f"the collective at seq {first} must run on every rank, even one with nothing to send: "
         f"make {ranks_word(behind)} issue it too (all-reduce zeros for parameters without a "
@@ -234,7 +261,7 @@ def never_completed(group: str, held: dict[int, dict[int, dict]], ranks: list[in
     """The first seq every rank issued that never completed on some."""
     common = set.intersection(*(set(held.get(r, {})) for r in ranks)) if ranks else set()
     for seq in sorted(common):
-        stuck = [r for r in ranks if held[r][seq]["state"] != "completed"]
+        stuck = [r for r in ranks if held[r][seq]["state"] not in ("completed", "retired")]
         if not stuck:
             continue
         e = held[stuck[0]][seq]
@@ -250,6 +277,10 @@ def never_completed(group: str, held: dict[int, dict[int, dict]], ranks: list[in
             "(killed, or stuck in another group's collective), or, issued with async_op=True, "
             "it was never waited for")
     return None
+
+
+def _what(e: dict) -> str:
+    return e["op"] + (f" of {e['tag']}" if e.get("tag") else "")
 
 
 def _alike(held, ranks, seq) -> bool:
@@ -268,17 +299,31 @@ def exceptions(dumps: dict[int, dict]) -> list[Finding]:
     for r, body in sorted(dumps.items(), key=lambda rb: (rb[1].get("time") or 0, rb[0])):
         if body["reason"] == "exception":
             by_error[body.get("error") or "an exception"].append(r)
-    out = []
-    for n, (error, ranks) in enumerate(by_error.items()):
+    out, timed_out = [], []
+    for error, ranks in by_error.items():
+        if TIMED_OUT.search(error):           # a consequence: what it waited for is the cause
+            timed_out.append((error, ranks))
+            continue
         ranks = sorted(ranks)
-        last = [entry_line(f"rank {r}, its last collective", dumps[r]["entries"][-1])
-                if dumps[r]["entries"] else f"rank {r} had issued no collective" for r in ranks]
         out.append(Finding(
-            "exception", ranks, f"{ranks_word(ranks)} raised {error}", last,
+            "exception", ranks, f"{ranks_word(ranks)} raised {error}", _last(dumps, ranks),
             "the first error is the cause to fix: ranks that were waiting for this one hang or time "
-            "out because of it" if n == 0 else
+            "out because of it" if not out else
             f"raised after {ranks_word(out[0].ranks)} did: fix that first, this may be its consequence"))
+    if timed_out:
+        ranks = sorted(r for _, rs in timed_out for r in rs)
+        out.append(Finding(
+            "timeout", ranks, f"{ranks_word(ranks)} gave up waiting in a collective (a timeout, or "
+                              f"a peer that went away): {timed_out[0][0]}",
+            _last(dumps, ranks),
+            "a timeout is where a hang ends: the finding about the collective the other ranks never "
+            "issued (or never completed) names the cause"))
     return out
+
+
+def _last(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
+    return [entry_line(f"rank {r}, its last collective", dumps[r]["entries"][-1])
+            if dumps[r]["entries"] else f"rank {r} had issued no collective" for r in ranks]
 
 
 def missing_dumps(report: Report) -> Finding | None:
@@ -334,5 +379,8 @@ def diagnose(directory: str | Path) -> Report:
                 group, held, ranks, missing if len(ranks) == len(report.dumps) else [])
         if f is not None:
             found.append(f)
+    from . import causes
+    found += causes.weights(report.dumps) + causes.clip(report.dumps) + causes.precision(report.dumps)
+    found += causes.memory(report.traces)
     report.findings = sorted(found, key=lambda f: KINDS.index(f.kind))
     return report

@@ -15,6 +15,10 @@ of the last ``capacity`` collectives, each with
                and torch (the user's code, a notebook cell, a test)
     t_issued, t_completed   seconds on the rank's trace clock
 
+and, beside the entries, ``facts``: what else must agree across ranks or tells a cause — the
+run's config, a fingerprint of the weights each rank built and started from, whether the start
+was broadcast from rank 0, each step's gradient norm and the precision the optimizer steps in.
+
 :meth:`FlightRecorder.dump` writes ``flight_rank{r}.json`` next to the rank's trace: on an
 exception (a collective timing out raises one), on SIGTERM (torchrun stopping the others when
 one rank fails) and at the end of a run. ``python -m minishard doctor DIR`` reads them.
@@ -44,7 +48,7 @@ def call_sites(depth: int = 2) -> tuple[str, str]:
         f = f.f_back or f
     while f is not None and not caller:
         path = f.f_code.co_filename
-        if path not in _HERE and _TORCH not in path:
+        if path not in _HERE and _TORCH not in path and not path.startswith("<frozen"):
             site = f"{_short(path)}:{f.f_lineno} in {f.f_code.co_name}"
             where = where or site
             if not path.startswith(_PACKAGE):
@@ -65,6 +69,10 @@ class FlightRecorder:
         self.rank, self.world_size = rank, world_size
         self.entries: collections.deque[dict] = collections.deque(maxlen=capacity)
         self._seq: dict[str, int] = {}
+        # what the doctor compares across ranks besides the collectives (train() and the
+        # communicator note them): the run's config, the weights' fingerprints, whether the
+        # start was replicated from rank 0, each step's gradient norm and parameter precision
+        self.facts: dict = {}
         self._lock = threading.Lock()
 
     def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
@@ -95,7 +103,7 @@ class FlightRecorder:
             body = {"v": FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size,
                     "capacity": self.entries.maxlen,    # a full ring has dropped older ones
                     "reason": reason, "error": error, "time": time.time(),
-                    "entries": list(self.entries)}
+                    "entries": list(self.entries), "facts": self.facts}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=1))
         os.replace(tmp, path)
@@ -117,6 +125,8 @@ class dumping:
 
     def _on_sigterm(self, signum, frame) -> None:
         self.recorder.dump(self.directory, "sigterm")
+        from .torch_flight import write
+        write(self.directory, self.recorder.rank)
         signal.signal(signal.SIGTERM, self._old or signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -127,3 +137,5 @@ class dumping:
             self.recorder.dump(self.directory, "end")
         else:
             self.recorder.dump(self.directory, "exception", f"{kind.__name__}: {error}")
+        from .torch_flight import write          # PyTorch's own, when TORCH_FR_BUFFER_SIZE asks
+        write(self.directory, self.recorder.rank)

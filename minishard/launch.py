@@ -169,14 +169,14 @@ def _fn_ref(fn: Callable | str) -> str:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, sys_path: list,
-            tasks, results) -> None:
+            tasks, results, collective_timeout: float = INIT_TIMEOUT_S) -> None:
     sys.path[:] = sys_path
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=INIT_TIMEOUT_S))
         init_group(backend, store=store, rank=rank, world_size=world_size,
-                   timeout=timedelta(seconds=INIT_TIMEOUT_S))
+                   timeout=timedelta(seconds=collective_timeout))
         device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" \
             else torch.device("cpu")
         if device.type == "cuda":
@@ -213,9 +213,16 @@ class Ranks:
     _ids = itertools.count()
 
     def __init__(self, world_size: int, *, backend: str | None = None, threads: int = 1,
-                 timeout: float = 120.0, start_method: str = "forkserver"):
+                 timeout: float = 120.0, start_method: str = "forkserver",
+                 collective_timeout: float = INIT_TIMEOUT_S):
+        """``timeout``: seconds a task may take; ``collective_timeout``: seconds a collective
+        may wait for its peers before it raises (the process group's timeout: a hang ends
+        there, and each rank's flight recorder is written)."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if not collective_timeout > 0:
+            raise ValueError(f"collective_timeout must be a positive number of seconds, got "
+                             f"{collective_timeout!r}")
         self.world_size, self.timeout = world_size, timeout
         self.backend = backend or default_backend()
         if self.backend == "nccl" and torch.cuda.device_count() < 1:
@@ -231,7 +238,8 @@ class Ranks:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [ctx.Process(target=_worker, daemon=True, name=f"minishard-rank{r}",
                                    args=(r, world_size, self._store.port, self.backend, threads,
-                                         list(sys.path), self._tasks[r], self._results))
+                                         list(sys.path), self._tasks[r], self._results,
+                                         collective_timeout))
                        for r in range(world_size)]
         self.broken: str | None = None
         for p in self._procs:
@@ -379,11 +387,12 @@ def run(fn: Callable | str, world_size: int, *args, on_event=None, timeout: floa
 
 # --------------------------------------------------------------------------- torchrun
 
-def context_from_env(trace_sink=None) -> RankContext:
-    """Inside ``torchrun``: join the process group from the environment and build the context."""
+def context_from_env(trace_sink=None, collective_timeout: float = INIT_TIMEOUT_S) -> RankContext:
+    """Inside ``torchrun``: join the process group from the environment and build the context
+    (``collective_timeout``: seconds a collective waits for its peers before it raises)."""
     backend = default_backend()
     if not dist.is_initialized():
-        init_group(backend, timeout=timedelta(seconds=INIT_TIMEOUT_S))
+        init_group(backend, timeout=timedelta(seconds=collective_timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")

@@ -289,7 +289,11 @@ def _torch_ddp(strategy, net, config, comm, ledger, *, zero=False) -> Built:
     model = DistributedDataParallel(net, bucket_cap_mb=config.bucket_cap_mb)
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=opt_class, **opt_kwargs)
+        opt_class = partial(ZeroRedundancyOptimizer, optimizer_class=opt_class)
+    # bf16 weights are stepped through an fp32 master, as minishard's DDP does (PyTorch's DDP and
+    # ZeroRedundancyOptimizer keep none: stepping the bf16 weights would round updates away)
+    if config.precision == "bf16_mixed":
+        opt = MasterWeights(net, opt_class, **opt_kwargs)
     else:
         opt = opt_class(net.parameters(), **opt_kwargs)
     return Built(strategy, model, opt, (comm,), no_sync=model.no_sync,

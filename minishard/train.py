@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import faults, health
 from . import model as model_mod
 from . import strategies
 from .comm import Comm
@@ -37,11 +38,13 @@ __all__ = ["TrainConfig", "train", "train_step", "build", "Built", "wrap_targets
 
 def train_step(built: Built, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
                clip: float | None = None, ledger: LiveLedger | None = None,
-               tracer: Tracer | None = None, track_activations: bool = True) -> float:
+               tracer: Tracer | None = None, track_activations: bool = True,
+               notes: dict | None = None) -> float:
     """One optimizer step over ``batches`` (one ``(x, y)`` per micro-batch): forward and
     backward each, the gradients synchronised once (``no_sync`` around all but the last), the
     gradient clipped by its global norm, the optimizer step, the gradients zeroed. Returns the
-    step's loss (the mean over its micro-batches)."""
+    step's loss (the mean over its micro-batches). ``notes``: filled with what the doctor reads
+    (``minishard.health``: the norm clipped by, the precision the optimizer stepped in)."""
     accum = len(batches)
     loss_sum = 0.0
     with _phase(None, tracer, "step"):
@@ -58,9 +61,11 @@ def train_step(built: Built, batches: Sequence[tuple[torch.Tensor, torch.Tensor]
             with _phase(None, tracer, "sync_gradients"):
                 built.sync_gradients()
         with _phase(ledger, tracer, "optimizer"):
-            if clip is not None:
-                built.clip_grad_norm(clip)
-            built.optimizer.step()
+            norm = built.clip_grad_norm(clip) if clip is not None else None
+            with health.StepNotes(built.optimizer) if notes is not None else nullcontext() as noted:
+                built.optimizer.step()
+            if notes is not None:
+                notes.update(noted.note, **({"grad_norm": float(norm)} if norm is not None else {}))
             if ledger is not None and built.track_state is not None:
                 built.track_state(ledger)             # the moments the first step created
             built.optimizer.zero_grad(set_to_none=False)   # (DDP's grads are views into buckets)
@@ -83,24 +88,30 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     strategy = strategies.get(config.strategy)
     cfg = model_mod.config(config.model, **config.model_overrides)
     ledger = LiveLedger(tracer, budget=config.device_budget) if strategy.instrumented else None
-    comm = Comm(tracer, ledger=ledger, alone=alone)
-    built = build(_model(config, cfg, rank.device, rank.rank), config, comm, ledger)
+    comm = Comm(tracer, ledger=ledger, alone=alone, synced_start=faults.synced_start(config))
+    facts = comm.flight.facts if config.flight_dir is not None else None   # for the doctor
+    built = _build_noted(config, cfg, rank, comm, ledger, facts)
     first_step, ckpt = 0, {}
     if config.resume_from is not None:
         from . import checkpoint
         ckpt["load"] = checkpoint.load(built.model, built.optimizer, config.resume_from, comm=comm)
         first_step = ckpt["load"]["step"]
+    faults.arm(config, rank.rank, {comm, *built.comms}, last_step=first_step + config.steps - 1)
 
     meter = Meter(built.comms, built.units)
-    with _flight(comm, config), _watching(built, config, tracer, alone) as w:
+    with _flight(comm, config), _watching(built, config, tracer, alone, comm) as w:
         for step in range(first_step, first_step + config.steps):
             tracer.step = step
             batches = _batches(cfg, config, step, rank)
+            notes = {"step": step} if facts is not None else None
             with meter.step():
                 loss = train_step(built, batches, clip=config.clip, ledger=ledger,
                                   tracer=None if w else tracer,
-                                  track_activations=config.track_activations)
-            w.step() if w else None
+                                  track_activations=config.track_activations, notes=notes)
+            if facts is not None:
+                facts.setdefault("steps", []).append(notes)
+            if w:
+                w.step()
             meter.loss(loss)
             if on_step is not None:
                 on_step({"rank": rank.rank, "step": step, "first": step == first_step,
@@ -108,7 +119,14 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
                          _loss_resolution(loss, config), "seconds": meter.steps["step_times"][-1],
                          "peak": ledger.peak if ledger else w.peak if w else 0})
     tracer.step = None
+    return _outputs(rank, config, cfg, meter, built, first_step, w, ledger, comm, ckpt)
 
+
+def _outputs(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: Built, first_step: int,
+             w, ledger: LiveLedger | None, comm: Comm, ckpt: dict) -> dict[str, Any]:
+    """After the last step: the measurements, the ledger against its formula, the checkpoint
+    saved, the parameters and state asked for."""
+    strategy = built.strategy
     out = _measurements(rank, config, cfg, meter, built, first_step, w)
     if ledger is not None:
         out["ledger"] = _ledger_report(ledger, config, cfg, strategy, rank.world_size, built)
@@ -129,6 +147,22 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     return out
 
 
+def _build_noted(config: TrainConfig, cfg, rank: RankContext, comm: Comm, ledger, facts: dict | None) -> Built:
+    """The model built and wrapped, a planted fault in place; ``facts`` (for the doctor): the
+    weights as built and — replicas — as training starts from them."""
+    faults.check(config, strategies.get(config.strategy))
+    faults.check_rank(config, rank.world_size)
+    net = _model(config, cfg, rank.device, rank.rank)
+    if facts is not None:
+        health.note_run(facts, config, rank.world_size)
+        facts["weights_built"] = health.fingerprint(net.named_parameters())
+    built = build(net, config, comm, ledger)
+    faults.plant_after_build(config, rank.rank, built)
+    if facts is not None and built.strategy.stage < 3:
+        facts["weights_start"] = health.fingerprint(net.named_parameters())
+    return built
+
+
 def _batches(cfg, config: TrainConfig, step: int, rank: RankContext) -> list:
     """This rank's ``config.accum`` micro-batches of the global batch of ``step``."""
     return [(x.to(rank.device), y.to(rank.device)) for x, y in (
@@ -141,11 +175,12 @@ def _flight(comm: Comm, config: TrainConfig):
     return dumping(comm.flight, config.flight_dir) if config.flight_dir else nullcontext()
 
 
-def _watching(built: Built, config: TrainConfig, tracer: Tracer, alone: bool):
-    """PyTorch's own strategies record nothing themselves: the watch traces them (phases too)."""
-    if built.strategy.instrumented or not config.trace or alone:
+def _watching(built: Built, config: TrainConfig, tracer: Tracer, alone: bool, comm: Comm):
+    """PyTorch's own strategies record nothing themselves: the watch traces them (phases too)
+    and keeps their collectives in this rank's flight recorder."""
+    if built.strategy.instrumented or not (config.trace or config.flight_dir) or alone:
         return nullcontext()
-    return watch(built.model, built.optimizer, trace=tracer)
+    return watch(built.model, built.optimizer, trace=tracer, flight=comm.flight)
 
 
 def _measurements(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: Built,
@@ -170,7 +205,9 @@ def _measurements(rank: RankContext, config: TrainConfig, cfg, meter: Meter, bui
 def _model(config: TrainConfig, cfg, device, rank: int = 0) -> torch.nn.Module:
     """The GPT this rank starts from (the same seed everywhere, unless ``rank_seeds``), its
     memory knobs set and the frozen parameters' gradients switched off."""
-    net = model_mod.GPT(cfg, seed=config.seed + (rank if config.rank_seeds else 0)).to(device)
+    net = model_mod.GPT(cfg, seed=faults.seed(config, rank)).to(device)
+    if faults.weights_dtype(config) is not None:       # no-master: the weights are the bf16 copy
+        net.to(faults.weights_dtype(config))
     net.recompute_activations = config.recompute
     net.loss_chunk_tokens = config.loss_chunk_tokens
     for name, p in net.named_parameters():

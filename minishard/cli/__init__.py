@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         line = f"minishard {args.cmd}: error: {line}"
         if status == FAILED and not args.debug:
             line += "; --debug prints the traceback"
+        if status == FAILED and getattr(args, "trace", None):    # each rank left its flight dump
+            line += f"; python -m minishard doctor {args.trace} says what went wrong"
         rank = int(os.environ.get("RANK", "0"))
         if where == "peer":                  # let the rank that failed first speak first
             time.sleep(2.0)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import strategies
+from ..faults import FAULTS
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -57,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N", help="compute the loss N tokens at a time")
     g.add_argument("--device-budget", type=float, default=None, metavar="MIB",
                    help="a device of this many MiB: an allocation past it raises DeviceOutOfMemory")
+    g = p.add_argument_group("failures on purpose (chapter 11; then: minishard doctor DIR)")
+    g.add_argument("--fault", default=None, metavar="NAME",
+                   help="plant one: " + "; ".join(f"{k}: {v}" for k, v in FAULTS.items()))
+    g.add_argument("--fault-rank", type=int, default=1, metavar="R", help="the rank it is planted on (default 1)")
+    g.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="a collective waits this long for its peers, then raises (default 60): a "
+                        "hang ends, each rank writing its flight dump beside --trace")
     g = p.add_argument_group("checkpoints (chapter 09) and outputs")
     g.add_argument("--save", metavar="DIR", help="save a sharded checkpoint after the last step")
     g.add_argument("--resume", metavar="DIR", help="start from a checkpoint (any world size, any strategy)")
@@ -81,6 +89,7 @@ def config_of(args) -> "TrainConfig":
             loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=args.offload_dir,
             device_budget=None if args.device_budget is None else int(args.device_budget * MiB),
             track_activations=True, trace=True, flight_dir=args.trace, resume_from=args.resume,
+            fault=args.fault, fault_rank=args.fault_rank,
             save_to=args.save or (str(Path(args.export) / ".checkpoint") if args.export else None))
         config.refuse_unused()
     except ConfigError as e:
@@ -109,6 +118,12 @@ def check(args, config, world_size: int) -> None:
     if world_size < 1:
         raise ValueError(f"--world-size {world_size}: a run needs at least one rank; use --world-size 1 or more")
     strategy = strategies.get(config.strategy)
+    if args.timeout is not None and not args.timeout > 0:
+        raise ValueError(f"--timeout {args.timeout}: a collective's timeout must be a positive "
+                         f"number of seconds")
+    if config.fault is not None and config.fault_rank >= world_size:
+        raise ValueError(f"--fault-rank {config.fault_rank}: no such rank in a world of {world_size} "
+                         f"(ranks 0 to {world_size - 1})")
     if strategy.single_process and world_size > 1:
         raise ValueError(f"--strategy {args.strategy} trains one process, not {world_size}; use "
                          f"--world-size 1, or a strategy that spreads the work (ddp, zero1, fsdp, ...)")
@@ -194,11 +209,15 @@ def run(args) -> int:
         check(args, config, world_size)
         from ..launch import Ranks
         from ..train import train
-        with Ranks(world_size) as ranks:
+        with Ranks(world_size, **_timeout(args)) as ranks:
             results = ranks.run(train, config, on_step=None if (args.quiet or args.json) else progress)
             events = ranks.last_events
         _finish(args, results, events)
     return 0
+
+
+def _timeout(args) -> dict:
+    return {} if args.timeout is None else {"collective_timeout": args.timeout}
 
 
 def _under_torchrun(config, args):
@@ -207,14 +226,18 @@ def _under_torchrun(config, args):
     from ..comm import Comm
     from ..launch import context_from_env
     from ..train import train
-    ctx = context_from_env()
-    out = train(ctx, config, on_step=None if (args.quiet or args.json) else progress)
+    ctx = context_from_env(**_timeout(args))
+    # the results travel in a group of their own: a rank done early (a fault) waits there,
+    # not in the training group, where its next collective would pair with the others' last
+    comm = Comm(group=dist.new_group(list(range(ctx.world_size))))
+    try:
+        out = train(ctx, config, on_step=None if (args.quiet or args.json) else progress)
+    finally:                 # a rank that failed leaves its trace too: the doctor reads it
+        if args.trace:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            ctx.tracer.write_jsonl(Path(args.trace) / f"rank{ctx.rank}.jsonl")
     out.pop("params", None)
-    comm = Comm()
     results = comm.gather_object(out)
-    if args.trace:
-        Path(args.trace).mkdir(parents=True, exist_ok=True)
-        ctx.tracer.write_jsonl(Path(args.trace) / f"rank{ctx.rank}.jsonl")
     comm.barrier()
     if ctx.rank == 0:
         _finish(args, results, None)

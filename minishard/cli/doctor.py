@@ -41,7 +41,7 @@ def text(report: doctor.Report) -> list[str]:
     if not report.findings:
         if report.dumps:
             lines.append("nothing found: every rank issued the same collectives in the same order, "
-                         "and every one completed")
+                         "and every one completed; " + checked(report))
         return lines
     n = len(report.findings)
     lines.append(f"{n} finding{'s' if n > 1 else ''}, most important first:")
@@ -52,10 +52,27 @@ def text(report: doctor.Report) -> list[str]:
     return lines
 
 
+def checked(report: doctor.Report) -> str:
+    """What else was compared, as far as the files allowed."""
+    facts = [b.get("facts") or {} for b in report.dumps.values()]
+    said = []
+    if any(f.get("weights_built") for f in facts):
+        said.append("the ranks started from the same weights")
+    if any(n.get("grad_norm") is not None for f in facts for n in f.get("steps", [])):
+        said.append("clipped by one gradient norm")
+    if any(f.get("steps") for f in facts):
+        said.append("stepped fp32 weights")
+    if report.traces:
+        said.append("no FSDP unit held most parameters and no full gradient outlived its micro-batch")
+    return (", ".join(said) if said else "no facts or traces to check more (the dumps of "
+            "minishard.train hold them)") + "."
+
+
 def what_was_read(report: doctor.Report) -> str:
     reasons: dict[str, int] = {}
     for body in report.dumps.values():
-        reasons[body["reason"]] = reasons.get(body["reason"], 0) + 1
+        said = "PyTorch's own" if body["reason"] == "torch" else body["reason"]
+        reasons[said] = reasons.get(said, 0) + 1
     dumps = (f"{len(report.dumps)} flight dump{'s' if len(report.dumps) != 1 else ''} of a world of "
              f"{report.world_size} (written on " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items()))
              + ")") if report.dumps else "no flight dumps"

@@ -62,9 +62,11 @@ __all__ = ["watch", "Watch", "WatchError", "SUPPORTED"]
 
 
 def watch(model: torch.nn.Module, optimizer=None, *,
-          trace: str | os.PathLike | Tracer | None = None) -> Watch:
+          trace: str | os.PathLike | Tracer | None = None, flight=None) -> Watch:
     """Watch a training job; see this package's docstring.
 
     ``trace``: a directory (``rank{r}.jsonl`` is streamed into it), a :class:`Tracer` (e.g. a
-    ``Ranks`` task's ``rank.tracer``), or None (the events stay in ``w.tracer.events``)."""
-    return Watch(model, optimizer, trace)
+    ``Ranks`` task's ``rank.tracer``), or None (the events stay in ``w.tracer.events``).
+    ``flight``: the :class:`~minishard.flight.FlightRecorder` to keep torch's collectives in
+    (one of its own if None; a trace directory gets its dump)."""
+    return Watch(model, optimizer, trace, flight)

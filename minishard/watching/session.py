@@ -85,8 +85,9 @@ def _stepped(optimizer):
 class Watch:
     """The context manager :func:`minishard.watch` returns; ``w.step()`` ends a training step."""
 
-    def __init__(self, model, optimizer=None, trace=None):
+    def __init__(self, model, optimizer=None, trace=None, flight: FlightRecorder | None = None):
         self.model, self.optimizer, self._trace = model, optimizer, trace
+        self._given_flight = flight
         self.kind = _kind(model, optimizer)      # refuse an unsupported wrapper at once
         self._stepped = _stepped(optimizer)
         self.tracer: Tracer | None = None
@@ -113,7 +114,8 @@ class Watch:
                              "torchrun) before entering watch")
         rank, world = dist.get_rank(), dist.get_world_size()
         self._accelerated = dist.get_backend() != "gloo"
-        self.flight = FlightRecorder(rank, world)    # torch's collectives, as minishard's Comm keeps its own
+        # torch's collectives, as minishard's Comm keeps its own (train() lends the Comm's)
+        self.flight = self._given_flight or FlightRecorder(rank, world)
         problem = self._open_trace(rank)
         # one collective, before anything is patched: every rank learns whether every rank can
         # write its trace (so they fail together, not hang), and rank 0's clock is everyone's

@@ -1,0 +1,76 @@
+"""What a rank notes for the doctor besides its collectives: facts that must agree across ranks,
+or that name a cause, written into its flight dump (``FlightRecorder.facts``).
+
+    run            the config the rank trained with (the doctor words its fixes in it)
+    weights_built  a fingerprint of every parameter as this rank built it, before wrapping
+    weights_start  the same for the weights it starts training from, where a rank holds them
+                   whole (replicas: DDP, ZeRO-1/2); FSDP's shards differ by design
+    steps          per optimizer step: the gradient norm clipped by (if clipping), the dtypes
+                   the optimizer steps, and — where that is not fp32 — the share of the elements
+                   it stepped that came out unchanged (updates lost to rounding)
+
+A fingerprint is a hash of the tensor's bytes: equal weights give equal fingerprints on any
+machine, and one flipped bit changes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Iterable
+
+import torch
+
+RUN_FIELDS = ("strategy", "model", "steps", "micro_batch", "accum", "optimizer", "lr", "precision",
+              "clip", "wrap", "reshard_after_forward", "reshard_root", "prefetch",
+              "fsdp_accumulate_unsharded", "seed", "rank_seeds", "fault", "fault_rank")
+
+
+def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """name -> the first 16 hex digits of a BLAKE2 hash of the tensor's dtype, shape and bytes."""
+    out = {}
+    for name, t in named:
+        t = t.detach().contiguous().cpu()
+        h = hashlib.blake2b(digest_size=8)
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        out[name] = h.hexdigest()
+    return out
+
+
+def note_run(facts: dict, config, world_size: int) -> None:
+    run = dataclasses.asdict(config)
+    facts["run"] = {k: run[k] for k in RUN_FIELDS} | {"world_size": world_size}
+
+
+def stepped_tensors(optimizer) -> list[torch.Tensor]:
+    """The tensors the optimizer updates (the inner one's, for the wrappers that shard or keep
+    a master)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return [p for g in inner.param_groups for p in g["params"]]
+
+
+class StepNotes:
+    """Around one optimizer step: the dtypes it steps, and where they are not fp32 the elements
+    it left unchanged (a copy of the low-precision tensors before the step: only then)."""
+
+    def __init__(self, optimizer):
+        self.tensors = stepped_tensors(optimizer)
+        self.note: dict = {"param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.tensors})}
+        self._before = None
+
+    def __enter__(self) -> "StepNotes":
+        low = [p for p in self.tensors if p.dtype != torch.float32]
+        if low:
+            self._before = [(p, p.detach().clone()) for p in low]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._before is None or exc[0] is not None:
+            return
+        unchanged = total = 0
+        for p, before in self._before:
+            unchanged += int((p.detach() == before).sum())
+            total += p.numel()
+        self.note["low_precision_elements"] = total
+        self.note["unchanged"] = unchanged
+        self._before = None

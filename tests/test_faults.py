@@ -1,0 +1,187 @@
+"""Each planted fault (``minishard.faults``) trained on real ranks, then diagnosed by the doctor
+from the files the ranks left: it names the fault, the rank and the collective, unit or
+parameter; on healthy runs — including ones that look alike (ranks built from their own seeds
+under a strategy that broadcasts rank 0's weights, bf16 with a master) — it finds nothing.
+
+The hang is the issue's own case: a skipped collective on rank 1 of 4 under torchrun, which
+must end within its timeout and leave dumps the doctor reads."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fault_tasks as T
+from minishard import doctor
+from minishard.cli import main
+from minishard.config import ConfigError, TrainConfig
+from minishard.model import GPT, config as model_config
+from minishard.playback import fmt_bytes
+
+WORLD, ODD = 4, 1                   # the fault goes on rank 1 of 4 (TrainConfig's fault_rank)
+RUNS = {
+    "healthy_fsdp": dict(strategy="fsdp", clip=1.0, accum=2),
+    "healthy_ddp_own_seeds": dict(strategy="ddp", rank_seeds=True, clip=1.0),
+    "healthy_torch_ddp_own_seeds": dict(strategy="torch_ddp", rank_seeds=True),
+    "healthy_bf16_master": dict(strategy="zero2", precision="bf16_mixed", clip=1.0),
+    "reorder": dict(strategy="fsdp", fault="reorder"),
+    "torch_reorder": dict(strategy="torch_fsdp", fault="reorder"),
+    "unsynced_ddp": dict(strategy="ddp", fault="unsynced-init"),
+    "unsynced_fsdp": dict(strategy="fsdp", fault="unsynced-init"),
+    "torch_fsdp_own_seeds": dict(strategy="torch_fsdp", rank_seeds=True),
+    "no_master": dict(strategy="ddp", fault="no-master"),
+    "local_clip": dict(strategy="fsdp", fault="local-clip", clip=0.5),
+    "no_wrap": dict(strategy="fsdp", wrap="model"),
+    "accum_unsharded": dict(strategy="fsdp", accum=2, fsdp_accumulate_unsharded=True),
+}
+N_PARAMS = GPT(T.SMALL["model"], device="meta").num_params()
+N_LAYER = model_config(T.SMALL["model"]).n_layer
+
+
+@pytest.fixture(scope="module")
+def runs(pools, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("faults")
+    out = {}
+    for name, knobs in RUNS.items():
+        out[name] = root / name
+        pools(WORLD).run(T.trained, str(out[name]), **knobs)
+    return out
+
+
+def found(directory) -> list[dict]:
+    return doctor.diagnose(directory).as_dict()["findings"]
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n.startswith("healthy")])
+def test_healthy_runs_find_nothing(runs, name):
+    assert found(runs[name]) == []
+
+
+def test_two_units_gathered_in_swapped_order_is_a_silent_desync_naming_rank_and_units(runs):
+    for name in ("reorder", "torch_reorder"):           # minishard's FSDP and PyTorch's FSDP2 alike
+        (f,) = found(runs[name])
+        assert (f["kind"], f["ranks"]) == ("desync", [ODD]), name
+        assert f"rank {ODD} all_gather of blocks.1" in f["title"], f["title"]
+        assert "ranks 0, 2, 3 all_gather of blocks.0" in f["title"], f["title"]
+        assert any("nothing failed" in e for e in f["evidence"]), f["evidence"]
+
+
+def test_different_initial_weights_are_named_by_rank_and_parameter(runs):
+    (replicas,) = found(runs["unsynced_ddp"])
+    assert (replicas["kind"], replicas["ranks"]) == ("weights", [ODD])
+    assert "started training from other weights than rank 0" in replicas["title"]
+    assert replicas["evidence"][0].startswith(f"rank {ODD}: ") and "tok_emb.weight" in replicas["evidence"][0]
+    (shards,) = found(runs["unsynced_fsdp"])
+    assert (shards["kind"], shards["ranks"]) == ("weights", [ODD])
+    assert "each rank sharded its own" in shards["title"]
+    # PyTorch's FSDP2 broadcasts nothing (pytorch#148756): ranks built from their own seeds differ
+    (theirs,) = found(runs["torch_fsdp_own_seeds"])
+    assert (theirs["kind"], theirs["ranks"]) == ("weights", [1, 2, 3])
+
+
+def test_bf16_without_a_master_is_named_with_the_updates_it_rounded_away(runs):
+    (f,) = found(runs["no_master"])
+    assert (f["kind"], f["ranks"]) == ("precision", list(range(WORLD)))
+    assert "steps bfloat16 weights: no fp32 master" in f["title"]
+    # DDP's optimizer steps every parameter on every rank: all of them are counted
+    assert all(f"of {N_PARAMS:,} bfloat16 elements" in e for e in f["evidence"]), f["evidence"]
+    assert len(f["evidence"]) == T.SMALL["steps"]
+
+
+def test_a_norm_of_the_local_shards_differs_by_rank(runs):
+    (f,) = found(runs["local_clip"])
+    assert (f["kind"], f["ranks"]) == ("clip", list(range(WORLD)))
+    assert "at step 0" in f["title"]
+    assert all(f"rank {r}: " in f["evidence"][0] for r in range(WORLD))
+    assert "no all-reduce of the squared norm" in f["evidence"][1]
+
+
+def test_one_fsdp_unit_holding_every_parameter_is_named(runs):
+    (f,) = found(runs["no_wrap"])
+    assert (f["kind"], f["ranks"]) == ("memory", list(range(WORLD)))
+    # the root alone: the whole model unsharded, fp32
+    assert f"'root' holds 100 % of the parameters" in f["title"]
+    assert f"holds {fmt_bytes(4 * N_PARAMS)} unsharded" in f["title"]
+
+
+def test_accumulation_without_sync_names_the_full_gradients_kept(runs):
+    (f,) = found(runs["accum_unsharded"])
+    assert (f["kind"], f["ranks"]) == ("memory", list(range(WORLD)))
+    # every unit's full fp32 gradient, the blocks and the root: the whole model's
+    assert f"{fmt_bytes(4 * N_PARAMS)} of full gradients of {N_LAYER + 1} units" in f["title"]
+
+
+# --------------------------------------------------------------------------- the hang, under torchrun
+
+def test_a_skipped_collective_on_rank_1_of_4_under_torchrun_ends_in_its_timeout(tmp_path):
+    trace, timeout = tmp_path / "hung", 3
+    # PyTorch keeps its own flight recorder too (on gloo since 2.7): each rank writes it beside
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]),
+               TORCH_FR_BUFFER_SIZE="256")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={WORLD}", "-m", "minishard", "demo", "--model", "nano",
+                           "--steps", "2", "--micro-batch", "2", "--fault", "skip-collective",
+                           "--fault-rank", str(ODD), "--timeout", str(timeout), "--trace", str(trace),
+                           "--quiet"], env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - start
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert f"minishard doctor {trace}" in done.stderr, done.stderr[-2000:]
+    reasons = {r: json.loads((trace / f"flight_rank{r}.json").read_text())["reason"] for r in range(WORLD)}
+    assert reasons == {0: "exception", 1: "end", 2: "exception", 3: "exception"}, reasons
+    hang, timed_out = found(trace)
+    assert (hang["kind"], hang["ranks"]) == ("hang", [ODD])
+    assert f"rank {ODD} never issued seq" in hang["title"] and "(all_reduce of bucket0)" in hang["title"]
+    assert "ranks 0, 2, 3 wait in it" in hang["title"]
+    assert any("step 1, phase backward" in e for e in hang["evidence"]), hang["evidence"]
+    assert (timed_out["kind"], timed_out["ranks"]) == ("timeout", [0, 2, 3])
+    print(f"hung run ended in {seconds:.1f} s (collective timeout {timeout} s)")
+    # PyTorch's own dumps alone (a job that never imported minishard would leave only those)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for r in range(WORLD):
+        shutil.copy(trace / f"torch_fr_trace_rank_{r}", theirs)
+    (hang,) = found(theirs)
+    assert (hang["kind"], hang["ranks"]) == ("hang", [ODD])
+    assert f"rank {ODD} never issued seq" in hang["title"]
+    assert "of group 'torch:default_pg' (all_reduce); ranks 0, 2, 3 wait in it" in hang["title"]
+
+
+# --------------------------------------------------------------------------- refused before any rank starts
+
+@pytest.mark.parametrize("knobs, says", [
+    (dict(fault="crash"), "fault='crash': unknown fault; expected one of skip-collective, reorder"),
+    (dict(fault="reorder", strategy="ddp"), "needs an FSDP strategy with one unit per block"),
+    (dict(fault="reorder", strategy="fsdp", wrap="model"), "needs an FSDP strategy with one unit per block"),
+    (dict(fault="local-clip", strategy="zero2"), "plants a wrong gradient clip: set clip"),
+    (dict(fault="local-clip", strategy="ddp", clip=1.0), "its own norm is the global one"),
+    (dict(fault="skip-collective", strategy="torch_ddp"), "strategy='torch_ddp' is PyTorch's own and does not use it"),
+    (dict(fault="no-master", precision="bf16_mixed"), "keeps one: drop it"),
+    (dict(fault="unsynced-init", strategy="single"), "needs ranks that disagree"),
+    (dict(fault="reorder", strategy="fsdp", fault_rank=-1), "fault_rank=-1: must be a rank"),
+])
+def test_a_fault_a_strategy_cannot_have_is_refused_by_name(knobs, says):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(**knobs)
+    assert says in str(e.value), str(e.value)
+
+
+def test_the_command_line_names_the_fault_flags(capsys):
+    assert main(["demo", "--fault", "crash", "--world-size", "2"]) == 2
+    assert "--fault crash: unknown fault" in capsys.readouterr().err
+    assert main(["demo", "--strategy", "fsdp", "--fault", "reorder", "--fault-rank", "2",
+                 "--world-size", "2"]) == 2
+    assert "--fault-rank 2: no such rank in a world of 2" in capsys.readouterr().err
+    assert main(["demo", "--timeout", "0", "--world-size", "2"]) == 2
+    assert "--timeout 0.0: a collective's timeout must be a positive" in capsys.readouterr().err
+
+
+def test_an_unreadable_pytorch_dump_is_exit_2_naming_it(tmp_path, capsys):
+    (tmp_path / "nccl_trace_rank_0").write_bytes(b"not a pickle")
+    assert main(["doctor", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nccl_trace_rank_0'}: not a PyTorch flight-recorder dump" in err, err
