@@ -6,7 +6,9 @@ Every collective minishard's ``Comm`` issues enters the recorder (``minishard/fl
 dict, a walk up the stack to the issuing and the calling line, a lock. This measures that cost
 per collective (the same all-reduce of a 1,000-element tensor with and without the recorder's
 two calls, from 20 frames deep, as a training step calls it), then multiplies it by each
-strategy's collectives per step and divides by its step time on 2 ranks of the tiny GPT.
+strategy's collectives per step and divides by its step time on 2 ranks of the tiny GPT. The
+doctor's facts (``minishard/health.py``) cost a few microseconds a step for fp32 weights and a
+fingerprint of the weights once at the start: measured beside it.
 """
 from __future__ import annotations
 
@@ -39,9 +41,30 @@ def per_call(recorded: bool) -> float:
     return statistics.median(deep(20) for _ in range(5))
 
 
+def facts_cost() -> tuple[float, float]:
+    """The doctor's facts (``minishard/health.py``): seconds per step for the notes around an
+    fp32 optimizer step (which dtypes it steps; no copy), and once at the start for the
+    fingerprints of the tiny GPT's weights."""
+    from minishard import health
+    from minishard.model import GPT
+    net = GPT("tiny")
+    opt = torch.optim.AdamW(net.parameters())
+    t0 = time.perf_counter()
+    for _ in range(200):
+        with health.StepNotes(opt):
+            pass
+    per_step = (time.perf_counter() - t0) / 200
+    t0 = time.perf_counter()
+    health.fingerprint(net.named_parameters())
+    return per_step, time.perf_counter() - t0
+
+
 def main() -> None:
     cost = per_call(True) - per_call(False)
     print(f"the recorder: +{cost * 1e6:.1f} us per collective (median of 5 x {CALLS:,} calls)")
+    per_step, once = facts_cost()
+    print(f"the facts: {per_step * 1e6:.1f} us per step (fp32: no copy), {once * 1e3:.1f} ms once at the "
+          f"start (fingerprints of the tiny GPT's weights, twice for replicas)")
     with Ranks(2) as ranks:
         for strategy in ("ddp_naive", "ddp", "zero2", "fsdp"):
             res = ranks.run(train, TrainConfig(strategy=strategy, model="tiny", steps=4, micro_batch=2,
