@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import minishard
+import minishard.doctor
 from minishard import trace
 from minishard.cli import view
 from minishard.watching import WatchError
@@ -46,7 +47,9 @@ def _build(kind, raf=True):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
     torch.manual_seed(0)
     net = EncoderLM() if kind == "encoder" else minishard.GPT("nano")
-    if kind in ("ddp", "zero", "ddp_sgd"):
+    if kind == "ddp_bf16":                    # bf16 weights and no master: what the doctor names
+        net.to(torch.bfloat16)
+    if kind in ("ddp", "zero", "ddp_sgd", "ddp_bf16"):
         model = TorchDDP(net, bucket_cap_mb=0.25)
         opt = (ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
                if kind == "zero" else torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
@@ -221,6 +224,19 @@ def test_torch_ddp(pools, tmp_path):
     last = rp.snapshot(rp.n - 1)[0]
     assert last["exp_avg"] == last["exp_avg_sq"] == 4 * psi
     assert last["comm_buffers"] == 4 * psi                      # the rebuilt buckets; step 0's freed
+    # beside the trace, the facts the doctor reads: DDP's replicas start equal, fp32 stepped
+    facts = [json.loads((out / f"flight_rank{r}.json").read_text())["facts"] for r in range(N)]
+    assert facts[0]["weights_start"] == facts[1]["weights_start"] and len(facts[0]["weights_start"]) == 41
+    assert [n["param_dtypes"] for n in facts[0]["steps"]] == [["float32"]] * STEPS
+    assert minishard.doctor.diagnose(out).findings == []
+
+
+def test_a_watched_ddp_in_bf16_without_a_master_is_named(pools, tmp_path):
+    _run(pools, tmp_path, "ddp_bf16")
+    (f,) = minishard.doctor.diagnose(tmp_path / "ddp_bf16").findings
+    assert (f.kind, f.ranks) == ("precision", [0, 1])
+    assert len(f.evidence) == STEPS and all("bfloat16 elements the optimizer stepped came out unchanged"
+                                            in e for e in f.evidence)
 
 
 def test_torch_zero(pools, tmp_path):

@@ -107,7 +107,7 @@ class Watch:
 
     # ------------------------------------------------------------------ enter: checks first
     def __enter__(self) -> "Watch":
-        from . import calls, ddp, fsdp2, own
+        from . import calls, ddp, facts, fsdp2, own
         if not (dist.is_available() and dist.is_initialized()):
             raise WatchError("minishard.watch: torch.distributed's process group is not "
                              "initialised; call dist.init_process_group(...) (or run under "
@@ -141,6 +141,8 @@ class Watch:
                 ddp.attach(self, self.model)
             calls.attach(self)
             self._attach_phases()
+            if self._given_flight is None:       # (under train() its recorder has them already)
+                facts.attach(self)
             if ledgers:                          # minishard's ledger counts every byte itself
                 own.activations(self, ledgers)
                 own.optimizer_state(self, ledgers)
