@@ -175,7 +175,9 @@ def _replicated(strategy, net, config, comm, ledger, *, wrapper=None) -> Built:
             ledger.track("params", p, f"param:{name}")
     if not getattr(model, "owns_gradients", False):   # (DDP's gradients live in its buckets)
         for name, p in net.named_parameters():        # grads allocated up front, so that the
-            p.grad = torch.zeros_like(p)              # ledger sees them
+            if not p.requires_grad:                   # ledger sees them; a frozen weight has
+                continue                              # none (a zero one would be decayed)
+            p.grad = torch.zeros_like(p)
             if ledger is not None:
                 ledger.track("grads", p.grad, f"grad:{name}")
     from .ledger import track_optimizer_state

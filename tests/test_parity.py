@@ -102,3 +102,19 @@ def test_rank_seeds_leave_the_one_process_reference_as_it_was():
     b = train(None, TrainConfig(rank_seeds=True, **kw))
     assert a["losses"] == b["losses"]
     assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
+
+def test_frozen_weights_stay_bitwise_unchanged_under_adamw_weight_decay(pools):
+    """A frozen weight has no gradient, so no optimizer step touches it — not even AdamW's weight
+    decay, which moves any weight that has a gradient, zero or not. (``single`` and ``ddp_naive``
+    once gave frozen weights zero gradients up front, so their reference decayed them.)"""
+    from minishard.model import GPT
+    frozen = ("tok_emb", "blocks.0.ln1")
+    kw = dict(model="nano", steps=1, micro_batch=1, optimizer="adamw", freeze=frozen, return_params=True)
+    start = {n: p.detach() for n, p in GPT("nano").named_parameters() if n.startswith(frozen)}
+    runs = {"single": train(None, TrainConfig(strategy="single", **kw))}
+    for s in ("ddp_naive", "ddp", "zero2", "fsdp", "torch_ddp"):   # each way gradients are held
+        runs[s] = pools(2).run(train, TrainConfig(strategy=s, **kw))[0]
+    for s, out in runs.items():
+        moved = [n for n in start if not torch.equal(out["params"][n], start[n])]
+        assert not moved, f"{s}: frozen weights changed: {moved}"
