@@ -175,40 +175,48 @@ def _unit_of(tag: str, patterns) -> str | None:
 
 
 def _fold(events: list[dict]) -> dict:
-    """One rank's ledger replayed: the most each unit held unsharded, the peak and its
-    categories, and the most full gradients live as a forward began (with their units)."""
+    """One rank's ledger replayed as ``trace.LedgerTimeline`` does — each alloc adds its bytes to
+    its category, each free takes its own away (a watched PyTorch job repeats tags) — with: the
+    most each unit held unsharded, the peak and its categories, and the most full gradients live
+    as a forward began (with their units)."""
     units: dict[str, int] = {}                         # unit -> the most it held unsharded
     gathered: dict[str, int] = defaultdict(int)        # unit -> unsharded now
-    live: dict[str, tuple[str, int]] = {}              # tag -> (category, bytes)
-    out = {"units": units, "peak": 0, "at_peak": {}, "kept": 0, "kept_units": []}
-    total = 0
+    full: dict[str, int] = defaultdict(int)            # unit -> full gradients now
+    by_cat: dict[str, int] = defaultdict(int)
+    # "last": as the last allocation left it — where a rank that ran out of memory stood (what
+    # follows it in the trace is the exception unwinding: autograd freeing what it saved)
+    out = {"units": units, "peak": 0, "at_peak": {}, "kept": 0, "kept_units": [], "last": {}}
+    phase = None
     for ev in events:
         kind = ev.get("kind")
-        if kind == "alloc" and ev.get("device", "device") == "device":
-            live[ev["tag"]] = (ev["category"], ev["bytes"])
-            total += ev["bytes"]
-            if ev["category"] == "unsharded" and (u := _unit_of(ev["tag"], UNIT_FULL)):
-                gathered[u] += ev["bytes"]
+        if kind in ("alloc", "free") and ev.get("device", "device") == "device":
+            sign = 1 if kind == "alloc" else -1
+            nbytes, tag = sign * int(ev.get("bytes", 0)), str(ev.get("tag", ""))
+            by_cat[ev.get("category")] += nbytes
+            if ev.get("category") == "unsharded" and (u := _unit_of(tag, UNIT_FULL)):
+                gathered[u] += nbytes
                 units[u] = max(units.get(u, 0), gathered[u])
-            if total > out["peak"]:
-                out["peak"], out["at_peak"] = total, _by_category(live)
-        elif kind == "free" and ev.get("tag") in live:
-            category, nbytes = live.pop(ev["tag"])
-            total -= nbytes
-            if category == "unsharded" and (u := _unit_of(ev["tag"], UNIT_FULL)):
-                gathered[u] -= nbytes
-        elif kind == "phase" and ev.get("name") == "forward" and ev.get("edge") == "begin":
-            grads = {t: b for t, (c, b) in live.items() if c == "grads" and FULL_GRAD.match(t)}
-            if sum(grads.values()) > out["kept"]:
-                out["kept"] = sum(grads.values())
-                out["kept_units"] = sorted({FULL_GRAD.match(t).group("unit") for t in grads})
+            if ev.get("category") == "grads" and (m := FULL_GRAD.match(tag)):
+                full[m.group("unit")] += nbytes
+            total = sum(by_cat.values())
+            if kind == "alloc":
+                if total > out["peak"]:
+                    out["peak"], out["at_peak"] = total, {c: b for c, b in by_cat.items() if b}
+                out["last"] = {"gathered": {u: b for u, b in gathered.items() if b > 0},
+                               "full": sum(full.values()), "phase": phase, "total": total}
+        if kind == "phase" and ev.get("edge") == "begin" and ev.get("name") != "step":
+            phase = ev.get("name")
+        if kind == "phase" and ev.get("name") == "forward" and ev.get("edge") == "begin":
+            if sum(full.values()) > out["kept"]:
+                out["kept"] = sum(full.values())
+                out["kept_units"] = sorted(u for u, b in full.items() if b > 0)
     return out
 
 
-def memory(traces: dict[int, Path]) -> list:
+def memory(traces: dict[int, Path], dumps: dict[int, dict] | None = None) -> list:
     from .doctor import Finding
     folds = {r: _fold(_read(path)) for r, path in sorted(traces.items())}
-    found = []
+    found = out_of_memory(folds, dumps or {})
     one_unit = {r: f for r, f in folds.items()
                 if f["units"] and max(f["units"].values()) >= MOST * sum(f["units"].values())}
     if one_unit:
@@ -245,11 +253,50 @@ def memory(traces: dict[int, Path]) -> list:
     return found
 
 
-def _by_category(live: dict[str, tuple[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for c, b in live.values():
-        out[c] += b
-    return dict(out)
+STATE = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "momentum")
+
+
+def out_of_memory(folds: dict[int, dict], dumps: dict[int, dict]) -> list:
+    """A rank that ran out of memory: what it held when the allocation failed (the ledger's own
+    count, which its dump keeps; units and full gradients from its trace, as its last
+    allocation left them), split into the causes one can change, the largest first."""
+    from .doctor import Finding
+    ranks = sorted(r for r, d in dumps.items() if (d.get("facts") or {}).get("out_of_memory"))
+    if not ranks:
+        return []
+    r = ranks[0]
+    oom = dumps[r]["facts"]["out_of_memory"]
+    held, last = oom["held"], folds.get(r, {}).get("last", {})
+    full, gathered = last.get("full", 0), last.get("gathered", {})
+    causes: list[tuple[int, str, str]] = []           # (bytes, what, what to change)
+    act = held.get("activations", 0)
+    causes.append((act, f"activations {fmt_bytes(act)}", "recompute them (activation "
+                   "checkpointing), a smaller micro-batch with accumulation, the loss in chunks"))
+    state = sum(held.get(c, 0) for c in STATE) - full
+    causes.append((state, f"parameters' shards, gradients and optimizer state {fmt_bytes(state)}",
+                   "shard more of it (the next ZeRO stage, more ranks) or offload it"))
+    if gathered:
+        units = ", ".join(f"{u} {fmt_bytes(b)}" for u, b in sorted(gathered.items(), key=lambda ub: -ub[1]))
+        root = " (the root is kept gathered from forward to backward: FSDP2's default)" \
+            if "root" in gathered and last.get("phase") != "forward" else ""
+        causes.append((sum(gathered.values()),
+                       f"{len(gathered)} unit{'s' if len(gathered) > 1 else ''} gathered at once: "
+                       f"{units}{root}", "smaller units (wrap each block), a smaller prefetch depth"
+                       + (", reshard the root after forward" if root else "")))
+    if full:
+        causes.append((full, f"full gradients {fmt_bytes(full)}", "reduce-scatter every micro-batch "
+                       "instead of accumulating unsharded"))
+    if held.get("comm_buffers"):
+        causes.append((held["comm_buffers"], f"communication buffers {fmt_bytes(held['comm_buffers'])}",
+                       "smaller buckets, fewer collectives in flight"))
+    causes = sorted((c for c in causes if c[0]), key=lambda c: -c[0])
+    return [Finding(
+        "memory", ranks,
+        f"{_ranks_word(ranks)} ran out of memory in {last.get('phase') or 'the run'}: rank {r} held "
+        f"{fmt_bytes(sum(held.values()))}, allocating {fmt_bytes(oom['nbytes'])} of {oom['category']} "
+        f"would pass its budget of {fmt_bytes(oom['budget'])}",
+        [f"{what}: {fix}" for _, what, fix in causes],
+        f"change the largest first: {causes[0][2]}" if causes else "a larger device, or less held")]
 
 
 def _split(at_peak: dict[str, int]) -> str:

@@ -257,18 +257,19 @@ def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
 
 
 def never_completed(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
-                    missing: list[int]) -> Finding | None:
+                    missing: list[int], dumps: dict[int, dict]) -> Finding | None:
     """The first seq every rank issued that never completed on some."""
     common = set.intersection(*(set(held.get(r, {})) for r in ranks)) if ranks else set()
     for seq in sorted(common):
         stuck = [r for r in ranks if held[r][seq]["state"] not in ("completed", "retired")]
-        if not stuck:
-            continue
+        if not stuck or (not missing and all(dumps[r]["reason"] == "exception" for r in stuck)):
+            continue             # (what a rank that raised left in flight, it abandoned)
         e = held[stuck[0]][seq]
         gone = f"; {ranks_word(missing)} left no dump" if missing else ""
         return Finding(
             "hang", missing or stuck,
-            f"{ranks_word(stuck)} wait in {e['op']} seq {seq} of group {group!r}{gone}",
+            f"{ranks_word(stuck)} wait{'s' if len(stuck) == 1 else ''} in {e['op']} seq {seq} of "
+            f"group {group!r}{gone}",
             [entry_line(ranks_word(ranks), e)] if _alike(held, ranks, seq) else
             [entry_line(f"rank {r}", held[r][seq]) for r in ranks],
             (f"the ranks with a dump all issued it, so the one that did not is among those "
@@ -376,11 +377,11 @@ def diagnose(directory: str | Path) -> Report:
         f = desync(group, held, ranks)
         if f is None:          # after a desync, what a group did next is its consequence
             f = never_issued(group, held, ranks, report.dumps) or never_completed(
-                group, held, ranks, missing if len(ranks) == len(report.dumps) else [])
+                group, held, ranks, missing if len(ranks) == len(report.dumps) else [], report.dumps)
         if f is not None:
             found.append(f)
     from . import causes
     found += causes.weights(report.dumps) + causes.clip(report.dumps) + causes.precision(report.dumps)
-    found += causes.memory(report.traces)
+    found += causes.memory(report.traces, report.dumps)
     report.findings = sorted(found, key=lambda f: KINDS.index(f.kind))
     return report

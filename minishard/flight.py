@@ -113,10 +113,15 @@ class FlightRecorder:
 class dumping:
     """``with dumping(recorder, directory):`` — the recorder is written on the way out: reason
     ``end``, ``exception`` (with the error; the exception goes on) or ``sigterm`` (torchrun
-    stopping this rank because another failed: written, then the default handler runs)."""
+    stopping this rank because another failed: written, then the default handler runs).
+
+    A SIGTERM that arrives while the way-out dump is being written waits for it (torchrun sends
+    one to every rank as soon as the first exits, and ranks that time out together exit
+    together): the handler stays ours until the file is whole, then the signal is sent again."""
 
     def __init__(self, recorder: FlightRecorder, directory):
         self.recorder, self.directory, self._old = recorder, directory, None
+        self._writing = self._pending = False
 
     def __enter__(self) -> FlightRecorder:
         if threading.current_thread() is threading.main_thread():
@@ -124,18 +129,32 @@ class dumping:
         return self.recorder
 
     def _on_sigterm(self, signum, frame) -> None:
-        self.recorder.dump(self.directory, "sigterm")
-        from .torch_flight import write
-        write(self.directory, self.recorder.rank)
+        if self._writing:                        # the way-out dump is on its way: after it
+            self._pending = True
+            return
+        self._writing = True
+        self._write("sigterm")
         signal.signal(signal.SIGTERM, self._old or signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def __exit__(self, kind, error, tb) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-        if error is None:
-            self.recorder.dump(self.directory, "end")
-        else:
-            self.recorder.dump(self.directory, "exception", f"{kind.__name__}: {error}")
+    def _write(self, reason: str, error: str | None = None) -> None:
+        self.recorder.dump(self.directory, reason, error)
         from .torch_flight import write          # PyTorch's own, when TORCH_FR_BUFFER_SIZE asks
         write(self.directory, self.recorder.rank)
+
+    def __exit__(self, kind, error, tb) -> None:
+        self._writing = True
+        try:
+            if error is None:
+                self._write("end")
+            else:
+                if hasattr(error, "held") and hasattr(error, "budget"):   # the ledger's OOM: its
+                    self.recorder.facts["out_of_memory"] = {             # exact count, for the doctor
+                        "category": error.category, "tag": error.tag, "nbytes": error.nbytes,
+                        "budget": error.budget, "held": error.held}
+                self._write("exception", f"{kind.__name__}: {error}")
+        finally:
+            if self._old is not None:
+                signal.signal(signal.SIGTERM, self._old)
+            if self._pending:
+                os.kill(os.getpid(), signal.SIGTERM)

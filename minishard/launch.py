@@ -392,7 +392,7 @@ def context_from_env(trace_sink=None, collective_timeout: float = INIT_TIMEOUT_S
     (``collective_timeout``: seconds a collective waits for its peers before it raises)."""
     backend = default_backend()
     if not dist.is_initialized():
-        init_group(backend, timeout=timedelta(seconds=collective_timeout))
+        init_group(backend, timeout=timedelta(seconds=INIT_TIMEOUT_S))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
@@ -402,5 +402,9 @@ def context_from_env(trace_sink=None, collective_timeout: float = INIT_TIMEOUT_S
     from .comm import Comm
     origin = torch.tensor([time.time()], dtype=torch.float64, device=device)
     Comm().broadcast(origin, 0)
+    # a short collective timeout counts from here: torchrun starts processes seconds apart on a
+    # busy machine, and the first collective above waited for the last of them
+    if collective_timeout != INIT_TIMEOUT_S:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout))
     return RankContext(rank, world_size, device, Tracer(rank, world_size, origin=origin.item(),
                                                         sink=trace_sink), backend)

@@ -118,7 +118,7 @@ def test_accumulation_without_sync_names_the_full_gradients_kept(runs):
 # --------------------------------------------------------------------------- the hang, under torchrun
 
 def test_a_skipped_collective_on_rank_1_of_4_under_torchrun_ends_in_its_timeout(tmp_path):
-    trace, timeout = tmp_path / "hung", 3
+    trace, timeout = tmp_path / "hung", 4
     # PyTorch keeps its own flight recorder too (on gloo since 2.7): each rank writes it beside
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]),
                TORCH_FR_BUFFER_SIZE="256")
@@ -185,3 +185,35 @@ def test_an_unreadable_pytorch_dump_is_exit_2_naming_it(tmp_path, capsys):
     assert main(["doctor", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'nccl_trace_rank_0'}: not a PyTorch flight-recorder dump" in err, err
+
+
+def test_running_out_of_memory_is_split_into_its_causes_largest_first(tmp_path):
+    """One rank, FSDP with prefetch 2 on a device of 2.86 MiB: the allocation that fails is
+    named with the ledger's exact count, and what it held is split into what one can change."""
+    import torch
+
+    from minishard.launch import RankContext
+    from minishard.ledger import DeviceOutOfMemory
+    from minishard.train import train
+    from minishard.trace import Tracer
+    rank = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
+    with pytest.raises(DeviceOutOfMemory) as oom:
+        try:
+            train(rank, TrainConfig(strategy="fsdp", prefetch=2, device_budget=3_000_000,
+                                    flight_dir=str(tmp_path), **T.SMALL))
+        finally:
+            rank.tracer.write_jsonl(tmp_path / "rank0.jsonl")
+    e = oom.value
+    raised, memory = found(tmp_path)
+    assert (raised["kind"], memory["kind"], memory["ranks"]) == ("exception", "memory", [0])
+    assert f"held {fmt_bytes(sum(e.held.values()))}, allocating {fmt_bytes(e.nbytes)} of {e.category}" \
+        in memory["title"]
+    state = sum(b for c, b in e.held.items() if c not in ("activations", "unsharded", "comm_buffers"))
+    said = {line.split(":")[0] for line in memory["evidence"]}
+    assert f"parameters' shards, gradients and optimizer state {fmt_bytes(state)}" in said
+    assert f"activations {fmt_bytes(e.held['activations'])}" in said
+    # the units gathered are the ledger's unsharded bytes, unit by unit
+    (units,) = [line for line in memory["evidence"] if "gathered at once" in line]
+    assert "root" in units and "smaller prefetch depth" in units
+    # largest first: here the state (every shard, its gradient) outweighs the activations
+    assert state > e.held["activations"] and memory["evidence"][0].startswith("parameters' shards")
