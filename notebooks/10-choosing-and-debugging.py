@@ -308,6 +308,9 @@ assert w["all four mistakes"]["calls"] == 2 and w["1. wrap per block"]["calls"] 
 #
 # * **Wrap granularity.** With one unit for the whole model, `unsharded` is 26.2 MiB — all of Ψ,
 #   gathered at once: at that moment sharding saves nothing. One unit per block: the root only.
+#   ([Chapter 11 §5](11-when-it-breaks.ipynb) plants it on four ranks, PyTorch's FSDP2 too, and
+#   `minishard doctor` names the unit from the trace — with the other memory cause the checklist
+#   leaves out: full gradients kept across micro-batches by accumulation without sync.)
 # * **Prefetch depth.** Depth 3 keeps three blocks' full parameters in flight (`comm_buffers`,
 #   3 × 3.0 MiB: the per-parameter layout holds a prefetched unit in its packed all-gather
 #   buffer until it is used); depth 1, one block. Still over: `activations` is the giant.
@@ -464,7 +467,9 @@ assert topo["ethernet-100g"][1].tokens_per_s_per_rank > 2 * topo["ethernet-100g"
 # overlap them — compute cannot start before the whole gather lands, and the reduce-scatter waits
 # for the whole backward. Going the other way, one unit per Linear multiplies the collectives
 # ([chapter 06 §3](06-fsdp-units.ipynb) measured 41 per step on the nano model against 11 per
-# block), each paying its latency. The planner, for Llama-3-8B on two nodes with InfiniBand NDR:
+# block), each paying its latency. (From a trace, `minishard doctor` names a unit that holds most
+# of the parameters: [chapter 11 §5](11-when-it-breaks.ipynb).) The planner, for Llama-3-8B on two
+# nodes with InfiniBand NDR:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -564,6 +569,12 @@ assert 4.0 < names["fsdp"][1] <= 6.0                                        # up
 # %% [markdown]
 # Stage by stage, memory falls and traffic stays at DDP's until stage 3, which adds a third pass
 # over the parameters. That is the sentence to remember, not the names.
+#
+# The eight pitfalls are choices that cost time or memory. The failures that are bugs — a rank
+# that skips a collective and leaves the others waiting, collectives issued in different orders,
+# ranks that start from different weights, bf16 weights stepped without a master, a clip by the
+# local norm — are [chapter 11](11-when-it-breaks.ipynb): each reproduced on real ranks,
+# diagnosed from the ranks' flight recorders, fixed and run again.
 #
 # ## 5. The profiling checklist, from real traces
 # Before tuning anything, measure these five — here read off the scaling runs of §4.1 by

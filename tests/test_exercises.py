@@ -240,3 +240,45 @@ def test_offload_bytes_that_gather_the_root_twice_fail(ranks):
         return 2 * (n_blocks * block_shard + root_shard), n_blocks * block_shard + root_shard
     with pytest.raises(ExerciseFailed, match="root: 1"):
         ch08.check_offload_bytes(offload_bytes, ranks=ranks)
+
+
+def _majority(held_at: dict, ranks: list) -> list:
+    """The ranks outside the largest set that agree (every rank on a tie) — the part of a
+    first_desync every wrong answer below gets right."""
+    sides = {}
+    for r in ranks:
+        sides.setdefault(held_at[r], []).append(r)
+    groups = sorted(sides.values(), key=len, reverse=True)
+    return ranks if len(groups) > 1 and len(groups[0]) == len(groups[1]) else \
+        sorted(r for g in groups[1:] for r in g)
+
+
+def test_a_desync_check_that_compares_only_sizes_misses_the_swapped_units():
+    from minishard.course.exercises import ch11
+
+    def first_desync(held):
+        by_seq = {r: {e["seq"]: e for e in es} for r, es in held.items()}
+        ranks = sorted(by_seq)
+        for seq in sorted(set.intersection(*(set(s) for s in by_seq.values()))):
+            what = {r: (by_seq[r][seq]["op"], str(by_seq[r][seq]["shapes"]), str(by_seq[r][seq]["dtypes"]))
+                    for r in ranks}                       # what it is, not what it moves
+            if len(set(what.values())) > 1:
+                return seq, _majority(what, ranks)
+        return None
+    with pytest.raises(ExerciseFailed, match="compare what they move"):
+        ch11.check_first_desync(first_desync)
+
+
+def test_a_desync_check_that_aligns_ranks_by_position_fails_on_dropped_rings():
+    from minishard.course.exercises import ch11
+
+    def first_desync(held):
+        ranks = sorted(held)
+        for entries in zip(*(held[r] for r in ranks)):    # the i-th entry of each ring, not the seq
+            what = {r: (e["op"], str(e["shapes"]), str(e["dtypes"]), e["tag"], e["step"])
+                    for r, e in zip(ranks, entries)}
+            if len(set(what.values())) > 1:
+                return entries[0]["seq"], _majority(what, ranks)
+        return None
+    with pytest.raises(ExerciseFailed, match="align the ranks by seq"):
+        ch11.check_first_desync(first_desync)

@@ -1,0 +1,99 @@
+"""Chapter 11 (when it breaks): the failures people hit, planted on real ranks, and the doctor's
+word on each.
+
+* :func:`broken` trains the course's GPT with one failure planted (``TrainConfig(fault=...)``,
+  :mod:`minishard.faults`) or one memory mistake configured, and leaves what every rank recorded —
+  its flight dump and its trace — in a directory for :func:`minishard.doctor.diagnose`;
+  :func:`outcome` does the same for a run that fails on some ranks (a hang that times out), each
+  rank's error coming back as data.
+* :func:`doctor_text` is the doctor's printed report, made the same on every machine (see
+  :func:`stable`); :func:`summary` is one finding in a line, :func:`verdict` a run's in a line.
+
+Nothing here plants a fault or reads a dump itself: the engine plants, the flight recorder
+writes, the doctor reads.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ..launch import RankContext
+
+SMALL = dict(model="nano", steps=2, micro_batch=2)     # a run that breaks in about a second
+
+
+def broken(rank: RankContext, directory: str, **knobs) -> dict[str, Any]:
+    """``train`` with ``TrainConfig(flight_dir=directory, **SMALL, **knobs)``; the rank's trace
+    is written to ``directory/rank{r}.jsonl`` however the run ends (the doctor's memory findings
+    read it). Returns the losses, the bytes sent per step, the ledger's peak and its categories
+    (minishard's strategies), the parameters (``return_params=True``) and their count."""
+    from ..train import TrainConfig, train
+    try:
+        out = train(rank, TrainConfig(flight_dir=directory, **SMALL | knobs))
+    finally:
+        rank.tracer.write_jsonl(f"{directory}/rank{rank.rank}.jsonl")
+    ledger = out.get("ledger") or {}
+    return {"losses": out["losses"], "wire": out["wire"], "n_params": out["n_params"],
+            "peak": ledger.get("peak"), "peak_snapshot": ledger.get("peak_snapshot"),
+            "params": out.get("params")}
+
+
+def outcome(rank: RankContext, directory: str, **knobs) -> dict[str, Any]:
+    """:func:`broken`, for a run that fails on some ranks: a rank's error comes back as data
+    (``{"finished": False, "error": "RuntimeError: ..."}``), after its flight dump was written,
+    instead of failing the pool — so every rank reports, and no rank is stopped before it wrote
+    its dump (``Ranks.run`` would raise the first error and terminate the others)."""
+    try:
+        return {"finished": True, **broken(rank, directory, **knobs)}
+    except Exception as e:                     # a collective that timed out raises RuntimeError
+        return {"finished": False, "error": f"{type(e).__name__}: {e}"}
+
+
+# --------------------------------------------------------------------------- the doctor's words
+
+# what differs from machine to machine, or commit to commit, though the diagnosis does not
+LINE_NO = re.compile(r"(\.py):\d+ in ")                              # the engine's line numbers
+OUTSIDE = re.compile(r", called from /[^;]*? in [\w.<>]+")           # an interpreter's own path
+HASHES = re.compile(r"fingerprint [0-9a-f]{16} against [0-9a-f]{16}")
+GLOO = re.compile(r"(went away\)): (\w+): .*$")                      # gloo's words: ports, paths
+LOST = re.compile(r"(rank \d+, step \d+: )[\d,]+( of [\d,]+ \w+ elements the optimizer stepped "
+                  r"came out unchanged \()[\d.]+( %\))")
+NORM = re.compile(r"(rank \d+): -?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?=,|$)")
+
+
+def stable(line: str) -> str:
+    """A line of the doctor's report without what changes with the machine, the float kernels or
+    the engine's code: line numbers and an interpreter's path, the weights' hashes, gloo's
+    message (it names ports and source files), and the values float kernels decide — the
+    updates a bf16 step lost, the norms ranks clipped by — each shown as ``…``."""
+    line = OUTSIDE.sub("", LINE_NO.sub(r"\1 in ", line))
+    line = HASHES.sub("fingerprints differ", line)
+    line = GLOO.sub(r"\1: \2: …", line)
+    line = LOST.sub(r"\1…\2…\3", line)
+    return NORM.sub(r"\1: …", line) if line.lstrip().startswith("- rank ") else line
+
+
+def doctor_text(directory: str | Path, name: str | None = None) -> list[str]:
+    """``python -m minishard doctor DIR``'s lines for ``directory``, the directory shown as
+    ``name``, each made :func:`stable`."""
+    from .. import doctor
+    from ..cli.doctor import text
+    shown = name or Path(directory).name
+    return [stable(line.replace(str(directory), shown)) for line in text(doctor.diagnose(directory))]
+
+
+def summary(finding) -> str:
+    """``[kind] ranks 0, 2, 3: title`` — one finding in a line (the ranks once: a title that
+    starts with them already names them)."""
+    who = f"rank{'s' if len(finding.ranks) > 1 else ''} {', '.join(map(str, finding.ranks))}"
+    said = finding.title if finding.title.startswith(who) else f"{who}: {finding.title}"
+    return stable(f"[{finding.kind}] {said}")
+
+
+def verdict(directory: str | Path, name: str | None = None) -> str:
+    """``minishard doctor NAME: nothing found`` or the kinds it found, in a line."""
+    from .. import doctor
+    found = doctor.diagnose(directory).findings
+    said = "nothing found" if not found else ", ".join(f"[{f.kind}]" for f in found)
+    return f"minishard doctor {name or Path(directory).name}: {said}"
