@@ -156,6 +156,9 @@ class TrainConfig:
         faults.check(self, strategy)
         if isinstance(self.fault_rank, bool) or not isinstance(self.fault_rank, int) or self.fault_rank < 0:
             raise ConfigError("{fault_rank}: must be a rank (an integer >= 0)", fault_rank=self.fault_rank)
+        if self.fault is None and self.fault_rank != 1:
+            raise ConfigError("{fault_rank} is the rank a fault is planted on: set {fault}, or drop it",
+                              fault_rank=self.fault_rank, fault=...)
         for name in ("offload", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
             if name in self.unused():
                 self.refuse_unused(only=(name,))

@@ -163,6 +163,7 @@ def test_a_skipped_collective_on_rank_1_of_4_under_torchrun_ends_in_its_timeout(
     (dict(fault="no-master", precision="bf16_mixed"), "keeps one: drop it"),
     (dict(fault="unsynced-init", strategy="single"), "needs ranks that disagree"),
     (dict(fault="reorder", strategy="fsdp", fault_rank=-1), "fault_rank=-1: must be a rank"),
+    (dict(fault_rank=2), "fault_rank=2 is the rank a fault is planted on: set fault, or drop it"),
 ])
 def test_a_fault_a_strategy_cannot_have_is_refused_by_name(knobs, says):
     with pytest.raises(ConfigError) as e:
