@@ -213,12 +213,20 @@ def _fold(events: list[dict]) -> dict:
     return out
 
 
+def _one_unit(units: dict[str, int]) -> bool:
+    """No wrap policy (a single unit), or a unit below the root holding most parameters. A root
+    holding most beside wrapped blocks is the embedding of a large vocabulary: no wrap fixes it."""
+    if not units:
+        return False
+    biggest = max(units, key=units.get)
+    return len(units) == 1 or (biggest != "root" and units[biggest] >= MOST * sum(units.values()))
+
+
 def memory(traces: dict[int, Path], dumps: dict[int, dict] | None = None) -> list:
     from .doctor import Finding
     folds = {r: _fold(_read(path)) for r, path in sorted(traces.items())}
     found = out_of_memory(folds, dumps or {})
-    one_unit = {r: f for r, f in folds.items()
-                if f["units"] and max(f["units"].values()) >= MOST * sum(f["units"].values())}
+    one_unit = {r: f for r, f in folds.items() if _one_unit(f["units"])}
     if one_unit:
         r = min(one_unit)
         f = one_unit[r]

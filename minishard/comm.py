@@ -394,12 +394,13 @@ class Comm:
         if shard_size < 1 or N % shard_size:
             raise ValueError(f"shard size {shard_size} does not divide the world size {N}")
         mine_shard = mine_rep = None
+        timeout = _group_timeout(self.group)            # (a new group would wait 30 minutes)
         for start in range(0, N, shard_size):            # every rank creates every group
-            g = dist.new_group(list(range(start, start + shard_size)))
+            g = dist.new_group(list(range(start, start + shard_size)), timeout=timeout)
             if start <= self.rank < start + shard_size:
                 mine_shard = g
         for offset in range(shard_size):
-            g = dist.new_group(list(range(offset, N, shard_size)))
+            g = dist.new_group(list(range(offset, N, shard_size)), timeout=timeout)
             if self.rank % shard_size == offset:
                 mine_rep = g
         # each group named by its members: the same name on each of them, another elsewhere
@@ -430,3 +431,13 @@ class Comm:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+def _group_timeout(group):
+    """The collective timeout of ``group`` (the default group if None) on gloo, else None (the
+    backend's default): groups split from it wait as long as it does."""
+    group = group or dist.distributed_c10d._get_default_group()
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (RuntimeError, AttributeError):
+        return None

@@ -42,7 +42,9 @@ DUMP_NEEDS = ("rank", "world_size", "reason", "entries")
 KINDS = ("desync", "exception", "missing_dump", "hang", "timeout", "weights", "clip", "precision",
          "memory")
 # what a rank raises when the collective it waits in never completes, or its peer went away
-TIMED_OUT = re.compile(r"timed? ?out|timeout|connection (closed|reset) by peer", re.IGNORECASE)
+TIMED_OUT = re.compile(r"^TimeoutError\b|timed out waiting|timed out after|collective operation "
+                       r"timeout|timeout caused pair closure|connection (closed|reset) by peer",
+                       re.IGNORECASE)
 
 
 @dataclass
@@ -164,7 +166,7 @@ def signature(e: dict) -> tuple:
     bucket it is tagged with, the step it belongs to: two units of one size swapped pair up
     without an error, and the model is silently wrong)."""
     return (e["op"], tuple(map(tuple, e["shapes"])), tuple(e["dtypes"]), e.get("tag") or "",
-            e.get("step"))
+            e.get("step"), e.get("src"))
 
 
 def sizes_agree(a: dict, b: dict) -> bool:
@@ -182,11 +184,17 @@ def by_group(dumps: dict[int, dict]) -> dict[str, dict[int, dict[int, dict]]]:
     return out
 
 
-def members(held: dict[int, dict[int, dict]], dumps: dict[int, dict], world: int) -> list[int]:
+NAMED = re.compile(r".*\[(\d+(?:, \d+)*)\]$")     # "shard[0, 1]": a group named by its members
+
+
+def members(group: str, held: dict[int, dict[int, dict]], dumps: dict[int, dict], world: int) -> list[int]:
     """The ranks with dumps that should hold this group's collectives: every rank when the group
-    spans the world (a rank holding none of it never issued one), else those that hold some."""
+    spans the world, its members when its name lists them (a rank holding none of it never
+    issued one), else those that hold some."""
     if all(e["group_size"] == world for seqs in held.values() for e in seqs.values()):
         return sorted(dumps)
+    if m := NAMED.fullmatch(group):
+        return sorted(r for r in map(int, m.group(1).split(", ")) if r in dumps)
     return sorted(held)
 
 
@@ -224,7 +232,9 @@ def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
     """A rank that stopped short of a collective the others issued."""
     last = {r: max(held.get(r, {}), default=-1) for r in ranks}
     top = max(last.values(), default=-1)
-    behind = sorted((r for r in ranks if last[r] < top), key=lambda r: (last[r], r))
+    # a rank stuck in another group's collective is that hang's victim, not this one's cause
+    behind = sorted((r for r in ranks if last[r] < top and not _waiting_elsewhere(dumps[r], group)),
+                    key=lambda r: (last[r], r))
     if not behind:
         return None
     first = last[behind[0]] + 1
@@ -244,7 +254,8 @@ def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
                         f"rank {r}: holds no collective of group {group!r}")
         evidence.append(f"rank {r}'s dump was written on {_reason(dumps[r])}" if dumps[r]["reason"] != "torch"
                         else f"rank {r}'s dump is PyTorch's own flight recorder's (it records no reason)")
-    wait = f"; {ranks_word(waiting)} wait in {'it' if shown == first else f'seq {shown}'}" if waiting else ""
+    wait = (f"; {ranks_word(waiting)} wait{'s' if len(waiting) == 1 else ''} in "
+            f"{'it' if shown == first else f'seq {shown}'}") if waiting else ""
     return Finding(
         "hang", behind,
         f"{ranks_word(behind)} never issued seq {first} of group {group!r}"
@@ -278,6 +289,10 @@ def never_completed(group: str, held: dict[int, dict[int, dict]], ranks: list[in
             "(killed, or stuck in another group's collective), or, issued with async_op=True, "
             "it was never waited for")
     return None
+
+
+def _waiting_elsewhere(dump: dict, group: str) -> bool:
+    return any(e["group"] != group and e["state"] == "issued" for e in dump["entries"])
 
 
 def _what(e: dict) -> str:
@@ -373,7 +388,7 @@ def diagnose(directory: str | Path) -> Report:
         found.append(gone)
     missing = gone.ranks if gone else []
     for group, held in sorted(by_group(report.dumps).items()):
-        ranks = members(held, report.dumps, report.world_size)
+        ranks = members(group, held, report.dumps, report.world_size)
         f = desync(group, held, ranks)
         if f is None:          # after a desync, what a group did next is its consequence
             f = never_issued(group, held, ranks, report.dumps) or never_completed(

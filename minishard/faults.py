@@ -34,6 +34,7 @@ FAULTS = {
 }
 # the gradient collectives a rank with nothing to reduce would skip
 REDUCTIONS = ("all_reduce", "reduce_scatter")
+GRADIENT_PHASES = ("backward", "sync_gradients")     # (naive DDP reduces after backward)
 
 
 def check(config, strategy) -> None:
@@ -51,6 +52,10 @@ def check(config, strategy) -> None:
         raise ConfigError("{fault} is planted in minishard's communicator; {strategy} is PyTorch's "
                           "own and does not use it: choose one of minishard's strategies",
                           fault=fault, strategy=strategy.name)
+    if fault == "unsynced-init" and not strategy.instrumented and strategy.stage < 3:
+        raise ConfigError("{fault} cannot be planted under {strategy}: PyTorch's DDP broadcasts "
+                          "rank 0's weights in its constructor (rank_seeds shows it making them "
+                          "equal); FSDP2 (torch_fsdp) does not", fault=fault, strategy=strategy.name)
     if fault == "reorder" and (strategy.stage != 3 or config.wrap != "block"):
         raise ConfigError("{fault} swaps two blocks' all-gathers: it needs an FSDP strategy with "
                           "one unit per block ({wrap})", fault=fault, wrap="block")
@@ -99,7 +104,7 @@ def skip(config, rank: int, last_step: int) -> Callable[[str, str, int | None, s
     skipping = []
 
     def skipped(op, tag, step, phase) -> bool:
-        if not skipping and step == last_step and phase == "backward" and op in REDUCTIONS:
+        if not skipping and step == last_step and phase in GRADIENT_PHASES and op in REDUCTIONS:
             skipping.append((op, tag))
         return bool(skipping)
     return skipped

@@ -73,7 +73,7 @@ class FlightRecorder:
         # communicator note them): the run's config, the weights' fingerprints, whether the
         # start was replicated from rank 0, each step's gradient norm and parameter precision
         self.facts: dict = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # (SIGTERM's handler may dump while this thread holds it)
 
     def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
                step: int | None, phase: str | None, t: float, **extra) -> dict:

@@ -170,9 +170,21 @@ def _batches(cfg, config: TrainConfig, step: int, rank: RankContext) -> list:
                         rank.world_size, config.data_seed) for k in range(config.accum))]
 
 
+@contextlib.contextmanager
 def _flight(comm: Comm, config: TrainConfig):
-    """The rank's last collectives, written to ``config.flight_dir`` however the run ends."""
-    return dumping(comm.flight, config.flight_dir) if config.flight_dir else nullcontext()
+    """The rank's last collectives, written to ``config.flight_dir`` however the run ends; a rank
+    that raised also leaves its trace there (``rank{r}.jsonl``: the doctor reads its ledger),
+    since whoever collects the ranks' events on success never gets them."""
+    if not config.flight_dir:
+        yield
+        return
+    with dumping(comm.flight, config.flight_dir):
+        try:
+            yield
+        except BaseException:
+            if comm.tracer is not None and comm.tracer.events:
+                comm.tracer.write_jsonl(f"{config.flight_dir}/rank{comm.flight.rank}.jsonl")
+            raise
 
 
 def _watching(built: Built, config: TrainConfig, tracer: Tracer, alone: bool, comm: Comm):

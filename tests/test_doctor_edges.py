@@ -1,0 +1,229 @@
+"""The doctor on hand-made flight dumps: each case one rule of ``minishard/doctor.py`` and
+``minishard/causes.py`` that the runs on real ranks (test_doctor.py, test_faults.py) do not pin
+down — which rank a tie names, a step or a broadcast's source that differs, a victim stuck in
+another group, what counts as a timeout, the order of findings, bad input, the thresholds. Plus
+the pieces the dumps are made of: fingerprints and the skip predicate of a planted fault."""
+import json
+
+import pytest
+import torch
+
+from minishard import causes, doctor, faults, health
+from minishard.cli import main
+from minishard.config import TrainConfig
+
+WORLD = 4
+
+
+def entry(seq, op="all_reduce", shape=(8,), dtype="float32", tag="bucket0", step=0, state="completed",
+          group="world", size=WORLD, **extra):
+    n = 1
+    for d in shape:
+        n *= d
+    return {"seq": seq, "op": op, "group": group, "group_size": size, "shapes": [list(shape)],
+            "dtypes": [dtype], "bytes": 4 * n, "tag": tag, "step": step, "phase": "backward",
+            "state": state, "where": "x.py:1 in f", "caller": "", "t_issued": 0.0, "t_completed": 0.0,
+            **extra}
+
+
+def dump(rank, entries, reason="end", error=None, world=WORLD, time=0.0, facts=None):
+    return {"v": 1, "rank": rank, "world_size": world, "capacity": 256, "reason": reason,
+            "error": error, "time": time, "entries": entries, "facts": facts or {}}
+
+
+def write(d, dumps):
+    d.mkdir(parents=True, exist_ok=True)
+    for body in dumps:
+        (d / f"flight_rank{body['rank']}.json").write_text(json.dumps(body))
+    return d
+
+
+def kinds(d):
+    return [(f.kind, f.ranks) for f in doctor.diagnose(d).findings]
+
+
+def alike(n=3):
+    return [entry(s) for s in range(n)]
+
+
+def test_one_rank_a_step_ahead_at_the_same_tag_is_a_desync(tmp_path):
+    """The same op, shape and tag at one seq, but rank 1's belongs to the next step: it skipped
+    one step's reduction and its next paired with the others' (sizes agree: no error)."""
+    d = write(tmp_path, [dump(r, [entry(0), entry(1, step=1 if r == 1 else 0)]) for r in range(WORLD)])
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks) == ("desync", [1])
+
+
+def test_a_one_against_one_split_names_both_ranks(tmp_path):
+    d = write(tmp_path, [dump(r, [entry(0), entry(1, shape=(8,) if r == 0 else (4,))], world=2)
+                         for r in range(2)])
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks) == ("desync", [0, 1])
+
+
+def test_a_broadcast_from_another_source_on_one_rank_is_a_desync(tmp_path):
+    d = write(tmp_path, [dump(r, [entry(0, op="broadcast", tag="replicate", src=1 if r == 2 else 0)])
+                         for r in range(WORLD)])
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks) == ("desync", [2])
+
+
+def test_the_rank_furthest_behind_is_where_the_hang_starts(tmp_path):
+    """Rank 1 stopped after seq 1, rank 2 after seq 3, the others reached seq 5."""
+    last = {0: 5, 1: 1, 2: 3, 3: 5}
+    d = write(tmp_path, [dump(r, [entry(s, state="issued" if s == 5 else "completed")
+                                  for s in range(last[r] + 1)]) for r in range(WORLD)])
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks) == ("hang", [1, 2])
+    assert "never issued seq 2 of group 'world'" in f.title
+
+
+def test_a_rank_with_no_collective_in_a_world_group_is_the_one_behind(tmp_path):
+    d = write(tmp_path, [dump(r, [] if r == 1 else [entry(0, state="issued")]) for r in range(WORLD)])
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks) == ("hang", [1])
+    assert any("holds no collective of group 'world'" in e for e in f.evidence)
+
+
+def test_only_ranks_still_waiting_are_said_to_wait(tmp_path):
+    d = write(tmp_path, [dump(0, alike(2) + [entry(2, state="completed")]),
+                         dump(1, alike(2)),
+                         dump(2, alike(2) + [entry(2, state="issued")]),
+                         dump(3, alike(2) + [entry(2, state="issued")])])
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks) == ("hang", [1]) and f.title.endswith("ranks 2, 3 wait in it"), f.title
+
+
+def test_a_rank_stuck_in_another_groups_collective_is_a_victim_not_the_cause(tmp_path):
+    """Hybrid sharding: rank 1 never issued shard[0, 1]'s reduce-scatter; rank 0 waits in it and
+    so never reached replicate[0, 2]'s all-reduce, which rank 2 waits in. The cause is rank 1."""
+    shard = dict(group="shard[0, 1]", size=2)
+    rep = dict(group="replicate[0, 2]", size=2)
+    d = write(tmp_path, [
+        dump(0, [entry(0, op="reduce_scatter", state="issued", **shard)]),
+        dump(1, []),
+        dump(2, [entry(0, op="reduce_scatter", **dict(shard, group="shard[2, 3]")),
+                 entry(0, state="issued", **rep)]),
+        dump(3, [entry(0, op="reduce_scatter", **dict(shard, group="shard[2, 3]"))])])
+    found = doctor.diagnose(d).findings
+    assert [(f.kind, f.ranks) for f in found if f.kind == "hang"] == [("hang", [1])], \
+        [(f.kind, f.ranks, f.title) for f in found]
+
+
+@pytest.mark.parametrize("error, timeout", [
+    ("RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv", True),
+    ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234", True),
+    ("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection reset by peer", True),
+    ("TimeoutError: all_reduce did not complete in 2.0 s", True),
+    ("RuntimeError: Application timeout caused pair closure", True),
+    ("ValueError: a batch timeout_s of -1 makes no sense", False),
+    ("RuntimeError: the data loader timed out reading shard 3", False),
+])
+def test_what_counts_as_giving_up_on_a_collective(tmp_path, error, timeout):
+    d = write(tmp_path, [dump(r, alike(), reason="exception" if r == 2 else "end",
+                              error=error if r == 2 else None) for r in range(WORLD)])
+    assert kinds(d) == [("timeout" if timeout else "exception", [2])]
+
+
+def test_the_earliest_error_is_the_cause_and_the_later_one_its_consequence(tmp_path):
+    d = write(tmp_path, [dump(3, alike(), "exception", "RuntimeError: planted", time=1.0),
+                         dump(0, alike(), "exception", "KeyError: 'x'", time=2.0),
+                         dump(1, alike()), dump(2, alike())])
+    first, second = doctor.diagnose(d).findings
+    assert (first.ranks, second.ranks) == ([3], [0])
+    assert "raised after rank 3 did" in second.fix
+
+
+@pytest.mark.parametrize("gone", [0, WORLD - 1])
+def test_a_missing_dump_is_named_first_rank_or_last(tmp_path, gone):
+    d = write(tmp_path, [dump(r, alike()) for r in range(WORLD) if r != gone])
+    assert kinds(d) == [("missing_dump", [gone])]
+
+
+def test_causes_come_in_their_order_and_any_finding_exits_1(tmp_path, capsys):
+    facts = {"steps": [{"step": 0, "param_dtypes": ["bfloat16"], "low_precision_elements": 10,
+                        "unchanged": 5, "grad_norm": 1.0}]}
+    d = write(tmp_path, [dump(r, alike(), facts=dict(facts, steps=[dict(facts["steps"][0], grad_norm=1.0 + r)]))
+                         for r in range(WORLD)])
+    assert [k for k, _ in kinds(d)] == ["clip", "precision"]
+    assert main(["doctor", str(d)]) == 1
+    out = capsys.readouterr().out
+    report = doctor.diagnose(d)
+    assert all(e in out for f in report.findings for e in f.evidence)       # the text says it all
+    assert "(50.0 %)" in out
+
+
+@pytest.mark.parametrize("norms, flagged", [((1.0, 1.0, 1.0, 1.0), False), ((1.0, 1.0, 1.0001, 1.0), True)])
+def test_one_global_norm_agrees_to_the_bit_a_local_one_does_not(norms, flagged):
+    dumps = {r: dump(r, [], facts={"steps": [{"step": 0, "param_dtypes": ["float32"], "grad_norm": n}]})
+             for r, n in enumerate(norms)}
+    found = causes.clip(dumps)
+    assert bool(found) == flagged
+    if flagged:
+        assert "rank 2 differ" in found[0].evidence[1]
+
+
+def test_a_weight_that_differs_anywhere_is_named(tmp_path):
+    prints = {f"p{i}": f"{i:016x}" for i in range(5)}
+    d = write(tmp_path, [dump(r, alike(), facts={
+        "weights_start": dict(prints, p4="ffffffffffffffff") if r == 2 else prints,
+        "start_not_replicated": [5]}) for r in range(WORLD)])
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks) == ("weights", [2])
+    assert "1 of 5 parameters" in f.evidence[0] and "first: p4" in f.evidence[0]
+    assert any("told not to broadcast" in e for e in f.evidence)
+
+
+def test_a_root_holding_a_large_vocabulary_beside_wrapped_blocks_is_not_a_finding():
+    assert not causes._one_unit({"root": 60, "blocks.0": 40})            # wrapped: the embedding
+    assert causes._one_unit({"root": 100})                                # no wrap policy
+    assert causes._one_unit({"root": 10, "blocks.0": 70, "blocks.1": 20})  # a unit below the root
+    assert not causes._one_unit({"root": 10, "blocks.0": 45, "blocks.1": 45})
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda b: dict(b, rank=2), "the dump says rank 2, its name rank 3"),
+    (lambda b: dict(b, entries=[{k: v for k, v in entry(0).items() if k != "op"}]), "entry 0 has no op"),
+])
+def test_a_dump_that_contradicts_itself_is_exit_2(tmp_path, capsys, damage, says):
+    write(tmp_path, [dump(r, alike()) for r in range(WORLD - 1)])
+    (tmp_path / "flight_rank3.json").write_text(json.dumps(damage(dump(3, alike()))))
+    assert main(["doctor", str(tmp_path)]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_rank_outside_the_world_is_exit_2(tmp_path, capsys):
+    write(tmp_path, [dump(r, alike()) for r in range(WORLD)] + [dump(WORLD, alike())])
+    assert main(["doctor", str(tmp_path)]) == 2
+    assert f"rank {WORLD} in a world of {WORLD}" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- what the dumps are made of
+
+def test_a_fingerprint_sees_dtype_shape_and_every_byte():
+    t = torch.arange(12, dtype=torch.float32)
+    base = health.fingerprint([("w", t)])["w"]
+    assert health.fingerprint([("w", t.clone())])["w"] == base
+    assert health.fingerprint([("w", t.view(3, 4))])["w"] != base
+    assert health.fingerprint([("w", t.view(torch.int32))])["w"] != base
+    last = t.clone()
+    last[-1] = torch.nextafter(last[-1], torch.tensor(100.0))             # one bit, the last byte
+    assert health.fingerprint([("w", last)])["w"] != base
+
+
+@pytest.mark.parametrize("strategy, phase", [("ddp", "backward"), ("ddp_naive", "sync_gradients")])
+def test_skip_collective_skips_from_the_last_steps_first_reduction_on(strategy, phase):
+    skip = faults.skip(TrainConfig(strategy=strategy, fault="skip-collective"), 1, last_step=2)
+    assert faults.skip(TrainConfig(strategy=strategy, fault="skip-collective"), 0, last_step=2) is None
+    assert not skip("all_reduce", "bucket0", 1, phase)                    # an earlier step
+    assert not skip("all_gather", "blocks.2", 2, "backward")              # not a reduction
+    assert not skip("all_reduce", "grad_norm", 2, "optimizer")            # not the gradients'
+    assert skip("all_reduce", "bucket0", 2, phase)
+    assert skip("all_gather", "params0", 2, "optimizer")                  # and everything after
+
+
+def test_unsynced_init_is_refused_where_pytorch_broadcasts_anyway():
+    from minishard.config import ConfigError
+    with pytest.raises(ConfigError, match="broadcasts rank 0's weights in its constructor"):
+        TrainConfig(strategy="torch_ddp", fault="unsynced-init")
+    TrainConfig(strategy="torch_fsdp", fault="unsynced-init")             # FSDP2 does not
