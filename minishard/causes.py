@@ -46,41 +46,40 @@ def _differ_from_rank0(prints: dict[int, dict[str, str]]) -> dict[int, list[str]
 
 
 def weights(dumps: dict[int, dict]) -> list:
-    from .doctor import Finding
     facts = _facts(dumps)
     start = {r: f["weights_start"] for r, f in facts.items() if f.get("weights_start")}
     built = {r: f["weights_built"] for r, f in facts.items() if f.get("weights_built")}
-    base = min(start or built or [0])
     if len(start) > 1 and (odd := _differ_from_rank0(start)):
-        n = len(start[base])
-        return [Finding(
-            "weights", sorted(odd),
-            f"{_ranks_word(odd)} started training from other weights than rank {base}: their "
-            f"replicas differ, and averaging gradients keeps them apart",
-            [f"rank {r}: {len(names)} of {n} parameters differ from rank {base}'s at the first step "
-             f"(first: {names[0]}, fingerprint {start[r][names[0]]} against {start[base][names[0]]})"
-             for r, names in sorted(odd.items())]
-            + _sync_evidence(facts),
-            "make every rank start from one model: broadcast rank 0's weights before training (DDP "
+        return [_weights_finding(
+            start, odd, facts, "started training from other weights than rank {base}: their "
+            "replicas differ, and averaging gradients keeps them apart", "differ from", "at the first step",
+            [], "make every rank start from one model: broadcast rank 0's weights before training (DDP "
             "does in its constructor; minishard's strategies do unless told not to), or build the "
             "model from the same seed on every rank")]
     sharded = [r for r in built if r not in start]
     synced = any(f.get("start_replicated") for f in facts.values())
     if len(built) > 1 and sharded and not synced and (odd := _differ_from_rank0(built)):
-        n = len(built[base])
-        return [Finding(
-            "weights", sorted(odd),
-            f"{_ranks_word(odd)} built other weights than rank {base}, and each rank sharded its "
-            f"own: the model trained is made of each rank's slice of a different model",
-            [f"rank {r}: {len(names)} of {n} parameters built differently from rank {base}'s "
-             f"(first: {names[0]}, fingerprint {built[r][names[0]]} against {built[base][names[0]]})"
-             for r, names in sorted(odd.items())]
-            + _sync_evidence(facts)
-            + ["no broadcast of rank 0's weights was recorded before sharding"],
+        return [_weights_finding(
+            built, odd, facts, "built other weights than rank {base}, and each rank sharded its own: "
+            "the model trained is made of each rank's slice of a different model",
+            "built differently from", "", ["no broadcast of rank 0's weights was recorded before sharding"],
             "FSDP2's fully_shard does not broadcast: build the model from the same seed on every "
             "rank (or on the meta device and load one checkpoint), or broadcast rank 0's weights "
             "before fully_shard (minishard's fully_shard does)")]
     return []
+
+
+def _weights_finding(prints: dict[int, dict[str, str]], odd: dict[int, list[str]], facts, title: str,
+                     verb: str, when: str, more: list[str], fix: str):
+    from .doctor import Finding
+    base = min(prints)
+    n = len(prints[base])
+    return Finding(
+        "weights", sorted(odd), f"{_ranks_word(odd)} " + title.format(base=base),
+        [f"rank {r}: {len(names)} of {n} parameters {verb} rank {base}'s{' ' + when if when else ''} "
+         f"(first: {names[0]}, fingerprint {prints[r][names[0]]} against {prints[base][names[0]]})"
+         for r, names in sorted(odd.items())] + _sync_evidence(facts) + more,
+        fix)
 
 
 def _sync_evidence(facts: dict[int, dict]) -> list[str]:
