@@ -9,13 +9,13 @@ BIN     = $(VENV)/bin
 #   make setup TORCH_SPEC='torch>=2.6'
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_NB = --nbval-lax --nbval-sanitize-with nbval_sanitize.cfg --nbval-cell-timeout=300
-# The notebooks run twice: as this CPU runs them, then with other float kernels in each library a
-# rank computes with — ATen's vectorised kernels (no AVX2/AVX-512), MKL's reproducible generic
+# The notebooks are executed with this CPU's kernels and tested with other float kernels in each
+# library a rank computes with — ATen's vectorised kernels (no AVX2/AVX-512), MKL's reproducible generic
 # GEMMs, oneDNN capped at AVX2. Each changes the low bits of a training step (docs/testing.md).
 # A checked cell must print the same text both ways, as it must on a reader's machine.
 SECOND_KERNEL_PATH = ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2
 
-.PHONY: setup browser-deps course demo test test-fast test-nb-second bench site clean
+.PHONY: setup browser-deps course demo test test-fast test-nb-second test-nb-native bench site clean
 
 setup: $(VENV)/.installed
 
@@ -55,13 +55,23 @@ course: setup
 demo: setup
 	$(BIN)/torchrun --standalone --nproc-per-node 4 -m minishard demo --strategy ddp --steps 3 --trace traces/ddp
 
+# The tests and the notebooks run at the same time (scripts/alongside.py prints the notebooks'
+# output when the tests are done; both must pass): one after the other they leave a third of two
+# cores idle. The notebooks run once, under the second kernel path: their stored outputs come from
+# this CPU's own kernels (scripts/execute_notebooks.py), so every run compares two kernel paths.
 test: setup browser-deps
-	$(BIN)/python -m pytest -q tests notebooks $(PYTEST_NB)
-	$(MAKE) --no-print-directory test-nb-second
+	$(BIN)/python scripts/alongside.py artifacts/test-notebooks.log "$(NB_SECOND)" \
+	  $(BIN)/python -m pytest -q tests
+
+NB_SECOND = env $(SECOND_KERNEL_PATH) $(BIN)/python -m pytest -q -p no:cacheprovider notebooks $(PYTEST_NB)
 
 # the notebooks alone, under the second CPU kernel path (see SECOND_KERNEL_PATH)
 test-nb-second: setup
-	env $(SECOND_KERNEL_PATH) $(BIN)/python -m pytest -q -p no:cacheprovider notebooks $(PYTEST_NB)
+	$(NB_SECOND)
+
+# the notebooks alone, under this CPU's own kernels (what executed them)
+test-nb-native: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider notebooks $(PYTEST_NB)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q tests
