@@ -2,6 +2,7 @@
 
     python benchmarks/bench_checkpoint.py                       # small + large state, 2 and 4 ranks
     python benchmarks/bench_checkpoint.py --states small --rounds 5 --dir /mnt/nvme/scratch
+    python benchmarks/bench_checkpoint.py --what stall          # sync vs background vs DCP async_save
 
 For each state — ``small``, the tiny GPT (6.9 M parameters: 82 MB of fp32 parameters + AdamW
 moments), and ``large``, the tiny GPT widened to d_model 768 and deepened to 10 blocks (45.8 M
@@ -32,6 +33,23 @@ ratios. Checksums are on for minishard (always: a save computes them, a load ver
 DCP and the copy verify nothing. Every save writes a fresh directory (as a run saving each step
 does); loads read files just written, so from the page cache, as a restart on the same machine
 would, and so does the copy.
+
+``--what stall`` measures instead what a save costs the training (issue 28, item 4), on the same
+two models: the **stall** — from the call until it returns, so until the step can go on — of
+
+* minishard sync: ``checkpoint.save`` (the whole save: the step waits for the write);
+* minishard background: ``checkpoint.save(..., background=True)`` (describe + the copy to host
+  memory; the write, exchange and commit run in a thread, in their own process group);
+* DCP save: ``get_state_dict`` + ``dcp.save``;
+* DCP async_save: ``get_state_dict`` + ``dcp.async_save`` (its default stager copies the state to
+  CPU memory, a thread writes it), given a gloo group of its own as minishard's is.
+
+After the call returns, each rank computes — fixed bursts of matmuls standing in for the next
+steps — until the save is written, then waits for it: the bursts that ran beside the write took
+longer than alone (2 cores: the writer thread takes CPU from them), and that extra time is
+training-visible too. **Visible** = stall + that slowdown; **written** = call → on disk. Each
+figure is the slowest rank's (the next collective waits for it), the median over rounds; the
+ratios are medians of per-round ratios.
 """
 from __future__ import annotations
 
@@ -48,6 +66,7 @@ STATES = {"small": {}, "large": {"d_model": 768, "n_layer": 10}}
 OPS = ("minishard save", "  its own file", "minishard load", "minishard load N→M",
        "DCP save", "DCP load", "DCP load N→M", "copy")
 OWN_FILE = OPS[1]
+SAVES = ("minishard sync", "minishard background", "DCP save", "DCP async_save")
 _HELD: dict = {}            # in each rank process: the built models, kept across rounds
 
 
@@ -62,9 +81,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def setup(rank, root: str, state: str) -> int:
+def setup(rank, root: str, state: str, refs: bool = True) -> int:
     """Build both models with their AdamW state, save both reference checkpoints (the other
     world size loads them: N→M), warm every path once. Returns this rank's state bytes.
+    ``refs=False``: the models only.
 
     No training step: the optimizer state is made as the first step would make it (minishard's
     ``ensure_optimizer_state``, which ``describe`` calls; DCP's ``get_state_dict``, which steps
@@ -82,6 +102,8 @@ def setup(rank, root: str, state: str) -> int:
         held[kind] = build(GPT(cfg, seed=0), config_, comm)
     _HELD.update(held)
     N = rank.world_size
+    if not refs:
+        return 12 * GPT(cfg, device="meta").num_params() // N
     ref = Path(root) / f"ref-n{N}"
     ms, dcp = ref / "minishard", ref / "dcp"
     checkpoint.save(held["fsdp"].model, held["fsdp"].optimizer, ms, comm=comm, step=1)
@@ -176,6 +198,134 @@ def report(state: str, N: int, other: int | None, nbytes: int, rounds: list[list
     return goal
 
 
+# ====================================================================== --what stall
+
+def setup_stall(rank, root: str, state: str) -> int:
+    """The two models (``setup``), a gloo group for DCP's thread — async_save runs its
+    collectives in a thread, which must not share the group of the caller's barriers and
+    training, as minishard's own background saves do not — and one unrecorded round (the first
+    background save creates minishard's group, the first async_save imports its executor)."""
+    import torch
+    import torch.distributed as dist
+    nbytes = setup(rank, root, state, refs=False)
+    _HELD["dcp_group"] = dist.new_group(backend="gloo")
+    _HELD["burst"] = (torch.randn(384, 384), torch.empty(384, 384))
+    stall_round(rank, root, -1)
+    return nbytes
+
+
+def _burst() -> None:
+    """A fixed piece of compute (~20 ms of one core here), standing in for training."""
+    import torch
+    x, out = _HELD["burst"]
+    for _ in range(12):
+        torch.mm(x, x, out=out)
+
+
+def _save_calls(here: Path) -> dict:
+    """Each contender's call: what the training's step waits for."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from minishard import checkpoint
+    ms, tf, comm = _HELD["fsdp"], _HELD["torch_fsdp"], _HELD["comm"]
+
+    def state():
+        msd, osd = get_state_dict(tf.model, tf.optimizer)
+        return {"model": msd, "optim": osd}
+
+    return {"minishard sync": lambda: checkpoint.save(ms.model, ms.optimizer, here / "sync", comm=comm, step=1),
+            "minishard background": lambda: checkpoint.save(ms.model, ms.optimizer, here / "background",
+                                                            comm=comm, step=1, background=True),
+            "DCP save": lambda: dcp.save(state(), checkpoint_id=str(here / "dcp")),
+            "DCP async_save": lambda: dcp.async_save(state(), checkpoint_id=str(here / "dcp_async"),
+                                                     process_group=_HELD["dcp_group"])}
+
+
+def _written(handle) -> bool:
+    done = getattr(handle, "done", None)            # PendingSave, Future; a sync save is written
+    return done() if callable(done) else True
+
+
+def stall_round(rank, root: str, k: int) -> dict[str, dict[str, float]]:
+    """One round on this rank: each contender's stall, the slowdown of the bursts that ran
+    beside its write, and the seconds until it was written (the order rotates with k)."""
+    import torch.distributed as dist
+    here = Path(root) / f"stall{k}-n{rank.world_size}"
+    if rank.rank == 0:
+        here.mkdir(parents=True)
+    dist.barrier()
+    alone = []
+    for _ in range(3):                  # every rank bursting, nothing being written
+        t = time.perf_counter()
+        _burst()
+        alone.append(time.perf_counter() - t)
+    burst = statistics.median(alone)
+    calls, out = _save_calls(here), {}
+    for name in SAVES[k % len(SAVES):] + SAVES[:k % len(SAVES)]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        handle = calls[name]()
+        t1 = time.perf_counter()
+        bursts = 0
+        while not _written(handle):                 # training goes on beside the write
+            _burst()
+            bursts += 1
+        t2 = time.perf_counter()
+        for finish in ("wait", "result"):           # PendingSave.wait, Future.result
+            if callable(getattr(handle, finish, None)):
+                getattr(handle, finish)()
+        slowed = max(0.0, (t2 - t1) - bursts * burst)
+        out[name] = {"stall": t1 - t0, "slowed": slowed, "visible": t1 - t0 + slowed,
+                     "written": time.perf_counter() - t0}
+    dist.barrier()
+    if rank.rank == 0:
+        shutil.rmtree(here)
+    return out
+
+
+STALL_RATIOS = {"background / sync": ("minishard background", "minishard sync"),
+                "async_save / DCP save": ("DCP async_save", "DCP save"),
+                "background / async_save": ("minishard background", "DCP async_save")}
+
+
+def stall_report(state: str, N: int, nbytes: int, rounds: list[list[dict]]) -> dict:
+    """One table (ms, the slowest rank, medians over rounds) and the ratios; returns them."""
+    per = [{name: {m: max(r[name][m] for r in ranks) for m in ranks[0][name]} for name in SAVES}
+           for ranks in rounds]
+    print(f"\n{state} state, {N} ranks ({nbytes / 1e6:.1f} MB per rank, {len(rounds)} rounds): ms, "
+          f"the slowest rank, median (min–max) over rounds")
+    print(f"{'':<22}" + "".join(f"{m:>18}" for m in ("stall", "+ slowed", "= visible", "written")))
+    for name in SAVES:
+        cells = []
+        for m in ("stall", "slowed", "visible", "written"):
+            v = [p[name][m] * 1e3 for p in per]
+            cells.append(f"{statistics.median(v):>7.0f} ({min(v):>4.0f}–{max(v):<4.0f})")
+        print(f"{name:<22}" + "".join(f"{c:>18}" for c in cells))
+    ratios = {f"{label}, {m}": statistics.median(p[a][m] / p[b][m] for p in per)
+              for label, (a, b) in STALL_RATIOS.items() for m in ("stall", "visible")}
+    print("  " + "; ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    return ratios
+
+
+def run_stall(args, root: Path, me, Ranks) -> None:
+    for state in args.states:
+        rounds = args.rounds if state == "small" else args.large_rounds
+        pools = {N: Ranks(N) for N in args.world_sizes}
+        try:
+            nbytes = {N: pools[N].run(me.setup_stall, str(root), state)[0] for N in pools}
+            done: dict[int, list] = {N: [] for N in pools}
+            for k in range(rounds):
+                for N in pools:                         # the world sizes interleaved too
+                    done[N].append(pools[N].run(me.stall_round, str(root), k))
+        finally:
+            for p in pools.values():
+                p.close()
+        for N in pools:
+            r = stall_report(state, N, nbytes[N], done[N])
+            ok = r["background / sync, stall"] < 1
+            print(f"  goal: a background save stalls a step less than a sync one: {'met' if ok else 'NOT met'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -183,6 +333,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="rounds for the small state")
     ap.add_argument("--large-rounds", type=int, default=5, help="rounds for the large state")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--what", nargs="+", default=["throughput", "stall"], choices=["throughput", "stall"],
+                    help="MB/s against DCP and a copy; a save's stall of training (sync, background, "
+                         "DCP async_save)")
     args = ap.parse_args()
     import bench_checkpoint as me                     # rank processes import the tasks by name
     from minishard.launch import Ranks
@@ -192,7 +345,9 @@ def main() -> None:
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; files in {root}")
     sizes, goals = args.world_sizes, {}
     try:
-        for state in args.states:
+        if "stall" in args.what:
+            run_stall(args, root, me, Ranks)
+        for state in args.states if "throughput" in args.what else ():
             rounds = args.rounds if state == "small" else args.large_rounds
             pools = {N: Ranks(N) for N in sizes}
             try:
@@ -212,7 +367,8 @@ def main() -> None:
                 shutil.rmtree(root / f"ref-n{N}", ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("\nGoal: minishard save and load >= 0.70 x copy and >= 1.5 x DCP (medians of per-round ratios)")
+    if goals:
+        print("\nGoal: minishard save and load >= 0.70 x copy and >= 1.5 x DCP (medians of per-round ratios)")
     for (state, N), g in goals.items():
         for op, r in g.items():
             ok = r["copy"] >= 0.7 and r.get("dcp", 0) >= 1.5

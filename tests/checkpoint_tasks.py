@@ -225,3 +225,183 @@ def save_with_replicated_norms(rank, path: str, layout: str) -> dict:
         train_step(built, [batch(cfg, step, MICRO_BATCH, rank.rank, rank.world_size)])
     checkpoint.save(net, opt, path, comm=comm, step=2)
     return portable(checkpoint.local_state(net, opt, comm))
+
+
+# ====================================================================== background saves
+
+def _built(rank, strategy: str, steps: int = 2, seed: int = 0):
+    """A nano model under ``strategy`` after ``steps`` AdamW steps, ready to train on."""
+    comm = Comm(rank.tracer)
+    cfg = config(MODEL)
+    built = build(GPT(cfg, seed=seed), TrainConfig(strategy, model=MODEL), comm)
+    for step in range(steps):
+        train_step(built, [batch(cfg, step, MICRO_BATCH, rank.rank, rank.world_size)])
+    return built, comm, cfg
+
+
+@contextlib.contextmanager
+def held_writes():
+    """Background writes wait for ``gate`` to be set (the main thread's writes never do), and a
+    collective issued off the main thread in the training's group (the default one) raises at
+    once rather than pairing with the training's collectives. Yields the gate."""
+    import threading
+
+    import torch.distributed as dist
+    gate = threading.Event()
+    real = {"write": checkpoint.saving.write_safetensors, "all_gather_object": dist.all_gather_object,
+            "all_reduce": dist.all_reduce}
+
+    def in_background():
+        return threading.current_thread() is not threading.main_thread()
+
+    def write(*args, **kwargs):
+        if in_background():
+            gate.wait()
+        return real["write"](*args, **kwargs)
+
+    def guarded(name):
+        def collective(*args, group=None, **kwargs):
+            if in_background() and group in (None, dist.group.WORLD):
+                raise AssertionError(f"a background save's {name} in the training's group")
+            return real[name](*args, group=group, **kwargs)
+        return collective
+
+    checkpoint.saving.write_safetensors = write
+    dist.all_gather_object, dist.all_reduce = guarded("all_gather_object"), guarded("all_reduce")
+    try:
+        yield gate
+    finally:
+        checkpoint.saving.write_safetensors = real["write"]
+        dist.all_gather_object, dist.all_reduce = real["all_gather_object"], real["all_reduce"]
+
+
+@torch.no_grad()
+def _change_everything(model, opt, comm) -> None:
+    """Every value a checkpoint holds changed in place, as training changes it."""
+    for g in checkpoint.describe(model, opt, comm).regions:
+        g.view.add_(1.0)
+
+
+def background_runs(rank, root: str, runs: list) -> list[dict]:
+    """For each ``(name, strategy)``: train 2 steps; save synchronously to ``root/name_sync``;
+    save in the background to ``root/name_bg`` — its write held back until training has taken
+    a step and every saved value was changed again — then wait. Whether the save returned
+    before its file was written; whether a load of ``name_bg`` into other weights gives what was
+    held at the save. The first run also starts a second save while one is
+    in flight, and notes whether it waited."""
+    import threading
+    import time
+    out = []
+    for k, (name, strategy) in enumerate(runs):
+        built, comm, cfg = _built(rank, strategy)
+        model, opt = built.model, built.optimizer
+        sync = checkpoint.save(model, opt, os.path.join(root, f"{name}_sync"), comm=comm, step=2)
+        held = checkpoint.local_state(model, opt, comm)
+        with held_writes() as gate:
+            pending = checkpoint.save(model, opt, os.path.join(root, f"{name}_bg"), comm=comm, step=2,
+                                      background=True)
+            returned_first = not pending.done()
+            train_step(built, [batch(cfg, 2, MICRO_BATCH, rank.rank, rank.world_size)])
+            _change_everything(model, opt, comm)
+            gate.set()
+            info = pending.wait()
+        r = {"name": name, "returned_first": returned_first, "host_copy_bytes": info["host_copy_bytes"], "bytes_written": info["bytes_written"],
+             "sync_host_copy_bytes": sync["host_copy_bytes"], "step": info["step"]}
+        if k == 0:
+            with held_writes() as gate:
+                first = checkpoint.save(model, opt, os.path.join(root, f"{name}_a"), comm=comm,
+                                        step=3, background=True)
+                released = []
+                threading.Timer(0.3, lambda: (released.append(time.perf_counter()), gate.set())).start()
+                second = checkpoint.save(model, opt, os.path.join(root, f"{name}_b"), comm=comm,
+                                         step=3, background=True)
+                r["second_waited"] = first.done() and bool(released) and time.perf_counter() >= released[0]
+                gate.set()
+                second.wait()
+        fresh, comm2, _ = _built(rank, strategy, steps=0, seed=1)
+        checkpoint.load(fresh.model, fresh.optimizer, os.path.join(root, f"{name}_bg"), comm=comm2)
+        again = checkpoint.local_state(fresh.model, fresh.optimizer, comm2)
+        r["load_equal"] = held.keys() == again.keys() and all(
+            torch.equal(a, b) for n in held for (_, a), (_, b) in zip(held[n], again[n]))
+        out.append(r)
+    return out
+
+
+def background_fails(rank, path: str, bad_rank: int) -> dict:
+    """A good checkpoint at ``path`` (step 2); then a background save over it whose write fails on
+    rank ``bad_rank`` alone: what each rank's wait raised. Then another background save, which
+    must work (the save's group survives a failed save)."""
+    built, comm, _ = _built(rank, "zero1")
+    model, opt = built.model, built.optimizer
+    checkpoint.save(model, opt, path, comm=comm, step=2)
+    real = checkpoint.saving.write_safetensors
+
+    def failing(*args, **kwargs):
+        if rank.rank == bad_rank:
+            raise checkpoint.CheckpointError(f"planted failure on rank {bad_rank}")
+        return real(*args, **kwargs)
+
+    checkpoint.saving.write_safetensors = failing
+    try:
+        pending = checkpoint.save(model, opt, path, comm=comm, step=3, background=True)
+        try:
+            pending.wait()
+            raised = None
+        except checkpoint.CheckpointError as e:
+            raised = str(e)
+    finally:
+        checkpoint.saving.write_safetensors = real
+    after_failure = checkpoint.read_metadata(path)["step"]
+    again = checkpoint.save(model, opt, path, comm=comm, step=4, background=True).wait()
+    return {"raised": raised, "after_failure": after_failure, "again": again["step"]}
+
+
+def _slow_background_writes(seconds: float):
+    """Every write in a background thread starts ``seconds`` late: a run that did not wait for
+    its last save would end before the checkpoint is there."""
+    import threading
+    import time
+    real = checkpoint.saving.write_safetensors
+
+    def slow(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(seconds)
+        return real(*args, **kwargs)
+    return real, slow
+
+
+def train_saving_in_background(rank, path: str, steps: int) -> dict:
+    """``train`` with a background save after every step, each write held up 0.2 s: when train
+    returns, the last step's checkpoint must be on disk."""
+    real, slow = _slow_background_writes(0.2)
+    checkpoint.saving.write_safetensors = slow
+    try:
+        out = train(rank, TrainConfig(strategy="fsdp", model=MODEL, steps=steps, micro_batch=MICRO_BATCH,
+                                      track_activations=False, save_to=path, save_every=1,
+                                      save_background=True))
+    finally:
+        checkpoint.saving.write_safetensors = real
+    return {"on_disk": checkpoint.read_metadata(path)["step"], "stalls": out["checkpoint"]["save"]["stalls"],
+            "leftover": os.path.exists(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.saving"))}
+
+
+def background_save_then_die(rank, path: str, die_rank: int) -> None:
+    """Train 2 steps saving in the background after each; resume and train on, saving the same
+    way — and inside the first background write, rank ``die_rank`` writes half of its file and
+    SIGKILLs itself while the others train on."""
+    kw = dict(strategy="zero1", model=MODEL, micro_batch=MICRO_BATCH, track_activations=False,
+              save_every=1, save_background=True)
+    train(rank, TrainConfig(steps=2, save_to=path, **kw))
+    real_write = checkpoint.saving.write_safetensors
+
+    def dying_write(file, entries, tensors, *args):
+        if rank.rank == die_rank:
+            with open(file, "wb") as f:
+                f.write(b"\0" * 1000)
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(file, entries, tensors, *args)
+
+    checkpoint.saving.write_safetensors = dying_write
+    train(rank, TrainConfig(steps=3, resume_from=path, save_to=path, **kw))

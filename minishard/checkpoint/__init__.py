@@ -10,6 +10,8 @@ in the order chapter 9 tells it:
 * :mod:`.format` — the files: safetensors written by hand, an XXH3-64 checksum per block,
   metadata.json.
 * :mod:`.saving` — :func:`save`: every rank its own file, atomically.
+* :mod:`.background` — ``save(..., background=True)``: copied to host memory, written while
+  training goes on (:class:`PendingSave`, :func:`wait_for_saves`).
 * :mod:`.reads` — which checksum blocks deliver what a rank needs, read verified.
 * :mod:`.loading` — :func:`load`: under any world size and strategy; read and verify, agree,
   then copy.
@@ -18,6 +20,7 @@ in the order chapter 9 tells it:
 
 No pickle on any load path: loading runs no code from the files.
 """
+from .background import PendingSave, wait_for_saves
 from .exporting import export, load_exported
 from .format import (BLOCK_BYTES, CHECKSUM, FORMAT, METADATA, READABLE_VERSIONS, STATE_KINDS, VERSION,
                      CheckpointError, read_metadata)
@@ -28,6 +31,7 @@ from .resharding import ReshardPlan, layout, layout_metadata, plan
 from .saving import save
 
 __all__ = ["CheckpointError", "CheckpointRegions", "Holdings", "Region", "ShardedState", "describe",
-           "local_state", "save", "load", "read_metadata", "read_full", "Read", "plan_reads",
+           "local_state", "save", "PendingSave", "wait_for_saves", "load", "read_metadata", "read_full",
+           "Read", "plan_reads",
            "ReshardPlan", "plan", "layout", "layout_metadata", "export", "load_exported",
            "FORMAT", "VERSION", "READABLE_VERSIONS", "METADATA", "BLOCK_BYTES", "CHECKSUM", "STATE_KINDS"]

@@ -8,63 +8,142 @@ metadata, fsyncs it and the directory, and renames the directory into place (an 
 checkpoint is renamed aside first and deleted last); a last agreement tells every rank how that
 went. A save killed at any point leaves the previous checkpoint loadable; if any rank failed,
 every rank raises the same error and the half-written directory is removed.
+
+In the background (``save(..., background=True)``) the protocol is the same, cut in two: what a
+rank holds is described, the target checked and the pieces copied to host memory before ``save``
+returns; the file, the exchange and the commit follow in a thread (:mod:`.background`). A crash
+while it writes is a crash inside a save: the previous checkpoint stays.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from ..comm import Comm
+from .background import PendingSave, checkpoint_comm, wait_for_saves
 from .format import (BLOCK_BYTES, CHECKSUM, HASHES, METADATA, CheckpointError, agree, build_metadata,
                      dtype_name, file_layout, fsync_dir, raise_if_any, tensor_bytes, write_safetensors)
 from .regions import ShardedState, describe
 
 
 def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm | None = None,
-         step: int, block_bytes: int = BLOCK_BYTES) -> dict:
+         step: int, block_bytes: int = BLOCK_BYTES, background: bool = False) -> dict | PendingSave:
     """Every rank writes its pieces to ``path/rank{r}.safetensors``, rank 0 the metadata; the
     directory appears at ``path`` atomically (see the module docstring). A collective over
     ``comm`` (default: the default process group): every rank calls it, and every rank raises
     the same error if any rank fails. Returns this rank's numbers: bytes written, seconds, and
-    (on rank 0) the metadata."""
+    (on rank 0) the metadata.
+
+    ``background=True`` (what DCP's ``async_save`` does): the pieces this rank writes are copied
+    to host memory, and the save returns a :class:`PendingSave` while a thread of its own writes
+    them, exchanges and commits; training may change every tensor meanwhile. Its ``wait()``
+    returns the same numbers, or raises the same error on every rank. A save — either kind —
+    first waits for the one in flight (and raises its error, if it failed); so does
+    :func:`wait_for_saves`, which a run calls before it ends."""
     t0 = time.perf_counter()
     comm = Comm() if comm is None else comm
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 8 or block_bytes % 8:
         raise ValueError(f"block_bytes must be a positive multiple of 8 (whole elements of every "
                          f"dtype in one checksum block), got {block_bytes!r}")
+    if not isinstance(background, bool):
+        raise TypeError(f"background must be True or False, got {background!r}")
+    wait_for_saves()                          # one save at a time, in the order they were asked
     path = Path(path)
     tmp = path.parent / f".{path.name}.saving"
+    tracer = comm.tracer
+    if not background:
+        with _phase(tracer, "checkpoint_write"):
+            own = _own_part(model, optimizer, comm, path, tmp, host_copy=False)
+            out = _write_and_commit(comm, own, path, tmp, step, block_bytes, t0)
+        return {**out, "stall_seconds": out["seconds"]}
+    saver = checkpoint_comm(comm)             # (a collective: before any rank can fail alone)
+    with _phase(tracer, "checkpoint_copy"):
+        own = _own_part(model, optimizer, comm, path, tmp, host_copy=True)
+    return PendingSave(lambda: _write_and_commit(saver, own, path, tmp, step, block_bytes, t0),
+                       tracer, own.host_bytes, time.perf_counter() - t0)
 
-    # 1. on its own, every rank: what it holds, where each piece sits in its file, the target
-    #    checked (before any byte is written), its file written with a checksum per block
-    error, info, sums, size, write_s = None, None, [], 0, 0.0
+
+@dataclass
+class _OwnPart:
+    """What one rank writes, decided before any byte is: its description for the exchange, its
+    file's entries and the tensors they come from (the live views, or their host copies), or the
+    error that stopped it."""
+    error: str | None = None
+    info: dict | None = None
+    entries: list = field(default_factory=list)
+    tensors: list = field(default_factory=list)
+    first: str = "no pieces"                  # the file's first piece, to name it in an error
+    size: int = 0
+    host_bytes: int = 0
+
+
+def _own_part(model: nn.Module, optimizer, comm: Comm, path: Path, tmp: Path, *,
+              host_copy: bool) -> _OwnPart:
+    """On its own, every rank: what it holds, where each piece sits in its file, the target
+    checked (before any byte is written); with ``host_copy``, a copy of each piece it writes in
+    host memory, so that training can change the live tensors while the copies are written."""
+    own = _OwnPart()
     try:
         state = describe(model, optimizer, comm)
-        entries, pieces, records, size = file_layout(state)
-        info = {"rank": comm.rank, "bytes": size, "records": records, "strategy": state.strategy,
-                "model": state.model_config, "optimizer": _optimizer_info(state),
-                "tensors": {n: (list(s), dtype_name(d)) for n, (s, d) in state.tensors.items()},
-                "replicas": _replica_checksums(state)}
+        own.entries, pieces, records, own.size = file_layout(state)
+        own.info = {"rank": comm.rank, "bytes": own.size, "records": records, "strategy": state.strategy,
+                    "model": state.model_config, "optimizer": _optimizer_info(state),
+                    "tensors": {n: (list(s), dtype_name(d)) for n, (s, d) in state.tensors.items()},
+                    "replicas": _replica_checksums(state)}
         _check_target(path, tmp, _checkpoint_bytes(state))
-        t1 = time.perf_counter()
-        sums = _write_own_file(tmp / f"rank{comm.rank}.safetensors", entries, pieces, size, block_bytes)
-        write_s = time.perf_counter() - t1
+        own.first = f"pieces of {pieces[0].name} ..." if pieces else "no pieces"
+        own.tensors = [g.view for g in pieces]
+        if host_copy:
+            own.tensors = _to_host(pieces)
+            own.host_bytes = sum(t.numel() * t.element_size() for t in own.tensors)
     except CheckpointError as e:
-        error = str(e)
+        own.error = str(e)
+    return own
 
-    # 2. one exchange: every rank's description and checksums, or its error
-    results = comm.all_gather_object((error, info, sums))
+
+def _to_host(pieces: list) -> list[torch.Tensor]:
+    """A copy of every piece in host memory, sharing nothing with the live tensors. Refused as a
+    CheckpointError (every rank then raises it) if the host cannot hold it."""
+    try:
+        with torch.no_grad():
+            return [g.view.detach().to("cpu", copy=True) for g in pieces]
+    except (RuntimeError, MemoryError) as e:
+        nbytes = sum(g.numel * g.view.element_size() for g in pieces)
+        raise CheckpointError(f"cannot copy this rank's {nbytes / 2**20:.1f} MiB of pieces to host "
+                              f"memory for a background save: {type(e).__name__}: {e}; save without "
+                              f"background=True") from None
+
+
+def _write_and_commit(comm: Comm, own: _OwnPart, path: Path, tmp: Path, step: int,
+                      block_bytes: int, t0: float) -> dict:
+    """The rest of the protocol: this rank's file written with a checksum per block, one
+    exchange, rank 0's metadata and renames, a last agreement. In the background ``comm`` is the
+    save's own group (:func:`.background.checkpoint_comm`)."""
+    error, sums, write_s = own.error, [], 0.0
+    if error is None:
+        try:
+            t1 = time.perf_counter()
+            sums = _write_own_file(tmp / f"rank{comm.rank}.safetensors", own, block_bytes)
+            write_s = time.perf_counter() - t1
+            own.tensors = []                  # a host copy is not needed past its file
+        except CheckpointError as e:
+            error = str(e)
+
+    # one exchange: every rank's description and checksums, or its error
+    results = comm.all_gather_object((error, own.info, sums))
     _clean_up_if_any(comm, tmp, [e for e, _, _ in results])
 
-    # 3. rank 0: the metadata last (its presence marks a complete checkpoint), then the renames;
-    #    every rank learns how that went
+    # rank 0: the metadata last (its presence marks a complete checkpoint), then the renames;
+    # every rank learns how that went
     meta, error = None, None
     if comm.rank == 0:
         try:
@@ -73,8 +152,9 @@ def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm | N
         except (OSError, CheckpointError) as e:
             error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
     _clean_up_if_any(comm, tmp, [error], agreed=False)
-    return {"path": str(path), "step": step, "rank": comm.rank, "bytes_written": size,
-            "seconds": time.perf_counter() - t0, "write_seconds": write_s, "metadata": meta}
+    return {"path": str(path), "step": step, "rank": comm.rank, "bytes_written": own.size,
+            "seconds": time.perf_counter() - t0, "write_seconds": write_s, "metadata": meta,
+            "host_copy_bytes": own.host_bytes}
 
 
 def _checkpoint_bytes(state: ShardedState) -> int:
@@ -142,16 +222,15 @@ def _optimizer_info(state: ShardedState) -> dict | None:
             "param_groups": groups}
 
 
-def _write_own_file(file: Path, entries: list, pieces: list, size: int, block_bytes: int) -> list:
+def _write_own_file(file: Path, own: _OwnPart, block_bytes: int) -> list:
     """This rank's file, with a checksum per block of each piece; a failure names the file."""
     try:
-        written, sums = write_safetensors(file, entries, (g.view for g in pieces), block_bytes)
-        if written != size:
-            raise OSError(f"wrote {written} bytes, expected {size}")
+        written, sums = write_safetensors(file, own.entries, iter(own.tensors), block_bytes)
+        if written != own.size:
+            raise OSError(f"wrote {written} bytes, expected {own.size}")
         return sums
     except OSError as e:
-        what = f"pieces of {pieces[0].name} ..." if pieces else "no pieces"
-        raise CheckpointError(f"cannot write {file} ({what}): {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot write {file} ({own.first}): {type(e).__name__}: {e}") from None
 
 
 def _clean_up_if_any(comm: Comm, tmp: Path, errors: list, agreed: bool = True) -> None:
@@ -212,3 +291,8 @@ def _swap_in(tmp: Path, path: Path) -> None:
     os.rename(tmp, path)
     fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _phase(tracer, name: str):
+    """The save's stretch of the rank's critical path, as a phase of the trace."""
+    return tracer.phase(name) if tracer is not None else contextlib.nullcontext()

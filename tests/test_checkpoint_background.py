@@ -1,0 +1,114 @@
+"""Background checkpoints (``checkpoint.save(..., background=True)``): the file equals a
+synchronous save's byte for byte although training changed every value before it was written;
+the save returns before its write and the next save waits for it; a run ends with its last
+checkpoint on disk, each save in the trace; an error on one rank is raised by every rank's
+wait; a rank killed during the background write leaves the previous checkpoint loadable."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from minishard import checkpoint, offline_player
+from minishard.cli import main
+from minishard.launch import RankError, Ranks
+from minishard.trace import write_dir
+from minishard.train import TrainConfig, train
+
+import checkpoint_tasks
+
+RUNS = {2: [("n2_fsdp", "fsdp"), ("n2_zero1", "zero1")], 3: [("n3_fsdp", "fsdp"), ("n3_zero2", "zero2")]}
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("N", sorted(RUNS))
+def test_a_background_save_holds_the_values_at_the_call_bit_for_bit(pools, tmp_path, N):
+    results = pools(N).run(checkpoint_tasks.background_runs, str(tmp_path), RUNS[N])
+    for k, (name, _) in enumerate(RUNS[N]):
+        per_rank = [r[k] for r in results]
+        # training took a step and every saved value changed before the write: the files are
+        # still the synchronous save's, made just before, byte for byte (metadata included)
+        assert _files(tmp_path / f"{name}_bg") == _files(tmp_path / f"{name}_sync"), name
+        assert all(r["returned_first"] for r in per_rank), name      # save returned, then wrote
+        assert all(r["load_equal"] for r in per_rank), name
+        for r in per_rank:                # the host copy: every byte of the rank's pieces, once
+            assert 0 < r["host_copy_bytes"] < r["bytes_written"] and r["sync_host_copy_bytes"] == 0
+    assert all(r[0]["second_waited"] for r in results)          # the next save waited for it
+
+
+def test_a_run_ends_with_its_last_checkpoint_on_disk_and_each_save_in_the_trace(pools, tmp_path):
+    ck = tmp_path / "run"
+    steps = 3
+    results = pools(2).run(checkpoint_tasks.train_saving_in_background, str(ck), steps)
+    for r in results:
+        assert r["on_disk"] == steps and not r["leftover"]
+        assert [s for s, _ in r["stalls"]] == [1, 2, 3]
+    events = pools(2).last_events
+    for rank in (0, 1):
+        mine = [e for e in events if e["rank"] == rank]
+        copies = [e for e in mine if e["kind"] == "phase" and e["name"] == "checkpoint_copy"
+                  and e["edge"] == "begin"]
+        writes = [e for e in mine if e["kind"] == "transfer" and e.get("tag") == "checkpoint_write"]
+        assert [e["step"] for e in copies] == [0, 1, 2]
+        assert len(writes) == steps and all(e["direction"] == "to_disk" and e["bytes"] > 0
+                                            and e["seconds"] >= 0.2 for e in writes)
+        assert all(c["t"] < w["t"] for c, w in zip(copies, writes))      # each write after its copy
+    write_dir(events, tmp_path / "trace")             # the viewer's timeline draws both
+    assert main(["view", str(tmp_path / "trace"), "-o", str(tmp_path / "p.html")]) == 0
+    spans = offline_player.encode(tmp_path / "trace")["span_names"]
+    assert "checkpoint_copy" in spans and "transfer to_disk" in spans
+
+
+def test_an_error_on_one_rank_is_raised_by_every_ranks_wait(pools, tmp_path):
+    ck = tmp_path / "ck"
+    results = pools(2).run(checkpoint_tasks.background_fails, str(ck), 1)
+    assert [r["raised"] for r in results] == ["planted failure on rank 1"] * 2
+    assert all(r["after_failure"] == 2 and r["again"] == 4 for r in results)
+    assert checkpoint.read_metadata(ck)["step"] == 4 and not (tmp_path / ".ck.saving").exists()
+
+
+def test_a_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
+    ck = tmp_path / "run"
+    with Ranks(2, timeout=120) as own:          # its own pool: a rank is killed on purpose
+        with pytest.raises(RankError, match="code -9|Connection|closed|reset"):
+            own.run(checkpoint_tasks.background_save_then_die, str(ck), 1)
+    assert (tmp_path / ".run.saving").exists()             # the half-written new one, aside
+    assert checkpoint.read_metadata(ck)["step"] == 2        # the previous one, whole
+    reloaded = train(None, TrainConfig(strategy="single", model="nano", steps=1, micro_batch=4,
+                                       resume_from=str(ck), track_activations=False, save_to=str(ck)))
+    assert reloaded["checkpoint"]["load"]["saved_world_size"] == 2
+    assert checkpoint.read_metadata(ck)["step"] == 3
+
+
+def test_in_one_process_the_copy_is_what_is_written(tmp_path):
+    net, opt = checkpoint_tasks.one_process_model()
+    checkpoint.save(net, opt, tmp_path / "sync", step=1)
+    with checkpoint_tasks.held_writes() as gate:
+        pending = checkpoint.save(net, opt, tmp_path / "bg", step=1, background=True)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(-1.0)
+        assert not pending.done()
+        gate.set()
+        assert pending.wait()["stall_seconds"] <= pending.wait()["seconds"]
+    assert checkpoint.wait_for_saves() == []
+    assert _files(tmp_path / "bg") == _files(tmp_path / "sync")
+    with pytest.raises(TypeError, match="background must be True or False"):
+        checkpoint.save(net, opt, tmp_path / "x", step=1, background="yes")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--save-background"], ["--save-background needs --save"]),
+    (["--save-every", "2"], ["--save-every 2 needs --save"]),
+    (["--save", "{tmp}/ck", "--save-every", "0"], ["--save-every 0", "integer >= 1"]),
+])
+def test_bad_save_flags_are_named(argv, words, tmp_path, capsys):
+    assert main(["demo", *[a.format(tmp=tmp_path) for a in argv]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+    with pytest.raises(ValueError, match="save_every=0"):
+        TrainConfig(save_to=str(tmp_path), save_every=0)
+    assert not os.path.exists(tmp_path / "ck")
