@@ -518,9 +518,8 @@ R.close()
 # them whole — parameters, gradients and both Adam moments: 16P(1 − 1/N) bytes more per rank,
 # 163,840 on two ranks. The number of all-gathers does not move: minishard gathers by unit, and
 # every unit keeps large parameters to gather. What persistence buys is in the launches — a
-# unit made only of small parameters would need no all-gather at all, and `fully_shard` refuses
-# such a unit ("nothing left to shard": leave it to the unit above, which keeps those
-# parameters whole). DeepSpeed, which gathers parameter by parameter, drops a persistent
+# unit made only of small parameters needs no all-gather at all: it gathers nothing and
+# all-reduces its gradients, as DDP would. DeepSpeed, which gathers parameter by parameter, drops a persistent
 # parameter's gathers outright, keeps its optimizer state sharded, reduce-scatters its gradient
 # like any other, and all-gathers the persistent parameters once after each optimizer step;
 # minishard replicates them outright, as DDP would (`replicate_params`).

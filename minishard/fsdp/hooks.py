@@ -9,19 +9,25 @@
     the unit's backward is done          identity node on its inputs        unit.post_backward()
     backward is over                     callback queued on the autograd    root.root_post_backward()
                                          engine, once per backward
+    forward reaches / leaves a module    module forward pre-hook / hook     (casts, no unit method)
+    computing in its replicated
+    parameters' own dtype
 
 The first three are registered once, by :func:`register_hooks` (``fully_shard``; not with
 ``manual=True``). The next two belong to one forward's autograd graph and go with it, so they
 are attached to that forward's tensors, by :func:`register_post_backward` (from the unit's
 ``pre_forward``) and :func:`register_pre_backward` (from its ``post_forward``). The root queues
-the last one at the first ``pre_backward`` of each backward (:func:`queue_root_post_backward`).
+the end-of-backward callback at the first ``pre_backward`` of each backward
+(:func:`queue_root_post_backward`). The casts around a module that computes in its replicated
+parameters' dtype are no lifecycle step: ``fully_shard`` registers them even with
+``manual=True`` (:func:`register_dtype_boundaries`).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 if TYPE_CHECKING:
     from .unit import FSDPUnit
@@ -66,3 +72,21 @@ def register_pre_backward(unit: "FSDPUnit", output) -> None:
 def queue_root_post_backward(root: "FSDPUnit") -> None:
     """Run ``root.root_post_backward`` when the autograd engine has finished this backward."""
     torch.autograd.Variable._execution_engine.queue_callback(root.root_post_backward)
+
+
+def register_dtype_boundaries(boundaries: dict[torch.nn.Module, torch.dtype],
+                              out_dtype: torch.dtype | None) -> None:
+    """Each module of ``boundaries`` computes in its dtype (its replicated parameters') inside a
+    unit computing in ``out_dtype``: its floating inputs are cast to that dtype on the way in
+    (FSDP2's ``cast_forward_inputs``) and its floating outputs to ``out_dtype`` on the way out
+    (FSDP2's ``output_dtype``); autograd casts the gradients back through both. Registered after
+    the unit's hooks, the cast in runs after the unit's pre-hook and the cast out (prepended)
+    before its forward hook: the unit sees on both sides what flows between units."""
+    def to(d):
+        def cast(t):
+            return t.to(d) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != d else t
+        return lambda tree: tree_map(cast, tree)
+    for module, dtype in boundaries.items():
+        module.register_forward_pre_hook(
+            lambda mod, args, kwargs, d=dtype: (to(d)(args), to(d)(kwargs)), with_kwargs=True)
+        module.register_forward_hook(lambda mod, args, out: to(out_dtype)(out), prepend=True)

@@ -103,16 +103,8 @@ def set_stage3_limits(model, prefetch_bucket_size: int | None = None,
 
 def persistent_names(slots, threshold: int | None, unit: str) -> tuple[str, ...]:
     """The names of the parameters at most ``threshold`` elements big (``fully_shard`` keeps
-    them whole, refusing what keeping parameters whole refuses), refusing a unit that would
-    keep every parameter whole."""
+    them whole, refusing what keeping parameters whole refuses). A unit whose every parameter
+    is that small gathers nothing: its gradients are all-reduced, as DDP's."""
     if _count(threshold, "param_persistence_threshold") is None:
         return ()
-    small = [s for s in slots if s.numel <= threshold]
-    if not small:
-        return ()
-    if len(small) == len(slots):
-        raise ValueError(f"{unit}: param_persistence_threshold={threshold} keeps every parameter "
-                         f"whole (the largest has {max(s.numel for s in slots)} elements): nothing "
-                         f"left to shard — lower the threshold, or do not make it a unit (the unit "
-                         f"above then owns its parameters, and keeps the small ones whole)")
-    return tuple(s.fqn for s in small)
+    return tuple(s.fqn for s in slots if s.numel <= threshold)
