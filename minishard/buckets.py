@@ -145,8 +145,8 @@ class BucketedReduction:
                 view = self._grad_view(b, k)
                 view.copy_(p.grad)
                 p.grad = view
-        else:
-            self._buffer_of(b)[b.offsets[k]:b.offsets[k] + p.numel()].copy_(p.grad.view(-1))
+        else:   # (added: inside no_sync the buffer holds the micro-batches' sum)
+            self._buffer_of(b)[b.offsets[k]:b.offsets[k] + p.numel()].add_(p.grad.view(-1))
             p.grad = None                      # no full gradient stays behind
         if self.sync:
             self._mark_ready(b, k)
@@ -171,8 +171,9 @@ class BucketedReduction:
         if b.buffer is None:
             p = b.params[0]
             b.buffer = torch.zeros(b.size, dtype=p.dtype, device=p.device)
-            if self.ledger is not None:
-                self.ledger.track("comm_buffers", b.buffer, f"grad_bucket:{b.index}")
+            if self.ledger is not None:     # held across micro-batches (no_sync): gradients
+                self.ledger.track("comm_buffers" if self.sync else "grads", b.buffer,
+                                  f"grad_bucket:{b.index}")
         return b.buffer
 
     def _launch(self, b: Bucket) -> None:

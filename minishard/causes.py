@@ -254,7 +254,7 @@ def memory(traces: dict[int, Path], dumps: dict[int, dict] | None = None) -> lis
              f"forward began",
              f"rank {r}'s peak {fmt_bytes(f['peak'])}: " + _split(f["at_peak"])],
             "accumulation without synchronising (no_sync, set_requires_gradient_sync(False), "
-            "fsdp_accumulate_unsharded) keeps every unit's full gradient until the last "
+            "accumulation=\"no_sync\") keeps every unit's full gradient until the last "
             "micro-batch: reduce-scatter every micro-batch instead (FSDP2's default; more bytes "
             "on the wire, only the shards held)"))
     return found

@@ -233,6 +233,11 @@ class Comm:
         self.world_size = dist.get_world_size(group) if self.initialized else 1
         self.backend = dist.get_backend(group) if self.initialized else "none"
         self.name = name
+        # a group that is not the world names its members in every collective's event: which
+        # ranks a gather used is the lesson of hybrid sharding and of reshard_after_forward=k
+        self.members = (dist.get_process_group_ranks(group) if self.initialized and group is not None
+                        and self.world_size < dist.get_world_size() else None)
+        self._consecutive: dict[int, Comm] = {}
         self.flight = flight if flight is not None else FlightRecorder(
             dist.get_rank() if self.initialized else 0,
             dist.get_world_size() if self.initialized else 1)
@@ -258,7 +263,8 @@ class Comm:
         return {"op": op, "payload": nbytes,
                 "wire": ring_wire_bytes(op, nbytes, self.world_size, self.rank, extra.get("src", 0)),
                 "dtype": str(tensor.dtype).replace("torch.", ""), "group": self.world_size,
-                "tag": tag, "t": t0, "_flight": flight, **extra}
+                "tag": tag, "t": t0, "_flight": flight,
+                **({"members": self.members} if self.members is not None else {}), **extra}
 
     def _record(self, ev: dict) -> None:
         if ev.get("_skipped"):
@@ -409,6 +415,36 @@ class Comm:
         same = dict(flight=self.flight, skip=self.skip, synced_start=self.synced_start)
         return (Comm(self.tracer, mine_shard, self.ledger, name=f"shard{shard}", **same),
                 Comm(self.tracer, mine_rep, self.ledger, name=f"replicate{rep}", **same))
+
+    def consecutive(self, size: int) -> "Comm":
+        """This rank's group of ``size`` consecutive members of this group — a node, where ranks
+        are numbered node by node: what ``fully_shard(reshard_after_forward=size)`` gathers over
+        in backward (FSDP2's post-forward mesh). Made once per size. Every rank of the world
+        calls it at the same time (process groups are made by all), each with its own group
+        where this is one of several (hybrid sharding's shard groups): the ranks first learn
+        each other's groups, then every rank makes every group."""
+        if size in self._consecutive:
+            return self._consecutive[size]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or self.world_size % size:
+            raise ValueError(f"a group of {size!r} consecutive ranks does not divide this group of "
+                             f"{self.world_size}")
+        mine = tuple(self.members or range(self.world_size))
+        every = [mine]
+        if self.initialized:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        timeout = _group_timeout(self.group)            # (a new group would wait 30 minutes)
+        made = None
+        for group in sorted(set(every)):                 # the same order on every rank
+            for start in range(0, len(group), size):
+                members = list(group[start:start + size])
+                g = dist.new_group(members, timeout=timeout) if self.initialized else None
+                if (dist.get_rank() if self.initialized else 0) in members:
+                    made = Comm(self.tracer, g, self.ledger, name=f"post_forward{members}",
+                                flight=self.flight, skip=self.skip, synced_start=self.synced_start,
+                                alone=not self.initialized)
+        self._consecutive[size] = made
+        return made
 
     def all_gather_object(self, obj) -> list:
         """Small Python objects from every rank, on every rank (a checkpoint's piece tables, and

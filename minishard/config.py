@@ -16,6 +16,8 @@ OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
 PRECISIONS = ("fp32", "bf16_mixed")
 WRAPS = ("block", "model", "linear")
 OFFLOADS = (None, "host", "disk")
+# gradient accumulation under FSDP and ZeRO-2 (accum > 1), between the micro-batches of a step
+ACCUMULATIONS = ("sync", "no_sync", "gathered")
 
 
 class ConfigError(ValueError):
@@ -49,7 +51,7 @@ KNOBS: dict[str, tuple[Callable[[Any], bool], str]] = {       # knob: (reads it?
     "reshard_after_forward": (lambda s: s.stage == 3, "FSDP"),
     "reshard_root": (lambda s: s.offloads, "minishard's FSDP"),
     "prefetch": (lambda s: s.stage == 3, "FSDP"),
-    "fsdp_accumulate_unsharded": (lambda s: s.offloads, "minishard's FSDP"),
+    "accumulation": (lambda s: s.offloads or s.name in ("zero2", "torch_fsdp"), "FSDP and ZeRO-2"),
     "shard_size": (lambda s: s.hybrid, "hybrid sharding"),
     "offload": (lambda s: s.offloads, "an FSDP strategy"),
     "prefetch_bucket_size": (lambda s: s.offloads, "an FSDP strategy"),
@@ -81,7 +83,8 @@ class TrainConfig:
     # data parallelism: buckets (DDP, ZeRO-1/2) and units (FSDP)
     bucket_cap_mb: float = 25.0      # gradient bucket size, MiB (PyTorch's default)
     wrap: str = "block"              # FSDP units below the root: each block, each Linear, or none
-    reshard_after_forward: bool = True   # free a unit's gathered parameters after its forward
+    reshard_after_forward: bool | int = True   # free a unit's gathered parameters after its
+                                     # forward; k: keep 1/k of them, gathered in backward over k ranks
     reshard_root: bool = False       # the root too (the textbook ZeRO-3 schedule; FSDP2 keeps it)
     prefetch: int = 0                # FSDP units gathered ahead, forward and backward
                                      # (torch_fsdp: FSDP2 gathers 1 ahead in backward at 0)
@@ -89,7 +92,10 @@ class TrainConfig:
     prefetch_bucket_size: int | None = None   # stage3_prefetch_bucket_size: gathered ahead
     max_live_parameters: int | None = None    # stage3_max_live_parameters: gathered at once
     param_persistence_threshold: int | None = None   # stage3_param_persistence_threshold
-    fsdp_accumulate_unsharded: bool = False   # accum > 1: keep full grads, one reduce-scatter
+    accumulation: str | None = None  # accum > 1, FSDP and ZeRO-2: "sync" reduce-scatters every
+                                     # micro-batch, "no_sync" keeps full gradients and reduces once,
+                                     # "gathered" (FSDP) keeps parameters gathered in between;
+                                     # None: the strategy's own (sync; torch_fsdp no_sync)
     shard_size: int = 2              # hsdp: ranks per shard group ("a node")
     # memory
     recompute: bool = False          # activation recomputation: keep each block's input only
@@ -109,6 +115,8 @@ class TrainConfig:
     return_state: bool = False       # this rank's optimizer state_dict
     resume_from: str | None = None   # start from a checkpoint (any world size or strategy)
     save_to: str | None = None       # save a checkpoint after the last step
+    save_every: int | None = None    # and after every K-th step (each replaces the one before)
+    save_background: bool = False    # saves copy to host memory and write while training goes on
 
     def __post_init__(self):
         from . import strategies                # (the registry: names and aliases)
@@ -137,6 +145,7 @@ class TrainConfig:
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("wrap", self.wrap, WRAPS)
         _one_of("offload", self.offload, OFFLOADS)
+        self._check_sharding(strategy)
         for name in ("lr", "bucket_cap_mb"):
             if not getattr(self, name) > 0:
                 raise ConfigError("{%s}: must be positive" % name, **{name: getattr(self, name)})
@@ -152,6 +161,7 @@ class TrainConfig:
         if self.offload_dir is not None and self.offload is None:
             raise ConfigError("{offload_dir} is where {offload} keeps its files; set both, or neither",
                               offload_dir=self.offload_dir, offload="disk")
+        self._check_saves()
         from . import faults
         faults.check(self, strategy)
         if isinstance(self.fault_rank, bool) or not isinstance(self.fault_rank, int) or self.fault_rank < 0:
@@ -159,9 +169,34 @@ class TrainConfig:
         if self.fault is None and self.fault_rank != 1:
             raise ConfigError("{fault_rank} is the rank a fault is planted on: set {fault}, or drop it",
                               fault_rank=self.fault_rank, fault=...)
-        for name in ("offload", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
+        for name in ("offload", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
+                     "accumulation"):
             if name in self.unused():
                 self.refuse_unused(only=(name,))
+
+    def _check_sharding(self, strategy) -> None:
+        k = self.reshard_after_forward
+        if not isinstance(k, bool) and (not isinstance(k, int) or k < 1):
+            raise ConfigError("{reshard_after_forward}: True, False, or the number of ranks a unit "
+                              "reshards to after forward (an integer >= 1)", reshard_after_forward=k)
+        _one_of("accumulation", self.accumulation, (None, *ACCUMULATIONS))
+        if self.accumulation == "gathered" and strategy.name == "zero2":
+            raise ConfigError("{accumulation} gathered keeps FSDP's parameters gathered between "
+                              "micro-batches; ZeRO-2 holds them whole on every rank already (use "
+                              "sync or no_sync)", accumulation="gathered")
+
+    def _check_saves(self) -> None:
+        every = self.save_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ConfigError("{save_every}: must be an integer >= 1 (save after every K-th step), "
+                              "or None", save_every=every)
+        if not isinstance(self.save_background, bool):
+            raise ConfigError("{save_background}: must be True or False",
+                              save_background=self.save_background)
+        for name in ("save_every", "save_background"):
+            if getattr(self, name) not in (None, False) and self.save_to is None:
+                raise ConfigError("{%s} needs {save_to}: the directory each checkpoint is saved to"
+                                  % name, **{name: getattr(self, name)}, save_to=...)
 
     def unused(self) -> list[str]:
         """The knobs set away from their default that this run's strategy never reads (``KNOBS``)."""

@@ -190,17 +190,18 @@ class _Sizes:
 def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
          micro_batch: int = 1, seq_len: int | None = None, precision: str | None = None,
          optimizer: str = "adamw", prefetch: int = 1, recompute: bool = False,
-         offload: bool = False, hybrid: bool = False, mfu: float = 0.4,
-         bucket_mb: float = 25.0, flash_attention: bool = True, overlap: bool = True,
-         wrap: str = "block") -> Plan:
+         offload: bool = False, hybrid: bool = False, mfu: float = 0.4, bucket_mb: float = 25.0,
+         flash_attention: bool = True, overlap: bool = True, wrap: str = "block",
+         reshard_after_forward: int | None = None) -> Plan:
     """Per-GPU memory by ledger category and step time for one configuration.
 
-    ``strategy``: ddp, zero1, zero2, zero3/fsdp. ``hybrid``: shard inside a node, replicate
-    across nodes (HSDP). ``offload``: the sharded state lives in host memory (its bytes leave
+    ``strategy``: ddp, zero1, zero2, zero3/fsdp. ``hybrid``: shard inside a node, replicate across
+    nodes (HSDP). ``offload``: the sharded state lives in host memory (its bytes leave
     the device; PCIe traffic is added to the exposed time). ``overlap=False``: communication
     cannot hide behind compute (e.g. CPU ranks with every core busy computing). ``wrap``: FSDP's
     units, one per transformer block plus the root (``"block"``) or one for the whole model
-    (``"model"``, see :func:`_one_unit`).
+    (``"model"``, see :func:`_one_unit`). ``reshard_after_forward=k`` (ZeRO-3): blocks keep 1/k
+    gathered after forward; backward gathers over k ranks (a node: NVLink). None: FSDP2's True.
 
     ``precision=None`` is each strategy's usual mixed precision (docs/costmodel.md): for ZeRO-3 /
     FSDP, FSDP2's and torchtitan's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
@@ -220,20 +221,21 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
     if precision is None:
         precision = "bf16_fsdp" if stage == 3 else "bf16_mixed"
     sizes = _sizes(cfg, precision, cluster.gpus_per_node if hybrid else cluster.world_size)
+    k = _post_forward_ranks(reshard_after_forward, stage, sizes.shard_n)
     acts = activation_bytes(cfg, micro_batch, T, sizes.x, flash_attention, recompute)
     memory, notes = memory_per_gpu(sizes, stage, precision, optimizer, acts, prefetch=prefetch,
-                                   offload=offload, bucket_mb=bucket_mb)
+                                   offload=offload, bucket_mb=bucket_mb, post_forward=k)
     compute, backward = compute_seconds(cfg, T, micro_batch, recompute, cluster.device, mfu)
     link = ring_link(cluster, hybrid)
-    comm, exposed = collective_seconds(sizes, stage, link, prefetch, compute, backward)
+    comm, exposed = collective_seconds(sizes, stage, link, prefetch, compute, backward,
+                                       (k, cluster.intra if k <= cluster.gpus_per_node else link) if k else None)
     if stage == 3:
         notes.append(f"{cfg.n_layer + 1} units, {3 * (cfg.n_layer + 1)} collectives per step")
     if not overlap:
         exposed = comm
     if hybrid and cluster.nodes > 1:
         cross = cross_node_seconds(sizes, cluster, sizes.g)
-        comm += cross
-        exposed += cross
+        comm, exposed = comm + cross, exposed + cross
         notes.append("hybrid: shard within a node, replicate across nodes")
     traffic = offload_s = 0.0
     if offload:
@@ -245,6 +247,15 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
     if stage == 3 and wrap == "model":
         p = _one_unit(p, sizes, cluster, link, hybrid=hybrid, activations=acts, offload_s=offload_s)
     return p
+
+
+def _post_forward_ranks(k: int | None, stage: int, shard_n: int) -> int | None:
+    """``reshard_after_forward``'s ranks, checked; None for every shard rank (FSDP2's True)."""
+    if k is not None and (stage != 3 or isinstance(k, bool) or not isinstance(k, int) or k < 1
+                          or shard_n % k):
+        raise ValueError(f"reshard_after_forward={k!r}: a number of ranks dividing the {shard_n} "
+                         f"a unit shards over (ZeRO-3 / FSDP only)")
+    return None if k == shard_n else k
 
 
 def logits_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
@@ -277,7 +288,8 @@ def activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes
 
 
 def memory_per_gpu(s: _Sizes, stage: int, precision: str, optimizer: str, acts: int, *,
-                   prefetch: int, offload: bool, bucket_mb: float) -> tuple[dict[str, float], list[str]]:
+                   prefetch: int, offload: bool, bucket_mb: float,
+                   post_forward: int | None = None) -> tuple[dict[str, float], list[str]]:
     """Bytes on one GPU by ledger category at the step's peak, and notes on how it was read:
     the training state (:func:`~minishard.ledger.estimate`, less what is offloaded), what the
     strategy gathers or buffers, the activations."""
@@ -294,13 +306,16 @@ def memory_per_gpu(s: _Sizes, stage: int, precision: str, optimizer: str, acts: 
         #   `prefetch` blocks already gathered for backward;
         # inside a block's backward: the root and 1 + prefetch blocks gathered, the block's
         #   full gradients and their reduce-scatter buffer, all but one block's activations.
-        end_of_forward = acts + s.x * (s.root + prefetch * s.block)
+        # (reshard_after_forward=k: every block not yet gathered again holds 1/k of itself)
+        kept = s.x * s.block / post_forward if post_forward else 0
+        end_of_forward = acts + s.x * (s.root + prefetch * s.block) + kept * (s.n_layer - prefetch)
         in_backward = acts * (1 - 1 / s.n_layer) + s.x * (s.root + (1 + prefetch) * s.block) \
-            + 2 * s.g * s.block
+            + 2 * s.g * s.block + kept * max(0, s.n_layer - 1 - prefetch)
         if end_of_forward >= in_backward:
-            memory["unsharded"] = s.x * (s.root + prefetch * s.block)
+            memory["unsharded"] = s.x * (s.root + prefetch * s.block) + kept * (s.n_layer - prefetch)
         else:
-            memory["unsharded"] = s.x * (s.root + (1 + prefetch) * s.block)
+            memory["unsharded"] = s.x * (s.root + (1 + prefetch) * s.block) \
+                + kept * max(0, s.n_layer - 1 - prefetch)
             memory["comm_buffers"] = 2 * s.g * s.block
             acts = int(acts * (1 - 1 / s.n_layer))
             notes.append("peak inside backward")
@@ -328,8 +343,9 @@ def ring_link(cluster: Cluster, hybrid: bool) -> Link:
 
 
 def collective_seconds(s: _Sizes, stage: int, link: Link, prefetch: int, compute: float,
-                       backward: float) -> tuple[float, float]:
-    """(seconds of the strategy's collectives per step, the part compute does not hide)."""
+                       backward: float, back: tuple[int, Link] | None = None) -> tuple[float, float]:
+    """(seconds of the strategy's collectives per step, the part compute does not hide);
+    ``back``: (ranks, link) of backward's all-gathers when they run in smaller groups."""
     S = s.n_params * s.x
     if stage == 0:
         comm = ring_time("all_reduce", S, s.shard_n, link)
@@ -342,7 +358,9 @@ def collective_seconds(s: _Sizes, stage: int, link: Link, prefetch: int, compute
         # compute left to hide it behind
         return comm, gather + max(0.0, comm - gather - backward)
     units = [s.root] + [s.block] * s.n_layer
-    gather = 2 * sum(ring_time("all_gather", s.x * u, s.shard_n, link) for u in units)
+    n, on = back or (s.shard_n, link)
+    gather = sum(ring_time("all_gather", s.x * u, s.shard_n, link) + ring_time("all_gather", s.x * u, n, on)
+                 for u in units)
     scatter = sum(ring_time("reduce_scatter", s.g * u, s.shard_n, link) for u in units)
     comm = gather + scatter
     # with prefetch, unit i+1 travels while unit i computes; without, every gather waits

@@ -54,7 +54,8 @@ COLORS = {
     "broadcast": "#9D755D", "transfer h2d": "#FF9DA6", "transfer d2h": "#D67195",
 }
 # An FSDP unit's states (blank: sharded), in the player's panel and the course's figures.
-UNIT_STATE_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2"}
+UNIT_STATE_COLORS = {"unsharding": "#B7DDE0", "unsharded": "#72B7B2", "reduce_scattering": "#B279A2",
+                     "sharded_post_forward": "#EECA3B"}
 SHARDED_COLOR = "#f4f4f4"
 
 
@@ -257,7 +258,8 @@ def ring_caption(collective: dict, world_size: int) -> RingCaption:
     N = collective.get("group") or world_size
     rounds = ring_schedule(collective["op"], N, collective.get("src", 0))
     what = f'{collective["op"]} {collective.get("tag", "")}'.strip()
-    head = (f'{what} · payload {fmt_bytes(collective["payload"])} · '
+    among = f' among ranks {collective["members"]}' if collective.get("members") else ""
+    head = (f'{what}{among} · payload {fmt_bytes(collective["payload"])} · '
             f'wire {fmt_bytes(collective["wire"])} sent by rank {collective["rank"]}')
     why = "one rank: nothing to send" if N <= 1 else f'no picture of the {collective["op"]} algorithm'
     along = rounds[0].along_ring if rounds else True

@@ -213,7 +213,11 @@ def _zero(strategy, net, config, comm, ledger, *, reduce="reduce_scatter") -> Bu
     opt = ZeroOptimizer([p for p in net.parameters()], opt_class, stage=strategy.stage, comm=comm,
                         ledger=ledger, reduce=reduce, master_dtype=torch.float32 if mixed else None,
                         bucket_cap_mb=config.bucket_cap_mb, **opt_kwargs)
-    return Built(strategy, net, opt, (comm,), no_sync=opt.no_sync, clip=opt.clip_grad_norm_)
+    # ZeRO-1 accumulates full gradients and reduces once; ZeRO-2 reduce-scatters every
+    # micro-batch unless told to hold the full gradients (accumulation="no_sync")
+    quiet = strategy.stage == 1 or config.accumulation == "no_sync"
+    return Built(strategy, net, opt, (comm,), no_sync=opt.no_sync if quiet else None,
+                 clip=opt.clip_grad_norm_)
 
 
 def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=False) -> Built:
@@ -245,7 +249,8 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     opt = fsdp.ShardedOptimizer(net, opt_class([p for p in net.parameters() if p.requires_grad],
                                                **opt_kwargs), tier)
     from .ledger import track_optimizer_state
-    no_sync = (lambda: fsdp.no_sync(net)) if config.fsdp_accumulate_unsharded else None
+    no_sync = {"no_sync": lambda: fsdp.no_sync(net),
+               "gathered": lambda: fsdp.keep_gathered(net)}.get(config.accumulation)
     device = tier.name if tier is not None else None
     return Built(strategy, net, opt, comms, units=fsdp.units(net), tier=tier, no_sync=no_sync,
                  gather=lambda: fsdp.full_parameters(net),
@@ -265,7 +270,9 @@ def _torch_fsdp(strategy, net, config, comm, ledger) -> Built:
     fully_shard(net, mp_policy=mp)
     _torch_prefetch(net, units, config.prefetch)
     opt = opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
-    return Built(strategy, net, opt, (comm,), no_sync=lambda: _torch_fsdp_no_sync(net),
+    no_sync = {None: lambda: _torch_fsdp_no_sync(net), "no_sync": lambda: _torch_fsdp_no_sync(net),
+               "gathered": lambda: _torch_fsdp_keep_gathered(net)}.get(config.accumulation)
+    return Built(strategy, net, opt, (comm,), no_sync=no_sync,
                  gather=lambda: {n: p.full_tensor() for n, p in net.named_parameters()})
 
 
@@ -310,6 +317,15 @@ def _torch_fsdp_no_sync(net):
         yield
     finally:
         net.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def _torch_fsdp_keep_gathered(net):
+    net.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        net.set_reshard_after_backward(True)
 
 
 _ALL = [

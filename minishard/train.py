@@ -99,6 +99,7 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     faults.arm(config, rank.rank, {comm, *built.comms}, last_step=first_step + config.steps - 1)
 
     meter = Meter(built.comms, built.units)
+    saves: list[tuple[int, Any]] = []           # (step, what save returned)
     with _flight(comm, config), _watching(built, config, tracer, alone, comm) as w:
         for step in range(first_step, first_step + config.steps):
             tracer.step = step
@@ -118,22 +119,42 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
                          "steps": first_step + config.steps, "loss": loss, "loss_resolution":
                          _loss_resolution(loss, config), "seconds": meter.steps["step_times"][-1],
                          "peak": ledger.peak if ledger else w.peak if w else 0})
+            if config.save_every is not None and (step + 1) % config.save_every == 0:
+                saves.append((step + 1, _save(config, built, comm, step + 1)))
     tracer.step = None
+    if config.save_to is not None:
+        ckpt["save"] = _saved(config, built, comm, first_step + config.steps, saves)
     return _outputs(rank, config, cfg, meter, built, first_step, w, ledger, comm, ckpt)
+
+
+def _save(config: TrainConfig, built: Built, comm: Comm, step: int):
+    """A checkpoint of ``step`` to ``config.save_to`` (replacing the one before); in the
+    background, the next save or the end of the run waits for it."""
+    from . import checkpoint
+    return checkpoint.save(built.model, built.optimizer, config.save_to, comm=comm, step=step,
+                           background=config.save_background)
+
+
+def _saved(config: TrainConfig, built: Built, comm: Comm, last: int, saves: list) -> dict:
+    """The last step saved too, and every background save waited for: a run does not end before
+    its checkpoint is on disk. This rank's numbers of the last save, and how long each save held
+    up training (``stalls``: step, seconds)."""
+    from . import checkpoint
+    if not saves or saves[-1][0] != last:
+        saves.append((last, _save(config, built, comm, last)))
+    checkpoint.wait_for_saves()
+    done = [(s, out.wait() if isinstance(out, checkpoint.PendingSave) else out) for s, out in saves]
+    return {**done[-1][1], "stalls": [(s, out["stall_seconds"]) for s, out in done]}
 
 
 def _outputs(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: Built, first_step: int,
              w, ledger: LiveLedger | None, comm: Comm, ckpt: dict) -> dict[str, Any]:
-    """After the last step: the measurements, the ledger against its formula, the checkpoint
-    saved, the parameters and state asked for."""
+    """After the last step: the measurements, the ledger against its formula, the checkpoints
+    loaded and saved, the parameters and state asked for."""
     strategy = built.strategy
     out = _measurements(rank, config, cfg, meter, built, first_step, w)
     if ledger is not None:
         out["ledger"] = _ledger_report(ledger, config, cfg, strategy, rank.world_size, built)
-    if config.save_to is not None:
-        from . import checkpoint
-        ckpt["save"] = checkpoint.save(built.model, built.optimizer, config.save_to, comm=comm,
-                                       step=first_step + config.steps)
     if ckpt:
         out["checkpoint"] = ckpt
     if config.return_params:
@@ -293,12 +314,14 @@ def _layout_numel(built: Built) -> dict:
 
 def _transfer_formula(built: Built, config: TrainConfig) -> dict[str, int]:
     """Offload's bytes per step: every gather brings the unit's shard over (h2d) — once in
-    forward, once more in backward if it was freed after forward — and every reduce-scatter
-    sends the reduced gradient slice to the tier (d2h); both once per micro-batch."""
+    forward, once more in backward if it was freed after forward (not if it kept its part for
+    a gather inside k ranks: ``reshard_after_forward=k`` keeps it on the device) — and every
+    reduce-scatter sends the reduced gradient slice to the tier (d2h); both once per micro-batch."""
     h2d = d2h = 0
     for u in built.units:
         shards = u.layout.shard_tensors()
-        h2d += sum(t.numel() * t.element_size() for t in shards) * (1 + bool(u.reshard_after_forward))
+        again = bool(u.reshard_after_forward) and u.post_forward_comm is None
+        h2d += sum(t.numel() * t.element_size() for t in shards) * (1 + again)
         dtype = u.mp_policy.reduce_dtype or u.mp_policy.param_dtype or u.layout.reduce_dtype
         d2h += sum(t.numel() for t in shards if t.requires_grad) * dtype.itemsize
     return {"h2d_bytes": h2d * config.accum, "d2h_bytes": d2h * config.accum}

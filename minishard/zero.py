@@ -177,10 +177,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ during backward
     @contextlib.contextmanager
     def no_sync(self):
-        """Stage 1: accumulate full local gradients, reduce once on the last micro-batch.
-        Stage 2 keeps no full gradient, so it reduce-scatters every micro-batch and accumulates
-        the reduced slices: more traffic, less memory. There, this context changes nothing."""
-        prev, self.reduction.sync = self.reduction.sync, self.stage == 2
+        """Accumulate full local gradients, reduce once on the last micro-batch. Stage 1 holds
+        them anyway. Stage 2 then holds them too — in its buckets, the memory stage 2 exists to
+        save (DeepSpeed refuses ``no_sync`` under stage 2); outside this context it
+        reduce-scatters every micro-batch and accumulates the reduced slices: more traffic,
+        less memory."""
+        prev, self.reduction.sync = self.reduction.sync, False
         try:
             yield
         finally:

@@ -461,6 +461,78 @@ assert topo["ethernet-100g"][1].tokens_per_s_per_rank > 2 * topo["ethernet-100g"
 # nothing or most of the step. Hybrid sharding is not free either: on InfiniBand NDR, where flat
 # FSDP hides everything, its extra all-reduce across nodes costs a few percent.
 #
+# A smaller lever keeps only backward's gathers inside a node: `reshard_after_forward=k` (FSDP2's
+# int form; ZeRO++ calls the idea hpZ). After forward each unit keeps not its 1/N shard alone but
+# 1/k of its full parameters — its part of an all-gather over k consecutive ranks — and backward
+# gathers over those k. Four real ranks here, read as two nodes of two; every byte each rank sent
+# is sorted by the link it takes on the ring (`minishard.links`), and the memory is the ledger's
+# gathered parameters when forward ends:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from collections import Counter
+
+from minishard.course.ch06 import unit_state_figure
+from minishard.course.ch10 import held_after_forward
+from minishard.links import link_bytes
+
+RAF = dict(strategy="fsdp", model="nano", micro_batch=2, steps=2)
+raf = {}
+with Ranks(4) as R4:                                  # two "nodes": ranks 0-1 and 2-3
+    for k in (1, 2, 4):
+        out = R4.run(train, TrainConfig(reshard_after_forward=k, **RAF))
+        raf[k] = {"events": R4.last_events, "links": link_bytes(R4.last_events, node_size=2, world_size=4),
+                  "held": held_after_forward(R4.last_events), "losses": out[0]["losses"]}
+print(f"{'k':>2}  {'all-gathers of a step, by group size':<38}{'bytes inside nodes':>19}"
+      f"{'across nodes':>13}{'kept after forward':>19}")
+for k, r in raf.items():
+    sizes = Counter(e["group"] for e in r["events"] if e["kind"] == "collective"
+                    and e["op"] == "all_gather" and e["rank"] == 0 and e.get("step") == 0)
+    by = ", ".join(f"{n} x over {g} ranks" for g, n in sorted(sizes.items(), reverse=True))
+    inside = glue(f"raf-{k}-inside", r["links"]["inside"], "{:,}")
+    across = glue(f"raf-{k}-across", r["links"]["across"], "{:,}")
+    held = glue(f"raf-{k}-held", r["held"], "{:,}")
+    print(f"{k:>2}  {by:<38}{inside:>19}{across:>13}{held:>19}")
+blocks = sum(e["payload"] for e in raf[1]["events"] if e["kind"] == "collective" and e["op"] == "all_gather"
+             and e["rank"] == 0 and e.get("step") == 0 and e["tag"] != "root")
+assert raf[2]["links"]["across"] == raf[1]["links"]["across"]                 # nothing more across
+assert raf[2]["links"]["inside"] - raf[1]["links"]["inside"] == 2 * 4 * blocks // 2    # 2 steps, 4 ranks, S/2
+assert raf[4]["links"]["across"] - raf[1]["links"]["across"] == 2 * 2 * (3 * blocks // 4)
+assert raf[1]["held"] - raf[4]["held"] == blocks and raf[2]["held"] - raf[4]["held"] == blocks // 2
+print("k = 2 trains bit-identically to k = 4:", raf[2]["losses"] == raf[4]["losses"])
+
+# %% [markdown]
+# k = 1 keeps every block gathered (`False`: no backward gathers at all), k = 4 reshards to the
+# shard (`True`: backward gathers over all four, half of whose sends cross nodes). k = 2 sits
+# between: the same bytes across nodes as k = 1, backward's gathers on the node's own links, and
+# half the blocks' bytes kept instead of all of them. The root is not resharded in any of the three — FSDP2's
+# root clamp: `None` on the root means `False`, since backward starts with it at once. The unit
+# states of rank 0 in the first step of k = 2: the blocks rest in `sharded_post_forward` (yellow)
+# from their forward to their backward, the root stays gathered.
+
+# %%
+unit_state_figure(raf[2]["events"], rank=0, step=0, title="reshard_after_forward=2, rank 0, step 0")
+
+# %% [markdown]
+# At cluster scale (the planner, Llama-3-8B on 2 nodes × 8 H100s joined by InfiniBand HDR):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+c = Cluster(DEVICES["h100-80gb"], 8, nodes=2, inter=LINKS["ib-hdr-200"])
+options = {"flat FSDP (reshard_after_forward=True)": dict(),
+           "reshard_after_forward=8 (a node)": dict(reshard_after_forward=8),
+           "hybrid sharding": dict(hybrid=True)}
+print(f"{'':<40}{'waiting':>8}{'tok/s/GPU':>11}{'memory (GiB)':>14}")
+at_scale = {}
+for name, extra in options.items():
+    p = at_scale[name] = plan("llama3-8b", c, "fsdp", seq_len=8192, recompute=True, **extra)
+    wait = glue(f"raf-plan-{len(at_scale)}-waiting", p.exposed_comm_s / p.step_s, "{:.0%}")
+    gib = glue(f"raf-plan-{len(at_scale)}-gib", p.total_memory / GiB, "{:.1f}")
+    print(f"{name:<40}{wait:>8}{p.tokens_per_s_per_rank:>11,.0f}{gib:>14}")
+flat_p, k8, hyb = at_scale.values()
+assert flat_p.exposed_comm_s > k8.exposed_comm_s and k8.total_memory > flat_p.total_memory
+
+# %% [markdown]
 # ### 4.4 Bad wrap granularity
 # §2 measured the memory side: one unit for the model gathers all of Ψ at once. The time side:
 # that unit's 2 collectives per step (§2's table) each carry the whole model, and nothing can

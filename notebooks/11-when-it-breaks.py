@@ -322,12 +322,12 @@ assert [(f.kind, f.ranks) for f in report.findings] == [("memory", [0, 1, 2, 3])
 # `set_requires_gradient_sync(False)`) skips the reduce-scatter of every micro-batch but the
 # last — and so keeps every unit's *full* gradient from one micro-batch to the next. One report
 # (meta-pytorch/tnt#1057) went from 3.25 GB to about 52 GB a rank. minishard's
-# `fsdp_accumulate_unsharded=True` does the same; its default, like torchtitan's, reduce-scatters
+# `accumulation="no_sync"` does the same; its default, like torchtitan's, reduce-scatters
 # every micro-batch:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-kept = run("accum-unsharded", strategy="fsdp", accum=2, fsdp_accumulate_unsharded=True)
+kept = run("accum-unsharded", strategy="fsdp", accum=2, accumulation="no_sync")
 report = show("accum-unsharded")
 synced = run("accum", strategy="fsdp", accum=2)
 print()

@@ -98,13 +98,14 @@ def test_planner_memory_matches_measured_runs_within_2_percent(pools, N):
     the live ledger's measured peak, for DDP and ZeRO-3."""
     from minishard.train import TrainConfig, train
     cpu = Cluster(DEVICES["h100-80gb"], gpus_per_node=N)       # the device does not matter here
-    for strategy, ours, prefetch in (("ddp", "ddp", 0), ("zero3", "fsdp_flat", 0),
-                                     ("zero3", "fsdp_flat", 2)):
-        measured = pools(N).run(train, TrainConfig(strategy=ours, model="tiny", micro_batch=4, steps=2, prefetch=prefetch))[0]["ledger"]["peak"]
+    runs = [("ddp", "ddp", 0, True), ("zero3", "fsdp_flat", 0, True), ("zero3", "fsdp_flat", 2, True)]
+    for strategy, ours, prefetch, k in runs + ([("zero3", "fsdp_flat", 0, 2)] if N == 4 else []):
+        measured = pools(N).run(train, TrainConfig(strategy=ours, model="tiny", micro_batch=4, steps=2, prefetch=prefetch,
+                                                   reshard_after_forward=k))[0]["ledger"]["peak"]
         p = plan("tiny", cpu, strategy, micro_batch=4, precision="fp32", prefetch=prefetch,
-                 flash_attention=False)
+                 flash_attention=False, reshard_after_forward=None if k is True else k)
         predicted = sum(v for k, v in p.memory.items() if k != "comm_buffers")
-        assert abs(predicted - measured) <= 0.02 * measured, (strategy, prefetch, predicted, measured)
+        assert abs(predicted - measured) <= 0.02 * measured, (strategy, prefetch, k, predicted, measured)
 
 
 def test_planner_offload_traffic_is_what_the_engine_moves():
@@ -224,3 +225,18 @@ def test_zero1_and_zero2_both_wait_for_the_parameter_all_gather_after_the_step(i
     gather = ring_time("all_gather", 2 * 8_030_261_248, 8, LINKS[intra])
     assert z1.exposed_comm_s == pytest.approx(z2.exposed_comm_s)
     assert z2.exposed_comm_s >= gather * 0.999
+
+
+def test_reshard_after_forward_k_trades_memory_for_waiting_at_scale():
+    """Llama-3-8B on 2 nodes x 8 H100s over InfiniBand HDR: k = 8 (a node) keeps 1/8 of every
+    block gathered from forward to backward and moves backward's gathers onto NVLink — more
+    memory than True, less waiting; bad values are refused."""
+    c = Cluster(DEVICES["h100-80gb"], 8, nodes=2, inter=LINKS["ib-hdr-200"])
+    flat, k8 = (plan("llama3-8b", c, "fsdp", seq_len=8192, recompute=True, reshard_after_forward=k)
+                for k in (None, 8))
+    assert k8.total_memory > flat.total_memory and k8.exposed_comm_s < flat.exposed_comm_s
+    k16 = plan("llama3-8b", c, "fsdp", seq_len=8192, recompute=True, reshard_after_forward=16)
+    assert (k16.comm_s, k16.total_memory) == (flat.comm_s, flat.total_memory)    # 16 ranks: True
+    for bad, strategy in ((3, "fsdp"), (0, "fsdp"), (True, "fsdp"), (2, "ddp")):
+        with pytest.raises(ValueError, match="reshard_after_forward"):
+            plan("llama3-8b", c, strategy, reshard_after_forward=bad)

@@ -36,7 +36,7 @@ RUNS = {
     "no_master": dict(strategy="ddp", fault="no-master"),
     "local_clip": dict(strategy="fsdp", fault="local-clip", clip=0.5),
     "no_wrap": dict(strategy="fsdp", wrap="model"),
-    "accum_unsharded": dict(strategy="fsdp", accum=2, fsdp_accumulate_unsharded=True),
+    "accum_unsharded": dict(strategy="fsdp", accum=2, accumulation="no_sync"),
 }
 N_PARAMS = GPT(T.SMALL["model"], device="meta").num_params()
 N_LAYER = model_config(T.SMALL["model"]).n_layer

@@ -162,7 +162,7 @@ def test_every_knob_is_accepted_by_every_strategy_that_reads_it():
     from minishard import strategies
     from minishard.config import KNOBS
     values = {"bucket_cap_mb": 4.0, "wrap": "linear", "reshard_after_forward": False, "reshard_root": True,
-              "prefetch": 1, "fsdp_accumulate_unsharded": True, "shard_size": 1, "offload": "host",
+              "prefetch": 1, "accumulation": "no_sync", "shard_size": 1, "offload": "host",
               "prefetch_bucket_size": 10**6, "max_live_parameters": 10**6, "param_persistence_threshold": 100}
     assert set(values) == set(KNOBS)
     accepted = 0

@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     g.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per forward")
     g.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (chapter 02)")
+    g.add_argument("--accumulation", default=None, metavar="MODE",
+                   help="FSDP and ZeRO-2 with --accum > 1: sync (reduce-scatter every micro-batch, "
+                        "their default), no_sync (hold full gradients, reduce once), gathered (FSDP: "
+                        "keep parameters gathered between micro-batches)")
     g.add_argument("--optimizer", default="adamw", help="adamw, sgd or sgd_momentum")
     g.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     g.add_argument("--precision", default="fp32", help="fp32 or bf16_mixed (chapters 01, 05)")
@@ -45,8 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MIB",
                    help="gradient bucket size in MiB (ddp, zero1, zero2; default 25)")
     g.add_argument("--wrap", default="block", help="FSDP units below the root: block, linear or model (chapter 06)")
-    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="free a unit's gathered parameters after its forward (chapter 06)")
+    g.add_argument("--reshard-after-forward", nargs="?", const=True, default=True, type=int,
+                   metavar="K", help="free a unit's gathered parameters after its forward (chapter 06); "
+                   "K: keep 1/K of them, so that backward gathers inside groups of K ranks")
+    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="keep a unit's gathered parameters from its forward to its backward")
     g.add_argument("--reshard-root", action="store_true", help="free the root too (the textbook ZeRO-3 schedule)")
     g.add_argument("--prefetch", type=int, default=0, metavar="K", help="FSDP units gathered ahead (chapter 07; fsdp, fsdp_flat, hsdp, torch_fsdp: FSDP2 gathers 1 ahead in backward at 0)")
     g.add_argument("--shard-size", type=int, default=2, help="hsdp only: ranks per shard group, a node (default 2)")
@@ -67,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "hang ends, each rank writing its flight dump beside --trace")
     g = p.add_argument_group("checkpoints (chapter 09) and outputs")
     g.add_argument("--save", metavar="DIR", help="save a sharded checkpoint after the last step")
+    g.add_argument("--save-every", type=int, default=None, metavar="K",
+                   help="with --save: also after every K-th step, each replacing the one before")
+    g.add_argument("--save-background", action="store_true",
+                   help="with --save: copy to host memory and write while training goes on")
     g.add_argument("--resume", metavar="DIR", help="start from a checkpoint (any world size, any strategy)")
     g.add_argument("--export", metavar="DIR", help="after training, write complete per-layer weight files here")
     g.add_argument("--trace", metavar="DIR", help="write rank*.jsonl (the player's trace) and trace.json (Perfetto)")
@@ -82,7 +93,7 @@ def config_of(args) -> "TrainConfig":
     try:
         config = TrainConfig(
             strategy=args.strategy, steps=args.steps, model=args.model, micro_batch=args.micro_batch,
-            accum=args.accum, seed=args.seed, optimizer=args.optimizer, lr=args.lr, precision=args.precision,
+            accum=args.accum, accumulation=args.accumulation, seed=args.seed, optimizer=args.optimizer, lr=args.lr, precision=args.precision,
             clip=args.clip, freeze=tuple(args.freeze), bucket_cap_mb=args.bucket_cap_mb, wrap=args.wrap,
             reshard_after_forward=args.reshard_after_forward, reshard_root=args.reshard_root,
             prefetch=args.prefetch, shard_size=args.shard_size, recompute=args.recompute,
@@ -90,6 +101,7 @@ def config_of(args) -> "TrainConfig":
             device_budget=None if args.device_budget is None else int(args.device_budget * MiB),
             track_activations=True, trace=True, flight_dir=args.trace, resume_from=args.resume,
             fault=args.fault, fault_rank=args.fault_rank,
+            save_every=args.save_every, save_background=args.save_background,
             save_to=args.save or (str(Path(args.export) / ".checkpoint") if args.export else None))
         config.refuse_unused()
     except ConfigError as e:
@@ -130,6 +142,12 @@ def check(args, config, world_size: int) -> None:
     if strategy.hybrid and world_size % config.shard_size:
         raise ValueError(f"--shard-size {config.shard_size} does not divide the world size "
                          f"{world_size} (hsdp); use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+    k = config.reshard_after_forward
+    if not isinstance(k, bool) and strategy.stage == 3:
+        group = config.shard_size if strategy.hybrid else world_size
+        if group % k:
+            raise ValueError(f"--reshard-after-forward {k} does not divide the {group} ranks a unit "
+                             f"shards over; use one of {[d for d in range(1, group + 1) if group % d == 0]}")
     if config.freeze:
         names = [n for n, _ in GPT(config.model, device="meta").named_parameters()]
         for prefix in config.freeze:

@@ -246,3 +246,19 @@ def measure_all_reduce(rank, sizes: list[int], repeats: int = 5) -> list[float]:
             times.append(time.perf_counter() - t0)
         out.append(statistics.median(times))
     return out
+
+
+# ---------------------------------------------------------------------------- reshard_after_forward=k
+
+def held_after_forward(events: list[dict], rank: int = 0, step: int = 0) -> int:
+    """Bytes of gathered parameters (the ledger's ``unsharded``, the parts kept by
+    ``reshard_after_forward=k`` included) on ``rank`` when forward ends in ``step``: what a unit
+    keeps for its backward."""
+    from ..trace import rank_events
+    live = 0
+    for e in rank_events(events, rank, step):
+        if e["kind"] in ("alloc", "free") and e["category"] == "unsharded":
+            live += e["bytes"] if e["kind"] == "alloc" else -e["bytes"]
+        elif e["kind"] == "phase" and e["name"] == "forward" and e["edge"] == "end" and "unit" not in e:
+            return live
+    raise ValueError(f"rank {rank} has no forward in step {step}")

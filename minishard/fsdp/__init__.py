@@ -25,11 +25,12 @@ One file per idea, in the order of the lifecycle:
     layout.py   how a unit's parameters are laid out: per parameter (FSDP2) or flat (FSDP1)
     unit.py     FSDPUnit: unshard, reshard, forward, backward, reduce-scatter, prefetch, the root
     limits.py   DeepSpeed's ZeRO-3 bounds: prefetch bucket, max live parameters, persistence
+    replicated.py  parameters kept whole on every rank, in their own dtype; units of nothing else
     hooks.py    every hook, each a single call to a named method of the unit
     api.py      fully_shard, prefetch settings, no_sync, clip_grad_norm_, full_parameters
     optim.py    ShardedOptimizer: the optimizer step on the shards (and in the offload tier)
 """
-from .api import (clip_grad_norm_, full_parameters, fully_shard, no_sync,
+from .api import (clip_grad_norm_, full_parameters, fully_shard, keep_gathered, no_sync,
                   set_modules_to_backward_prefetch, set_modules_to_forward_prefetch,
                   set_prefetch, units)
 from .limits import set_stage3_limits
@@ -39,5 +40,5 @@ from .unit import FSDPUnit
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "MemoryState", "TrainingState",
            "FSDPUnit", "ShardedOptimizer", "set_prefetch", "set_modules_to_forward_prefetch",
-           "set_modules_to_backward_prefetch", "units", "no_sync", "clip_grad_norm_",
+           "set_modules_to_backward_prefetch", "units", "no_sync", "keep_gathered", "clip_grad_norm_",
            "full_parameters", "set_stage3_limits"]

@@ -12,12 +12,13 @@ from ..offload import Tier
 from . import hooks
 from .layout import FlatLayout, ParamSlot, PerParamLayout, collect_slots
 from .limits import persistent_names
+from .replicated import NoShards, NothingToShard, dtype_boundaries
 from .state import MixedPrecisionPolicy
 from .unit import FSDPUnit
 
 
 def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedger | None = None,
-                reshard_after_forward: bool | None = None,
+                reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, layout: str = "per_param",
                 manual: bool = False, name: str | None = None, offload: Tier | None = None,
                 replicate: Comm | None = None, replicate_params: tuple[str, ...] = (),
@@ -27,14 +28,19 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
 
     ``comm``: the ranks to shard over (default: ``Comm()`` over the default process group).
     ``reshard_after_forward``: None (default) reshards every unit but the root after forward;
-    True/False force it (True on the root gives textbook ZeRO-3: every parameter gathered twice).
+    True/False force it (True on the root gives textbook ZeRO-3: every parameter gathered twice);
+    an int k dividing the shard group keeps 1/k of the full parameters after forward, so that
+    backward gathers inside groups of k consecutive ranks (a node) — FSDP2's rule: 1 is False,
+    the group's size is True.
     ``manual=True`` registers no hooks: call ``unshard``/``reshard``/``reduce_scatter_grads``
     yourself. ``offload``: an ``offload.Tier`` that keeps the shards, their gradients and (see
     ``ShardedOptimizer``) the optimizer state. ``replicate``: hybrid sharding (HSDP) — ``comm``
     is the shard group (a node), ``replicate`` joins the ranks holding the same shard on other
     nodes (see ``Comm.split``). ``replicate_params``: names of parameters or submodules of
     ``module`` (``("ln1", "ln2")``) kept whole on every rank: never sharded, their gradients
-    all-reduced — for small tensors where a gather costs more than it saves.
+    all-reduced — for small tensors where a gather costs more than it saves. They keep their
+    dtype: fp32 norms in a bf16 unit compute in fp32 and all-reduce fp32 gradients; a unit may
+    keep every parameter whole, and gathers nothing (``replicated.py``).
     ``param_persistence_threshold``: DeepSpeed's ``stage3_param_persistence_threshold``, in
     elements — every parameter of at most that many elements joins ``replicate_params``."""
     name = name or type(module).__name__
@@ -44,16 +50,13 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
         raise ValueError(f"unknown layout {layout!r}; expected 'per_param' or 'flat'")
     children = _units_inside(module)
     comm = Comm() if comm is None else comm
-    taken = {}
-    for u in children:
-        taken.update(u.claims())
+    reshard_after_forward, post_forward = _post_forward(reshard_after_forward, comm, name)
+    taken = {t: owner for u in children for t, owner in u.claims().items()}
     mp_policy = mp_policy or MixedPrecisionPolicy()
     slots = collect_slots(module, taken)
-    whole, sharded = _split_replicated(slots, replicate_params,
-                                       persistent_names(slots, param_persistence_threshold, name),
-                                       name, mp_policy, offload)
-    if not sharded:
-        raise ValueError(f"{name} has no parameters left to shard")
+    whole, sharded, boundaries = _split_replicated(
+        slots, replicate_params, persistent_names(slots, param_persistence_threshold, name), name,
+        mp_policy, offload)
     devices = {s.module._parameters[s.name].device for s in slots}
     if len(devices) > 1:
         raise ValueError(f"{name}: parameters on mixed devices {sorted(map(str, devices))}")
@@ -63,16 +66,44 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     if replicate is not None:
         replicate.replicate_from_rank0(s.module._parameters[s.name] for s in slots)
     originals = {id(s.module._parameters[s.name]) for s in sharded}
-    if layout == "per_param":
-        lay = PerParamLayout(sharded, comm.rank, comm.world_size, mp_policy.param_dtype)
-    else:
-        lay = FlatLayout(sharded, comm.rank, comm.world_size, mp_policy.param_dtype, module)
-    unit = FSDPUnit(module, name, lay, comm, ledger, reshard_after_forward, mp_policy, offload,
-                    replicate, whole, originals)
+    lay = _layout(layout, sharded, whole, comm, mp_policy, module)
+    unit = (FSDPUnit if sharded else ReplicatedOnlyUnit)(module, name, lay, comm, ledger,
+        reshard_after_forward, mp_policy, offload, replicate, whole, originals)
+    unit.post_forward_comm = post_forward if sharded else None     # nothing gathered, none kept
     module._fsdp_unit = unit
     if not manual:
         hooks.register_hooks(unit)
+    hooks.register_dtype_boundaries(boundaries, mp_policy.param_dtype)    # after its hooks
     return module
+
+
+class ReplicatedOnlyUnit(NothingToShard, FSDPUnit):
+    """A unit whose every parameter is kept whole: no all-gather, no reduce-scatter, only the
+    all-reduce of its gradients (``replicated.NothingToShard``)."""
+
+
+def _layout(kind: str, sharded: list[ParamSlot], whole: list[ParamSlot], comm: Comm,
+            mp_policy: MixedPrecisionPolicy, module: nn.Module):
+    if not sharded:
+        p = whole[0].module._parameters[whole[0].name]
+        return NoShards(kind, comm.rank, comm.world_size, p.device, p.dtype)
+    if kind == "per_param":
+        return PerParamLayout(sharded, comm.rank, comm.world_size, mp_policy.param_dtype)
+    return FlatLayout(sharded, comm.rank, comm.world_size, mp_policy.param_dtype, module)
+
+
+def _post_forward(k, comm: Comm, name: str) -> tuple[bool | int | None, Comm | None]:
+    """``reshard_after_forward`` as the unit keeps it, and for an int k the k consecutive ranks
+    backward gathers over (a collective: every rank makes the groups). As FSDP2 reads an int:
+    1 keeps the full parameters (False), the shard group's size reshards to the shard (True)."""
+    if k is None or isinstance(k, bool):
+        return k, None
+    if not isinstance(k, int) or k < 1 or comm.world_size % k:
+        raise ValueError(f"{name}: reshard_after_forward={k!r} must be True, False, None or a number "
+                         f"of ranks dividing the shard group's {comm.world_size}")
+    if k in (1, comm.world_size):
+        return k > 1, None
+    return k, comm.consecutive(k)
 
 
 def _units_inside(module: nn.Module) -> list[FSDPUnit]:
@@ -88,12 +119,15 @@ def _units_inside(module: nn.Module) -> list[FSDPUnit]:
 
 def _split_replicated(slots: list[ParamSlot], asked: tuple[str, ...] | str, persistent: tuple[str, ...],
                       unit: str, mp_policy: MixedPrecisionPolicy, offload: Tier | None):
-    """(the slots kept whole, the slots to shard): those ``replicate_params`` names (``asked``)
-    and those under the persistence threshold (``persistent``)."""
+    """(the slots kept whole, the slots to shard, the modules computing in their replicated
+    parameters' dtype): those ``replicate_params`` names (``asked``) and those under the
+    persistence threshold (``persistent``)."""
+    if not slots:
+        raise ValueError(f"{unit} has no parameters of its own: the units inside it hold them all")
     asked = (asked,) if isinstance(asked, str) else tuple(asked)
     names = (*asked, *persistent)
     if not names:
-        return [], slots
+        return [], slots, {}
     knob = " and ".join(k for k, by in (("replicate_params", asked),
                                         ("param_persistence_threshold", persistent)) if by)
     match = lambda s, n: s.fqn == n or s.fqn.startswith(n + ".")            # noqa: E731
@@ -103,14 +137,15 @@ def _split_replicated(slots: list[ParamSlot], asked: tuple[str, ...] | str, pers
                          f"(its parameters: {[s.fqn for s in slots][:6]}...)")
     whole = [s for s in slots if any(match(s, n) for n in names)]
     if offload is not None:
+        # the tier holds the shards, their gradients and moments, and the step runs there; a
+        # parameter kept whole would stay on the device with its gradient and moments, outside
+        # what the tier accounts for, and the step would straddle both
         raise ValueError(f"{knob} with offload: the tier holds the sharded state, a parameter kept "
                          f"whole would stay on the device; shard it instead")
-    if mp_policy.param_dtype not in (None, *{s.dtype for s in whole}):
-        raise ValueError(f"{knob} with param_dtype {mp_policy.param_dtype}: parameters kept whole "
-                         f"compute in their own dtype; cast them yourself")
+    boundaries = dtype_boundaries(whole, mp_policy.param_dtype, unit, knob)
     for s in whole:
         s.module._parameters[s.name]._fsdp_replicated = True
-    return whole, [s for s in slots if s not in whole]
+    return whole, [s for s in slots if s not in whole], boundaries
 
 
 def units(model: nn.Module) -> list[FSDPUnit]:
@@ -160,6 +195,22 @@ def no_sync(model: nn.Module):
             u.requires_gradient_sync = True
 
 
+@contextlib.contextmanager
+def keep_gathered(model: nn.Module):
+    """Gradient accumulation that keeps every unit's parameters gathered from one micro-batch's
+    backward to the next one's forward (FSDP2's ``set_reshard_after_backward(False)``): the
+    next forward gathers nothing, at the price of every unit's full parameters held in between.
+    Gradients are still reduce-scattered every micro-batch."""
+    us = units(model)
+    for u in us:
+        u.reshard_after_backward = False
+    try:
+        yield
+    finally:
+        for u in us:
+            u.reshard_after_backward = True
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the norm of the *whole* gradient, which no rank holds: each rank sums the squares
@@ -190,7 +241,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 def full_parameters(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every parameter's full value by its original name, gathered unit by unit (a collective:
     every rank must call it). ``dtype=None``: as the units compute (the compute dtype under
-    mixed precision); e.g. ``torch.float32``: the fp32 master weights the optimizer updates."""
+    mixed precision; a replicated parameter in its own dtype); e.g. ``torch.float32``: the fp32
+    master weights the optimizer updates."""
     names = {id(m): n for n, m in model.named_modules()}
     out = {}
     for u in units(model):

@@ -226,6 +226,24 @@ class PerParamLayout:
                         rows[lo:hi].copy_(block.view(hi - lo, -1))
             offset += size
 
+    def pack_blocks(self, ranks: range) -> torch.Tensor:
+        """The blocks of ``ranks``, packed from the full parameters exactly as the all-gather
+        laid them out (``reshard_after_forward=k`` keeps them for backward's gather). The
+        padding rows are zeros: the copy-out never reads them."""
+        out = torch.zeros(len(ranks), self.gather_per_rank, dtype=self.gather_dtype, device=self.device)
+        offset = 0
+        for p, c, inner, size in zip(self.unsharded, self.rows, self.inner,
+                                     self.raw_sizes if self.mixed else self.sizes):
+            rows = p.detach().view(-1, inner) if inner else p.detach().view(-1, 1)
+            for k, q in enumerate(ranks):
+                lo, hi = q * c, min((q + 1) * c, rows.shape[0])
+                if hi > lo:
+                    block = rows[lo:hi].reshape(-1)
+                    block = block.view(torch.uint8) if self.mixed else block
+                    out[k, offset:offset + block.numel()].copy_(block)
+            offset += size
+        return out.view(-1)
+
     def free_unsharded(self) -> None:
         for p in self.unsharded:
             _set_storage(p, 0)
@@ -369,6 +387,10 @@ class FlatLayout:
 
     def alloc_unsharded(self) -> None:
         _set_storage(self.flat_full, self.flat_full.numel() * self.flat_full.element_size())
+
+    def pack_blocks(self, ranks: range) -> torch.Tensor:
+        """The chunks of ``ranks`` of the full flat buffer (a copy: the buffer is freed next)."""
+        return self.flat_full.detach()[ranks.start * self.chunk:ranks.stop * self.chunk].clone()
 
     def free_unsharded(self) -> None:
         _set_storage(self.flat_full, 0)

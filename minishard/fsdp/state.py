@@ -15,10 +15,15 @@ import torch
 
 
 class MemoryState(enum.Enum):
-    """What a unit's parameters occupy. A unit rests in SHARDED or UNSHARDED; the other two are
-    the moments a collective is filling memory, shown because that is where time and bytes go."""
+    """What a unit's parameters occupy. A unit rests in SHARDED or UNSHARDED (or, between its
+    forward and its backward, SHARDED_POST_FORWARD); UNSHARDING and REDUCE_SCATTERING are the
+    moments a collective is filling memory, shown because that is where time and bytes go."""
     SHARDED = "sharded"
     """Only this rank's shard of every parameter (1/N, padded) and the shard's gradient."""
+    SHARDED_POST_FORWARD = "sharded_post_forward"
+    """``reshard_after_forward=k``: between forward and backward, the shard and this rank's 1/k of
+    the full parameters — its part of the all-gather that backward runs inside its group of k
+    ranks (a node), instead of over all N."""
     UNSHARDING = "unsharding"
     """The shard, and an all-gather in flight into a fresh buffer (the flat layout's full buffer;
     the per-parameter layout's packed buffer, copied out into the parameters when it lands)."""

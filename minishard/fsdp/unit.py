@@ -3,7 +3,8 @@
     unshard / wait_for_unshard   all-gather the full parameters     SHARDED -> UNSHARDING -> UNSHARDED
     pre_forward                  forward reaches the unit: unshard, prefetch the next units
     post_forward / reshard       free the full parameters           UNSHARDED -> SHARDED
-    pre_backward                 backward reaches the unit: unshard again, prefetch
+      reshard_after_forward=k    keep 1/k of them for backward      UNSHARDED -> SHARDED_POST_FORWARD
+    pre_backward                 backward reaches the unit: unshard again (inside the k ranks), prefetch
     post_backward                its gradients are in: reduce_scatter_grads, reshard
     reduce_scatter_grads         sum the full gradients, keep the slice  -> REDUCE_SCATTERING
     root_post_backward           the root, at the end of backward: every unit finish_backward
@@ -26,38 +27,45 @@ from ..local_grad import local
 from ..offload import Tier, TransferLog
 from . import hooks, limits
 from .layout import ParamSlot
+from .replicated import ReplicatedParams
 from .state import MemoryState, MixedPrecisionPolicy, TrainingState
 
 _IN_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
 
-class FSDPUnit:
+class FSDPUnit(ReplicatedParams):
     """One unit: its parameters' layout, its two states — ``state`` (a :class:`MemoryState`,
     traced) and ``training_state`` — and the lifecycle steps as methods.
 
     ``replicated``: parameters of the module the unit keeps whole on every rank (norms, say):
-    never gathered nor freed, their gradients all-reduced next to the reduce-scatter."""
+    never gathered nor freed, computing in their own dtype, their gradients all-reduced in it
+    next to the reduce-scatter (``replicated.py``: :class:`ReplicatedParams`)."""
 
     def __init__(self, module: nn.Module, name: str, layout, comm: Comm, ledger: LiveLedger | None,
-                 reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy,
+                 reshard_after_forward: bool | int | None, mp_policy: MixedPrecisionPolicy,
                  tier: Tier | None = None, replicate: Comm | None = None,
                  replicated: list[ParamSlot] = (), originals: set[int] = frozenset()):
         self.module, self.name, self.layout = module, name, layout
         self.comm, self.ledger = comm, ledger
         self.replicate = replicate                 # hybrid sharding: the same shard elsewhere
+        # True / False / None (the root decides), or k: keep 1/k of the full parameters after
+        # forward and gather them in backward over ``post_forward_comm``, k consecutive ranks
         self.reshard_after_forward = reshard_after_forward
+        self.post_forward_comm: Comm | None = None
+        self._post_forward_blocks: torch.Tensor | None = None
         self.mp_policy = mp_policy
         self.state = MemoryState.SHARDED
         self.training_state = TrainingState.IDLE
         self.root: FSDPUnit | None = None          # set lazily, at the first forward
         self.units: list[FSDPUnit] = []            # the root's list of every unit below it
         self.requires_gradient_sync = True
+        self.reshard_after_backward = True         # False: stay gathered for the next micro-batch
         self.replicated_slots = list(replicated)
         self.replicated = [s.module._parameters[s.name] for s in self.replicated_slots]
         self._originals = set(originals)           # ids of the parameters the shards replaced
         self._gather: tuple[Work | None, torch.Tensor, int] | None = None
         self._pending_rs: tuple[Work | None, torch.Tensor, torch.Tensor] | None = None
-        self._pending_ar: tuple[Work | None, torch.Tensor, list[torch.Tensor]] | None = None
+        self._pending_ar: list[tuple[Work | None, torch.Tensor, list[torch.Tensor]]] | None = None
         self._root_post_backward_queued = False    # the root's: one callback per backward
         self._recording: list[FSDPUnit] | None = None    # the root's: the first forward's order
         self._forward_order: list[FSDPUnit] | None = None
@@ -85,14 +93,16 @@ class FSDPUnit:
                 p.grad = torch.zeros_like(p)
         if self.ledger is None:
             return
-        # with a lower-precision compute dtype the fp32 shards are the master weights
-        lower = self.mp_policy.param_dtype not in (None, self.layout.slots[0].dtype)
+        # with a lower-precision compute dtype the fp32 shards are the master weights (a unit
+        # whose every parameter is replicated has no shards: ``replicated.NoShards``)
+        stored = self.layout.slots[0].dtype if self.layout.slots else None
+        lower = self.mp_policy.param_dtype not in (None, stored)
         for i, t in enumerate(self.layout.shard_tensors()):
             self.ledger.track("master" if lower else "params", t, f"{self.name}:shard{i}", where)
             if t.grad is not None:
                 self.ledger.track("grads", t.grad, f"{self.name}:shard_grad{i}", where)
-        for i, p in enumerate(self.replicated):
-            self.ledger.track("params", p, f"{self.name}:replicated{i}")
+        for i, p in enumerate(self.replicated):     # at their own dtype's bytes: they compute in
+            self.ledger.track("params", p, f"{self.name}:replicated{i}")    # it, no master beside
             if p.grad is not None:
                 self.ledger.track("grads", p.grad, f"{self.name}:replicated_grad{i}")
 
@@ -122,8 +132,9 @@ class FSDPUnit:
         The flat layout gathers straight into its full buffer, allocated here. The per-parameter
         layout gathers into a packed buffer and allocates the parameters only at the copy-out,
         so a unit still in flight (prefetched) holds one copy of its parameters, not two."""
-        if self.state != MemoryState.SHARDED:
+        if self.state not in (MemoryState.SHARDED, MemoryState.SHARDED_POST_FORWARD):
             return
+        post_forward = self.state is MemoryState.SHARDED_POST_FORWARD
         self._set_state(MemoryState.UNSHARDING)
         if self.layout.gathers_in_place:
             self._alloc_unsharded()
@@ -135,10 +146,17 @@ class FSDPUnit:
         # put back only after it.
         version = out._version
         with torch.no_grad():
-            # our shards go straight to our block of the output: the gather sends them from
-            # there and copies nothing more (as NCCL's in-place all-gather)
-            inp = self._fetch_shards(into=out.view(self.comm.world_size, -1)[self.comm.rank])
-            work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
+            if post_forward:                # inside the k ranks, from the part kept after forward
+                g = self.post_forward_comm
+                inp = out.view(g.world_size, -1)[g.rank]
+                inp.copy_(self._post_forward_blocks)
+                self._drop_post_forward()
+                work = g.all_gather(out, inp, async_op=True, tag=self.name)
+            else:
+                # our shards go straight to our block of the output: the gather sends them from
+                # there and copies nothing more (as NCCL's in-place all-gather)
+                inp = self._fetch_shards(into=out.view(self.comm.world_size, -1)[self.comm.rank])
+                work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
         self._gather = (work, out, version)
         if not async_op:
             self.wait_for_unshard()
@@ -191,15 +209,38 @@ class FSDPUnit:
 
     def reshard(self) -> None:
         """Free the full parameters: the module holds nothing but shards again."""
-        if self.state == MemoryState.SHARDED:
-            return
+        if self.state is MemoryState.SHARDED_POST_FORWARD:
+            self._drop_post_forward()
+            self._set_state(MemoryState.SHARDED)
+        elif self.state is not MemoryState.SHARDED:
+            self._free_full(then=MemoryState.SHARDED)
+
+    def reshard_post_forward(self) -> None:
+        """``reshard_after_forward=k`` after forward: keep this rank's part of the all-gather
+        that backward will run inside its group of k ranks — 1/k of the full parameters, a
+        fresh copy as FSDP2 makes it (the shard stays: the optimizer steps it) — and free the
+        rest. Backward then gathers over k ranks, on a node's fast links, not over all N."""
+        self.wait_for_unshard()
+        g = self.post_forward_comm
+        per = self.comm.world_size // g.world_size          # shard blocks each of the k keeps
+        self._post_forward_blocks = self.layout.pack_blocks(range(g.rank * per, (g.rank + 1) * per))
+        if self.ledger is not None:
+            self.ledger.track("unsharded", self._post_forward_blocks, f"{self.name}:post_forward")
+        self._free_full(then=MemoryState.SHARDED_POST_FORWARD)
+
+    def _free_full(self, then: MemoryState) -> None:
         self.wait_for_unshard()
         self.layout.to_sharded()
         self.layout.free_unsharded()
         if self.ledger is not None:
             for i in range(len(self.layout.unsharded_tensors())):
                 self.ledger.free(f"{self.name}:full{i}")
-        self._set_state(MemoryState.SHARDED)
+        self._set_state(then)
+
+    def _drop_post_forward(self) -> None:
+        self._post_forward_blocks = None
+        if self.ledger is not None:
+            self.ledger.free(f"{self.name}:post_forward")
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, args: tuple) -> tuple:
@@ -222,6 +263,8 @@ class FSDPUnit:
             return output
         if not torch.is_grad_enabled():     # no backward will come
             self.reshard()
+        elif self.post_forward_comm is not None:
+            self.reshard_post_forward()
         elif self.reshard_after_forward:
             self.reshard()
         hooks.register_pre_backward(self, output)
@@ -256,14 +299,17 @@ class FSDPUnit:
         self.training_state = TrainingState.POST_BACKWARD
         if self.requires_gradient_sync and (self.layout.grad_leaves() or self._replicated_grads()):
             self.reduce_scatter_grads(async_op=True)
-        if not self.is_root:
+        if not self.is_root and self.reshard_after_backward:
             self.reshard()
 
     def finish_backward(self) -> None:
         """Backward is over (the root asks every unit): the gradients reduced and in place, the
         parameters resharded, the unit idle until the next forward."""
         self.wait_for_reduce_scatter()
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
+        elif self.state is MemoryState.REDUCE_SCATTERING:     # the full parameters stay
+            self._set_state(MemoryState.UNSHARDED)
         self.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------------ gradient reduction
@@ -291,23 +337,6 @@ class FSDPUnit:
         if not async_op:
             self.wait_for_reduce_scatter()
 
-    def _replicated_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.replicated if p.grad is not None]
-
-    def _all_reduce_replicated(self, divisor: int) -> None:
-        """The replicated parameters' gradients, packed and all-reduced: each ``.grad`` holds the
-        sum over ranks. Divided before the sum, as DDP does, so that a gradient accumulated onto
-        an already reduced one (micro-batches without no_sync) stays the mean."""
-        grads = self._replicated_grads()
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.mp_policy.reduce_dtype or grads[0].dtype)
-        flat.div_(divisor)
-        if self.ledger is not None:
-            self.ledger.alloc("comm_buffers", flat.numel() * flat.element_size(), f"{self.name}:ar")
-        work = self.comm.all_reduce(flat, async_op=True, tag=self.name)
-        self._pending_ar = (work, flat, grads)
-
     def wait_for_reduce_scatter(self) -> None:
         if self._pending_rs is not None:
             self._finish_reduce_scatter()
@@ -333,20 +362,6 @@ class FSDPUnit:
             self.ledger.free(f"{self.name}:rs")
             self.ledger.free(f"{self.name}:rs_out")
         self._pending_rs = None
-
-    def _finish_all_reduce(self) -> None:
-        work, flat, grads = self._pending_ar
-        if work is not None:
-            self._wait(work, "wait_reduce_scatter")
-        if self.replicate is not None:
-            self.replicate.all_reduce(flat, tag=self.name)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        if self.ledger is not None:
-            self.ledger.free(f"{self.name}:ar")
-        self._pending_ar = None
 
     def _release_full_grads(self) -> None:
         self.layout.drop_unsharded_grads()

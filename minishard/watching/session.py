@@ -217,9 +217,12 @@ class Watch:
             self.flight.completed(entry, t_end)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         src = dist.get_group_rank(group, src) if src is not None and group is not None else src
+        # a group smaller than the world names its members, as minishard's Comm does
+        members = ({"members": dist.get_process_group_ranks(group)}
+                   if group is not None and size < dist.get_world_size() else {})
         self._emit("collective", t=t, t_end=round(t_end, 7), op=op, payload=payload,
                    wire=ring_wire_bytes(op, payload, size, rank, src or 0), dtype=dtype,
-                   group=size, tag=tag, step=step)
+                   group=size, tag=tag, step=step, **members)
 
     def _when_done(self, work, record) -> None:
         """Call ``record(t_end)`` when ``work`` completes: from its future (in gloo's thread),

@@ -1,0 +1,91 @@
+"""Gradient accumulation three ways (``TrainConfig.accumulation``), for FSDP and ZeRO-2: the same
+training as one large batch, and the trade every mode makes measured on real ranks — bytes per
+optimizer step to the byte, and the ledger's peak of the category each mode grows — against
+its formula.
+
+    sync       reduce-scatter every micro-batch (FSDP2's, torchtitan's and DeepSpeed's default)
+    no_sync    hold every full gradient until the last micro-batch, reduce once
+    gathered   (FSDP) keep every unit gathered from one micro-batch's backward to the next
+               one's forward (FSDP2's ``set_reshard_after_backward(False)``)
+
+For A micro-batches on N ranks, with P_u and G_u the gathered and reduced bytes of unit u (the
+root is never resharded after forward) and each ring collective sending (N − 1)/N of them:
+
+    sync       A·(Σ P + Σ_blocks P + Σ G)        no_sync   A·(Σ P + Σ_blocks P) + Σ G
+    gathered   Σ P + A·Σ_blocks P + A·Σ G        ZeRO-2: sync A·G + P, no_sync G + P
+"""
+import pytest
+
+from minishard.config import ConfigError, TrainConfig
+from minishard.model import GPT
+from minishard.trace import LedgerTimeline
+from minishard.train import train
+
+from parity import assert_parity, reference
+
+A, MB = 3, 2
+KW = dict(model="nano", steps=2, accum=A, optimizer="sgd_momentum", lr=0.05)
+PSI = GPT("nano", device="meta").num_params()
+
+
+def run(pool, strategy, mode):
+    out = pool.run(train, TrainConfig(strategy=strategy, micro_batch=MB, accumulation=mode,
+                                      return_params=True, **KW))
+    events = [e for e in pool.last_events if e["rank"] == 0]
+    timeline = LedgerTimeline.build(events)
+    peak = {c: int(timeline.bytes[:, 0, i].max()) for i, c in enumerate(timeline.categories)}
+    return out, events, peak
+
+
+def payloads(events, op: str) -> dict[str, int]:
+    """Each unit's (or bucket's) payload of ``op`` in the first step, as the sync run gathers it."""
+    return {e["tag"]: e["payload"] for e in events
+            if e["kind"] == "collective" and e["op"] == op and e.get("step") == 0}
+
+
+@pytest.mark.parametrize("N", [2, 3])
+def test_fsdp_three_ways_train_as_one_batch_and_trade_bytes_for_memory(pools, N):
+    pool = pools(N)
+    ref = reference(N, MB, **KW)
+    runs = {mode: run(pool, "fsdp", mode) for mode in ("sync", "no_sync", "gathered")}
+    for mode, (out, _, _) in runs.items():
+        assert_parity(out, ref, what=mode)
+    P, G = payloads(runs["sync"][1], "all_gather"), payloads(runs["sync"][1], "reduce_scatter")
+    blocks = sum(b for u, b in P.items() if u != "root")
+    ring = lambda n: (N - 1) * n // N                                        # noqa: E731
+    want = {"sync": A * ring(sum(P.values()) + blocks + sum(G.values())),
+            "no_sync": A * ring(sum(P.values()) + blocks) + ring(sum(G.values())),
+            "gathered": ring(sum(P.values())) + A * ring(blocks) + A * ring(sum(G.values()))}
+    for mode, (out, _, _) in runs.items():
+        for r in out:
+            assert r["wire"] == [want[mode]] * KW["steps"], (mode, r["rank"], r["wire"], want[mode])
+    peak = {mode: p for mode, (_, _, p) in runs.items()}
+    # no_sync: every full gradient (4 bytes a parameter) beside the shards' gradients
+    assert peak["no_sync"]["grads"] == peak["no_sync"]["params"] + 4 * PSI
+    assert peak["sync"]["grads"] < peak["no_sync"]["grads"]
+    # gathered: every unit's full parameters at once, between micro-batches
+    assert peak["gathered"]["unsharded"] == 4 * PSI > peak["sync"]["unsharded"]
+    assert peak["gathered"]["grads"] == peak["sync"]["grads"]
+
+
+@pytest.mark.parametrize("N", [2, 3])
+def test_zero2_no_sync_holds_the_full_gradients_in_its_buckets_and_reduces_once(pools, N):
+    pool = pools(N)
+    ref = reference(N, MB, **KW)
+    (sync, ev, peak_sync), (quiet, _, peak_quiet) = (run(pool, "zero2", m) for m in ("sync", "no_sync"))
+    assert_parity(sync, ref, what="sync")
+    assert_parity(quiet, ref, what="no_sync")
+    G, P = sum(payloads(ev, "reduce_scatter").values()), sum(payloads(ev, "all_gather").values())
+    ring = lambda n: (N - 1) * n // N                                        # noqa: E731
+    assert all(r["wire"] == [A * ring(G) + ring(P)] * KW["steps"] for r in sync)
+    assert all(r["wire"] == [ring(G) + ring(P)] * KW["steps"] for r in quiet)
+    assert peak_quiet["grads"] == peak_sync["grads"] + G      # every bucket's buffer, held
+
+
+def test_modes_are_refused_where_they_mean_nothing():
+    with pytest.raises(ConfigError, match="ZeRO-2 holds them whole"):
+        TrainConfig(strategy="zero2", accumulation="gathered")
+    with pytest.raises(ConfigError, match="accumulation"):
+        TrainConfig(strategy="fsdp", accumulation="sometimes")
+    with pytest.raises(ConfigError, match="applies to FSDP and ZeRO-2 only"):
+        TrainConfig(strategy="ddp", accumulation="no_sync")
