@@ -308,14 +308,12 @@ def memory_per_gpu(s: _Sizes, stage: int, precision: str, optimizer: str, acts: 
         #   full gradients and their reduce-scatter buffer, all but one block's activations.
         # (reshard_after_forward=k: every block not yet gathered again holds 1/k of itself)
         kept = s.x * s.block / post_forward if post_forward else 0
-        end_of_forward = acts + s.x * (s.root + prefetch * s.block) + kept * (s.n_layer - prefetch)
-        in_backward = acts * (1 - 1 / s.n_layer) + s.x * (s.root + (1 + prefetch) * s.block) \
-            + 2 * s.g * s.block + kept * max(0, s.n_layer - 1 - prefetch)
-        if end_of_forward >= in_backward:
-            memory["unsharded"] = s.x * (s.root + prefetch * s.block) + kept * (s.n_layer - prefetch)
+        gathered_at_end = s.x * (s.root + prefetch * s.block) + kept * (s.n_layer - prefetch)
+        gathered_inside = s.x * (s.root + (1 + prefetch) * s.block) + kept * max(0, s.n_layer - 1 - prefetch)
+        if acts + gathered_at_end >= acts * (1 - 1 / s.n_layer) + gathered_inside + 2 * s.g * s.block:
+            memory["unsharded"] = gathered_at_end
         else:
-            memory["unsharded"] = s.x * (s.root + (1 + prefetch) * s.block) \
-                + kept * max(0, s.n_layer - 1 - prefetch)
+            memory["unsharded"] = gathered_inside
             memory["comm_buffers"] = 2 * s.g * s.block
             acts = int(acts * (1 - 1 / s.n_layer))
             notes.append("peak inside backward")

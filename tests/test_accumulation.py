@@ -66,6 +66,27 @@ def test_fsdp_three_ways_train_as_one_batch_and_trade_bytes_for_memory(pools, N)
     # gathered: every unit's full parameters at once, between micro-batches
     assert peak["gathered"]["unsharded"] == 4 * PSI > peak["sync"]["unsharded"]
     assert peak["gathered"]["grads"] == peak["sync"]["grads"]
+    # and each unit's state says so: after a reduce-scatter it stays unsharded, but the last
+    for unit in P:
+        states = [e["state"] for e in runs["gathered"][1] if e["kind"] == "unit" and e["name"] == unit]
+        after = [states[i + 1] for i, st in enumerate(states) if st == "reduce_scattering"]
+        assert after == (["unsharded"] * (A - 1) + ["sharded"]) * KW["steps"], (unit, after)
+
+
+@pytest.mark.parametrize("mode", ["sync", "no_sync", "gathered"])
+def test_fsdp2_in_each_mode_moves_the_bytes_minishard_does(pools, mode):
+    """PyTorch's FSDP2 (``set_requires_gradient_sync``, ``set_reshard_after_backward``) under
+    watch, in the same mode: the same training, and the same bytes per step on every rank."""
+    pool = pools(2)
+    ours, theirs = (run(pool, s, mode) for s in ("fsdp", "torch_fsdp"))
+    assert_parity(theirs[0], reference(2, MB, **KW), what=mode)
+
+    def collectives(events, step):
+        return sorted((e["op"], e["tag"], e["payload"], e["wire"]) for e in events
+                      if e["kind"] == "collective" and e.get("step") == step)
+    for step in range(KW["steps"]):
+        assert collectives(theirs[1], step) == collectives(ours[1], step), (mode, step)
+        assert sum(c[3] for c in collectives(theirs[1], step)) == ours[0][0]["wire"][step]
 
 
 @pytest.mark.parametrize("N", [2, 3])

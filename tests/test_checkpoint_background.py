@@ -55,6 +55,7 @@ def test_a_run_ends_with_its_last_checkpoint_on_disk_and_each_save_in_the_trace(
         assert len(writes) == steps and all(e["direction"] == "to_disk" and e["bytes"] > 0
                                             and e["seconds"] >= 0.2 for e in writes)
         assert all(c["t"] < w["t"] for c, w in zip(copies, writes))      # each write after its copy
+        assert [w["step"] for w in writes] == [c["step"] for c in copies]   # of the save that made it
     write_dir(events, tmp_path / "trace")             # the viewer's timeline draws both
     assert main(["view", str(tmp_path / "trace"), "-o", str(tmp_path / "p.html")]) == 0
     spans = offline_player.encode(tmp_path / "trace")["span_names"]
@@ -98,3 +99,28 @@ def test_bad_save_flags_are_named(argv, words, tmp_path, capsys):
     with pytest.raises(ValueError, match="save_every=0"):
         TrainConfig(save_to=str(tmp_path), save_every=0)
     assert not os.path.exists(tmp_path / "ck")
+
+
+SCRIPT_THAT_DOES_NOT_WAIT = """
+import sys, torch
+from minishard import checkpoint
+from minishard.comm import Comm
+from minishard.model import GPT
+net = GPT("nano")
+pending = checkpoint.save(net, torch.optim.AdamW(net.parameters()), sys.argv[1], comm=Comm(alone=True),
+                          step=7, background=True)
+print("returned before the write:", not pending.done())
+"""
+
+
+def test_a_script_that_ends_without_waiting_still_leaves_its_checkpoint(tmp_path):
+    """The writer is an ordinary thread, not a daemon: an interpreter that ends waits for it."""
+    import subprocess
+    import sys
+    script = tmp_path / "no_wait.py"
+    script.write_text(SCRIPT_THAT_DOES_NOT_WAIT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert checkpoint.read_metadata(tmp_path / "ck")["step"] == 7
+    assert not (tmp_path / ".ck.saving").exists()

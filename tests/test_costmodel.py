@@ -240,3 +240,28 @@ def test_reshard_after_forward_k_trades_memory_for_waiting_at_scale():
     for bad, strategy in ((3, "fsdp"), (0, "fsdp"), (True, "fsdp"), (2, "ddp")):
         with pytest.raises(ValueError, match="reshard_after_forward"):
             plan("llama3-8b", c, strategy, reshard_after_forward=bad)
+
+
+def test_reshard_after_forward_k_terms_to_the_formula():
+    """The planner's two terms for k, exactly: every block not yet gathered again holds x·block/k
+    (n_layer − prefetch blocks at the end of forward, one fewer inside backward), and backward's
+    gathers run over k ranks on the node's link."""
+    from minishard.costmodel import _sizes, memory_per_gpu
+    from minishard.model import config as model_config
+    s = _sizes(model_config("llama3-8b"), "bf16_fsdp", 16)
+    kept = s.x * s.block / 8
+    for prefetch in (0, 1, 2):
+        for acts, inside in ((10**13, False), (0, True)):
+            args = (s, 3, "bf16_fsdp", "adamw", acts)
+            kw = dict(prefetch=prefetch, offload=False, bucket_mb=25.0)
+            (base, n0), (k8, n8) = (memory_per_gpu(*args, **kw, post_forward=k) for k in (None, 8))
+            assert ("peak inside backward" in n0) == ("peak inside backward" in n8) == inside
+            held = s.n_layer - prefetch - (1 if inside else 0)
+            assert k8["unsharded"] - base["unsharded"] == kept * held, (prefetch, inside)
+    c = Cluster(DEVICES["h100-80gb"], 8, nodes=2, inter=LINKS["ib-hdr-200"])
+    p = plan("llama3-8b", c, "fsdp", seq_len=8192, recompute=True, reshard_after_forward=8)
+    units = [s.root] + [s.block] * s.n_layer
+    slow, fast = LINKS["ib-hdr-200"], c.intra
+    want = sum(ring_time("all_gather", s.x * u, 16, slow) + ring_time("all_gather", s.x * u, 8, fast)
+               + ring_time("reduce_scatter", s.g * u, 16, slow) for u in units)
+    assert p.comm_s == pytest.approx(want, rel=1e-12)

@@ -135,3 +135,30 @@ def test_what_cannot_keep_its_own_dtype_is_refused():
                          offload=Tier(OffloadPolicy("host"), 0, needed_bytes=0))
     with pytest.raises(ValueError, match="has no parameters of its own"):
         fsdp.fully_shard(torch.nn.ReLU())
+
+
+def test_names_match_whole_modules_and_one_module_keeps_one_dtype():
+    """``replicate_params`` names a parameter or a submodule, not a prefix of one (``"ln"`` is
+    neither ``ln1`` nor ``ln2``); a module whose replicated parameters hold two dtypes has no
+    one dtype to compute in."""
+    with pytest.raises(ValueError, match="has no parameter or submodule"):
+        fsdp.fully_shard(GPT("nano").blocks[0], replicate_params=("ln",))
+    block = GPT("nano").blocks[1]
+    fsdp.fully_shard(block, replicate_params=("ln1",))
+    assert [s.fqn for s in block._fsdp_unit.replicated_slots] == ["ln1.weight", "ln1.bias"]
+    mixed = GPT("nano").blocks[0]
+    mixed.ln1.bias.data = mixed.ln1.bias.data.to(BF16)
+    with pytest.raises(ValueError, match="two dtypes"):
+        fsdp.fully_shard(mixed, replicate_params=("ln1",), mp_policy=fsdp.MixedPrecisionPolicy(BF16))
+
+
+def test_a_unit_of_whole_parameters_under_hybrid_sharding_trains_like_one_process(pools):
+    """Hybrid sharding on 4 ranks (shard groups of 2): every block small enough to be kept whole
+    (``param_persistence_threshold``), so each block is a unit that only all-reduces — over the
+    shard group, then across — and the gradient must still be the global mean."""
+    from minishard.train import TrainConfig, train
+    from parity import reference
+    kw = dict(model="nano", steps=2, optimizer="sgd_momentum", lr=0.05)
+    out = pools(4).run(train, TrainConfig(strategy="hsdp", shard_size=2, micro_batch=2, return_params=True,
+                                          param_persistence_threshold=16384, **kw))
+    assert_parity(out, reference(4, 2, **kw))

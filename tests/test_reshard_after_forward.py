@@ -82,9 +82,12 @@ def test_an_int_of_1_is_false_and_of_the_group_size_is_true(pools, N):
     pool = pools(N)
     for k, same in ((1, False), (N, True)):
         got, ev = run(pool, k)
-        want, _ = run(pool, same)
+        want, ev_want = run(pool, same)
         assert same_training(got, want), (k, same)
         assert not any("members" in e for e in ev if e["kind"] == "collective")
+        ops = lambda evs: sorted((e["rank"], e["op"], e["tag"], e["wire"]) for e in evs    # noqa: E731
+                                 if e["kind"] == "collective" and e.get("step") is not None)
+        assert ops(ev) == ops(ev_want), (k, same)         # (True and False train alike)
 
 
 def test_the_root_clamp_keeps_the_root_gathered_unless_told(pools):
@@ -145,3 +148,25 @@ def test_with_offload_backward_gathers_from_the_kept_part_not_the_tier(pools):
     whole = pools(4).run(train, TrainConfig(strategy="fsdp", micro_batch=MB, offload="host", **KW))
     again = whole[0]["ledger"]["transfer_formula"]["h2d_bytes"]   # True: the blocks twice, the root once
     assert [s["h2d_bytes"] for s in whole[0]["transfer"]] == [again] * STEPS and again > shards
+
+
+def test_on_6_ranks_each_keeps_n_over_k_blocks_and_a_full_reshard_drops_them(pools):
+    """Where N/k is not k (6 ranks): k = 2 keeps 3 of the 6 shard blocks, k = 3 keeps 2 — each
+    1/k of the block's gathered bytes — and the gradients are those of True, bit for bit. A unit
+    resharded fully between its forward and its backward drops its kept part (nothing left live
+    in the ledger) and backward gathers it over all six."""
+    pool = pools(6)
+    ref = pool.run(reshard_tasks.k_groups_of_six, True)
+    for k in (2, 3):
+        for r, want in zip(pool.run(reshard_tasks.k_groups_of_six, k), ref):
+            assert r["kept"] == {u: b // k for u, b in r["full"].items()}, (k, r["kept"])
+            assert r["dropped"] and r["live"] == []
+            assert r["grads"].keys() == want["grads"].keys()
+            assert all(torch.equal(r["grads"][n], want["grads"][n]) for n in r["grads"]), k
+
+
+def test_consecutive_groups_are_made_inside_each_group(pools):
+    """``Comm.consecutive`` on one of several groups (hybrid sharding's): a rank's group of one
+    is itself, inside its replicate group as inside its shard group."""
+    for rank, (rep_one, shard_one) in enumerate(pools(4).run(reshard_tasks.consecutive_inside_groups)):
+        assert rep_one == shard_one == [rank]
