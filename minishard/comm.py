@@ -41,6 +41,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from . import quantized
 from .flight import FlightRecorder
 from .trace import Tracer
 
@@ -305,11 +306,15 @@ class Comm:
         return self._run(ev, lambda: dist.all_reduce(tensor, group=self.group, async_op=True), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                   tag: str = "") -> Work | None:
-        """``output`` (N * input.numel()) receives every rank's ``input``, in rank order."""
+                   tag: str = "", quantize: int | None = None) -> Work | None:
+        """``output`` (N * input.numel()) receives every rank's ``input``, in rank order.
+        ``quantize``: in int8 with a scale per block of that many elements (ZeRO++'s qwZ,
+        ``quantized.py``; the trace shows the int8 bytes that travel)."""
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                              f"{self.world_size} x {input.numel()}")
+        if quantize and self.world_size > 1:
+            return quantized.all_gather(self, output, input, quantize, async_op, tag)
         ev = self._begin("all_gather", output, output.numel() * output.element_size(), tag)
         if self.world_size == 1:
             output.copy_(input.view_as(output))
@@ -320,12 +325,15 @@ class Comm:
             output, input, group=self.group, async_op=True), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                       tag: str = "") -> Work | None:
-        """``output`` receives slice ``rank`` of the sum over ranks of ``input`` (N slices)."""
+                       tag: str = "", quantize: int | None = None) -> Work | None:
+        """``output`` receives slice ``rank`` of the sum over ranks of ``input`` (N slices).
+        ``quantize``: each contribution in int8 through an all-to-all (ZeRO++'s qgZ)."""
         N = self.world_size
         if input.numel() != output.numel() * N:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                              f"{N} x {output.numel()}")
+        if quantize and N > 1:
+            return quantized.reduce_scatter(self, output, input, quantize, async_op, tag)
         ev = self._begin("reduce_scatter", input, input.numel() * input.element_size(), tag)
         if N == 1:
             output.copy_(input.view_as(output))
@@ -351,6 +359,13 @@ class Comm:
         p2p_tag = self._next_tag()
         return self._run(ev, lambda: PairwiseReduceScatter(output, input, scratch, self, p2p_tag),
                          async_op, finish)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
+                   tag: str = "") -> Work | None:
+        """Block q of ``input`` (N equal blocks) goes to rank q; ``output``'s block q comes from it."""
+        ev = self._begin("all_to_all", input, input.numel() * input.element_size(), tag)
+        return self._run(ev, lambda: dist.all_to_all_single(output, input, group=self.group,
+                                                            async_op=True), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
                   tag: str = "") -> Work | None:

@@ -52,6 +52,8 @@ KNOBS: dict[str, tuple[Callable[[Any], bool], str]] = {       # knob: (reads it?
     "reshard_root": (lambda s: s.offloads, "minishard's FSDP"),
     "prefetch": (lambda s: s.stage == 3, "FSDP"),
     "accumulation": (lambda s: s.offloads or s.name in ("zero2", "torch_fsdp"), "FSDP and ZeRO-2"),
+    "quantized_weights": (lambda s: s.offloads, "minishard's FSDP"),
+    "quantized_gradients": (lambda s: s.offloads, "minishard's FSDP"),
     "shard_size": (lambda s: s.hybrid, "hybrid sharding"),
     "offload": (lambda s: s.offloads, "an FSDP strategy"),
     "prefetch_bucket_size": (lambda s: s.offloads, "an FSDP strategy"),
@@ -96,6 +98,8 @@ class TrainConfig:
                                      # micro-batch, "no_sync" keeps full gradients and reduces once,
                                      # "gathered" (FSDP) keeps parameters gathered in between;
                                      # None: the strategy's own (sync; torch_fsdp no_sync)
+    quantized_weights: bool = False    # ZeRO++ qwZ: FSDP's all-gathers in int8 (block scales)
+    quantized_gradients: bool = False  # ZeRO++ qgZ: its gradient reduction in int8, all-to-all
     shard_size: int = 2              # hsdp: ranks per shard group ("a node")
     # memory
     recompute: bool = False          # activation recomputation: keep each block's input only
@@ -170,7 +174,7 @@ class TrainConfig:
             raise ConfigError("{fault_rank} is the rank a fault is planted on: set {fault}, or drop it",
                               fault_rank=self.fault_rank, fault=...)
         for name in ("offload", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
-                     "accumulation"):
+                     "accumulation", "quantized_weights", "quantized_gradients"):
             if name in self.unused():
                 self.refuse_unused(only=(name,))
 

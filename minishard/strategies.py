@@ -239,7 +239,8 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
         state_bytes = 16 * sum(p.numel() for p in net.parameters()) // comm.world_size
         tier = Tier(OffloadPolicy(config.offload, config.offload_dir), comm.rank, needed_bytes=state_bytes)
     kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier, replicate=replicate, layout=layout,
-              param_persistence_threshold=config.param_persistence_threshold)
+              param_persistence_threshold=config.param_persistence_threshold,
+              quantized_weights=config.quantized_weights, quantized_gradients=config.quantized_gradients)
     for name, m in wrap_targets(net, config.wrap):
         fsdp.fully_shard(m, reshard_after_forward=config.reshard_after_forward, name=name, **kw)
     fsdp.fully_shard(net, name="root", reshard_after_forward=True if config.reshard_root else None, **kw)

@@ -45,18 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--freeze", action="append", default=[], metavar="PREFIX",
                    help="freeze parameters whose name starts with PREFIX (repeatable; chapter 06)")
     g.add_argument("--seed", type=int, default=0, help="initial weights, the same on every rank")
-    g = p.add_argument_group("sharding (chapters 02-07; hsdp's shard groups: chapter 10)")
-    g.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MIB",
-                   help="gradient bucket size in MiB (ddp, zero1, zero2; default 25)")
-    g.add_argument("--wrap", default="block", help="FSDP units below the root: block, linear or model (chapter 06)")
-    g.add_argument("--reshard-after-forward", nargs="?", const=True, default=True, type=int,
-                   metavar="K", help="free a unit's gathered parameters after its forward (chapter 06); "
-                   "K: keep 1/K of them, so that backward gathers inside groups of K ranks")
-    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-                   help="keep a unit's gathered parameters from its forward to its backward")
-    g.add_argument("--reshard-root", action="store_true", help="free the root too (the textbook ZeRO-3 schedule)")
-    g.add_argument("--prefetch", type=int, default=0, metavar="K", help="FSDP units gathered ahead (chapter 07; fsdp, fsdp_flat, hsdp, torch_fsdp: FSDP2 gathers 1 ahead in backward at 0)")
-    g.add_argument("--shard-size", type=int, default=2, help="hsdp only: ranks per shard group, a node (default 2)")
+    _sharding_arguments(p.add_argument_group("sharding (chapters 02-07; hsdp's shard groups: chapter 10)"))
     g = p.add_argument_group("memory (chapters 07, 08, 10)")
     g.add_argument("--offload", choices=("host", "disk"), default=None, help="keep FSDP's sharded state off the device")
     g.add_argument("--offload-dir", default=None, metavar="DIR",
@@ -86,6 +75,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print the results as JSON (for scripts), not tables")
 
 
+def _sharding_arguments(g) -> None:
+    g.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MIB",
+                   help="gradient bucket size in MiB (ddp, zero1, zero2; default 25)")
+    g.add_argument("--wrap", default="block", help="FSDP units below the root: block, linear or model (chapter 06)")
+    g.add_argument("--reshard-after-forward", nargs="?", const=True, default=True, type=int,
+                   metavar="K", help="free a unit's gathered parameters after its forward (chapter 06); "
+                   "K: keep 1/K of them, so that backward gathers inside groups of K ranks")
+    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="keep a unit's gathered parameters from its forward to its backward")
+    g.add_argument("--reshard-root", action="store_true", help="free the root too (the textbook ZeRO-3 schedule)")
+    g.add_argument("--quantized-weights", action="store_true",
+                   help="ZeRO++ qwZ: FSDP's all-gathers in int8 with a scale per block")
+    g.add_argument("--quantized-gradients", action="store_true",
+                   help="ZeRO++ qgZ: FSDP's gradient reduction in int8, through an all-to-all")
+    g.add_argument("--prefetch", type=int, default=0, metavar="K", help="FSDP units gathered ahead (chapter 07; fsdp, fsdp_flat, hsdp, torch_fsdp: FSDP2 gathers 1 ahead in backward at 0)")
+    g.add_argument("--shard-size", type=int, default=2, help="hsdp only: ranks per shard group, a node (default 2)")
+
+
 def config_of(args) -> "TrainConfig":
     """The run's TrainConfig; every bad value is refused here, before any rank starts, named by
     its flag (``--prefetch -1``, not ``prefetch=-1``), and so is a flag the strategy never reads."""
@@ -96,6 +103,7 @@ def config_of(args) -> "TrainConfig":
             accum=args.accum, accumulation=args.accumulation, seed=args.seed, optimizer=args.optimizer, lr=args.lr, precision=args.precision,
             clip=args.clip, freeze=tuple(args.freeze), bucket_cap_mb=args.bucket_cap_mb, wrap=args.wrap,
             reshard_after_forward=args.reshard_after_forward, reshard_root=args.reshard_root,
+            quantized_weights=args.quantized_weights, quantized_gradients=args.quantized_gradients,
             prefetch=args.prefetch, shard_size=args.shard_size, recompute=args.recompute,
             loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=args.offload_dir,
             device_budget=None if args.device_budget is None else int(args.device_budget * MiB),

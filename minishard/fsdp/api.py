@@ -6,6 +6,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from .. import quantized
 from ..comm import Comm
 from ..ledger import LiveLedger
 from ..offload import Tier
@@ -22,7 +23,8 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
                 mp_policy: MixedPrecisionPolicy | None = None, layout: str = "per_param",
                 manual: bool = False, name: str | None = None, offload: Tier | None = None,
                 replicate: Comm | None = None, replicate_params: tuple[str, ...] = (),
-                param_persistence_threshold: int | None = None) -> nn.Module:
+                param_persistence_threshold: int | None = None, quantized_weights: bool = False,
+                quantized_gradients: bool = False) -> nn.Module:
     """Make ``module`` an FSDP unit owning its parameters that no child unit owns yet. Apply it
     bottom-up — blocks first, the root last. Returns the module itself (no class swapping).
 
@@ -42,7 +44,10 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     dtype: fp32 norms in a bf16 unit compute in fp32 and all-reduce fp32 gradients; a unit may
     keep every parameter whole, and gathers nothing (``replicated.py``).
     ``param_persistence_threshold``: DeepSpeed's ``stage3_param_persistence_threshold``, in
-    elements — every parameter of at most that many elements joins ``replicate_params``."""
+    elements — every parameter of at most that many elements joins ``replicate_params``.
+    ``quantized_weights`` / ``quantized_gradients``: ZeRO++'s qwZ and qgZ — the all-gathers, and
+    the gradient reduction (as an all-to-all), in int8 with one scale per block of
+    ``quantized.BLOCK`` elements (``minishard/quantized.py``)."""
     name = name or type(module).__name__
     if hasattr(module, "_fsdp_unit"):
         raise ValueError(f"{name} is already an FSDP unit: fully_shard a module once")
@@ -57,19 +62,13 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     whole, sharded, boundaries = _split_replicated(
         slots, replicate_params, persistent_names(slots, param_persistence_threshold, name), name,
         mp_policy, offload)
-    devices = {s.module._parameters[s.name].device for s in slots}
-    if len(devices) > 1:
-        raise ValueError(f"{name}: parameters on mixed devices {sorted(map(str, devices))}")
-    # every rank starts from rank 0's model: inside the shard group, then (hybrid) across the
-    # replica groups, whose first members all sit in the first shard group
-    comm.replicate_from_rank0(s.module._parameters[s.name] for s in slots)
-    if replicate is not None:
-        replicate.replicate_from_rank0(s.module._parameters[s.name] for s in slots)
+    _start_from_rank0(slots, comm, replicate, name)
     originals = {id(s.module._parameters[s.name]) for s in sharded}
     lay = _layout(layout, sharded, whole, comm, mp_policy, module)
     unit = (FSDPUnit if sharded else ReplicatedOnlyUnit)(module, name, lay, comm, ledger,
         reshard_after_forward, mp_policy, offload, replicate, whole, originals)
     unit.post_forward_comm = post_forward if sharded else None     # nothing gathered, none kept
+    unit.quantize = _quantize(quantized_weights, quantized_gradients, lay, name)
     module._fsdp_unit = unit
     if not manual:
         hooks.register_hooks(unit)
@@ -90,6 +89,25 @@ def _layout(kind: str, sharded: list[ParamSlot], whole: list[ParamSlot], comm: C
     if kind == "per_param":
         return PerParamLayout(sharded, comm.rank, comm.world_size, mp_policy.param_dtype)
     return FlatLayout(sharded, comm.rank, comm.world_size, mp_policy.param_dtype, module)
+
+
+def _start_from_rank0(slots: list[ParamSlot], comm: Comm, replicate: Comm | None, name: str) -> None:
+    """Every rank starts from rank 0's model: inside the shard group, then (hybrid) across the
+    replica groups, whose first members all sit in the first shard group."""
+    devices = {s.module._parameters[s.name].device for s in slots}
+    if len(devices) > 1:
+        raise ValueError(f"{name}: parameters on mixed devices {sorted(map(str, devices))}")
+    for group in (comm, replicate):
+        if group is not None:
+            group.replicate_from_rank0(s.module._parameters[s.name] for s in slots)
+
+
+def _quantize(weights: bool, gradients: bool, lay, name: str) -> tuple[int | None, int | None]:
+    """ZeRO++: the block size of the all-gathers' int8 (qwZ) and of the reduction's (qgZ)."""
+    if (weights or gradients) and getattr(lay, "mixed", False):
+        raise ValueError(f"{name}: quantized collectives need one dtype to gather; its parameters "
+                         f"hold several and no param_dtype is set (give mp_policy a param_dtype)")
+    return (quantized.BLOCK if weights else None, quantized.BLOCK if gradients else None)
 
 
 def _post_forward(k, comm: Comm, name: str) -> tuple[bool | int | None, Comm | None]:

@@ -60,6 +60,7 @@ class FSDPUnit(ReplicatedParams):
         self.units: list[FSDPUnit] = []            # the root's list of every unit below it
         self.requires_gradient_sync = True
         self.reshard_after_backward = True         # False: stay gathered for the next micro-batch
+        self.quantize: tuple[int | None, int | None] = (None, None)   # ZeRO++: qwZ's, qgZ's block
         self.replicated_slots = list(replicated)
         self.replicated = [s.module._parameters[s.name] for s in self.replicated_slots]
         self._originals = set(originals)           # ids of the parameters the shards replaced
@@ -151,12 +152,13 @@ class FSDPUnit(ReplicatedParams):
                 inp = out.view(g.world_size, -1)[g.rank]
                 inp.copy_(self._post_forward_blocks)
                 self._drop_post_forward()
-                work = g.all_gather(out, inp, async_op=True, tag=self.name)
+                work = g.all_gather(out, inp, async_op=True, tag=self.name, quantize=self.quantize[0])
             else:
                 # our shards go straight to our block of the output: the gather sends them from
                 # there and copies nothing more (as NCCL's in-place all-gather)
                 inp = self._fetch_shards(into=out.view(self.comm.world_size, -1)[self.comm.rank])
-                work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
+                work = self.comm.all_gather(out, inp, async_op=True, tag=self.name,
+                                            quantize=self.quantize[0])
         self._gather = (work, out, version)
         if not async_op:
             self.wait_for_unshard()
@@ -330,7 +332,7 @@ class FSDPUnit(ReplicatedParams):
         if self.ledger is not None:
             self.ledger.alloc("comm_buffers", inp.numel() * inp.element_size(), f"{self.name}:rs")
             self.ledger.alloc("grads", out.numel() * out.element_size(), f"{self.name}:rs_out")
-        work = self.comm.reduce_scatter(out, inp, async_op=True, tag=self.name)
+        work = self.comm.reduce_scatter(out, inp, async_op=True, tag=self.name, quantize=self.quantize[1])
         self._pending_rs = (work, out, inp)
         if self.replicated:
             self._all_reduce_replicated(self.comm.world_size * replicas)
