@@ -163,7 +163,8 @@ def test_every_knob_is_accepted_by_every_strategy_that_reads_it():
     from minishard.config import KNOBS
     values = {"bucket_cap_mb": 4.0, "wrap": "linear", "reshard_after_forward": False, "reshard_root": True,
               "prefetch": 1, "accumulation": "no_sync", "shard_size": 1, "offload": "host",
-              "prefetch_bucket_size": 10**6, "max_live_parameters": 10**6, "param_persistence_threshold": 100}
+              "prefetch_bucket_size": 10**6, "max_live_parameters": 10**6, "param_persistence_threshold": 100,
+              "quantized_weights": True, "quantized_gradients": True}
     assert set(values) == set(KNOBS)
     accepted = 0
     for name, (reads, _) in KNOBS.items():

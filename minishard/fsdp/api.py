@@ -97,9 +97,10 @@ def _start_from_rank0(slots: list[ParamSlot], comm: Comm, replicate: Comm | None
     devices = {s.module._parameters[s.name].device for s in slots}
     if len(devices) > 1:
         raise ValueError(f"{name}: parameters on mixed devices {sorted(map(str, devices))}")
-    for group in (comm, replicate):
-        if group is not None:
-            group.replicate_from_rank0(s.module._parameters[s.name] for s in slots)
+    params = [s.module._parameters[s.name] for s in slots]
+    comm.replicate_from_rank0(params)
+    if replicate is not None:
+        replicate.replicate_from_rank0(params)
 
 
 def _quantize(weights: bool, gradients: bool, lay, name: str) -> tuple[int | None, int | None]:
