@@ -145,7 +145,7 @@ class BucketedReduction:
                 view = self._grad_view(b, k)
                 view.copy_(p.grad)
                 p.grad = view
-        else:   # (added: inside no_sync the buffer holds the micro-batches' sum)
+        else:   # added, not copied: inside no_sync the buffer sums the micro-batches
             self._buffer_of(b)[b.offsets[k]:b.offsets[k] + p.numel()].add_(p.grad.view(-1))
             p.grad = None                      # no full gradient stays behind
         if self.sync:

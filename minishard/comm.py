@@ -103,6 +103,12 @@ class Work:
             self._error = e
         self._event["t_done"] = self._comm.tracer.now()
 
+    def then(self, after) -> "Work":
+        """Run ``after`` once the collective is done, before it is recorded (qwZ dequantizes)."""
+        first = self._finish
+        self._finish = after if first is None else (lambda: (first(), after()))
+        return self
+
     def is_completed(self) -> bool:
         """Finished on the wire (wait() would not block)."""
         return self.done or self._handle is None or self._handle.is_completed()
@@ -234,8 +240,7 @@ class Comm:
         self.world_size = dist.get_world_size(group) if self.initialized else 1
         self.backend = dist.get_backend(group) if self.initialized else "none"
         self.name = name
-        # a group that is not the world names its members in every collective's event: which
-        # ranks a gather used is the lesson of hybrid sharding and of reshard_after_forward=k
+        # a group smaller than the world names its members in each collective's event (HSDP, k)
         self.members = (dist.get_process_group_ranks(group) if self.initialized and group is not None
                         and self.world_size < dist.get_world_size() else None)
         self._consecutive: dict[int, Comm] = {}

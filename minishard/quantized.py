@@ -15,8 +15,9 @@ sending fewer bits, and pays in rounding:
   then across, with int4 across; one hop here.)
 
 What goes on the wire per rank's part of n elements: 4·⌈n/block⌉ scale bytes and n int8 bytes
-(rounded up to whole 4 bytes) — about 1/4 of fp32 and 1/2 of bf16. hpZ, ZeRO++'s third part — a secondary copy of the weights
-inside the node, so that backward gathers there — is ``fully_shard(reshard_after_forward=k)``.
+(rounded up to whole 4 bytes) — about 1/4 of fp32 and 1/2 of bf16. hpZ, ZeRO++'s third part — a
+secondary copy of the weights inside the node, so that backward gathers there — is
+``fully_shard(reshard_after_forward=k)``.
 """
 from __future__ import annotations
 
@@ -57,22 +58,6 @@ def unpack(buf: torch.Tensor, n: int, block: int, out: torch.Tensor) -> None:
     out.view(-1).copy_((full.view(blocks, block) * scale[:, None]).view(-1)[:n])
 
 
-class Then:
-    """A collective's Work, and what to do once it is done (dequantize)."""
-
-    def __init__(self, work, after):
-        self._work, self._after, self.done = work, after, False
-
-    def is_completed(self) -> bool:
-        return self.done or self._work.is_completed()
-
-    def wait(self) -> None:
-        if not self.done:
-            self._work.wait()
-            self._after()
-            self.done = True
-
-
 def all_gather(comm, output: torch.Tensor, input: torch.Tensor, block: int, async_op: bool, tag: str):
     """qwZ: ``output`` (N × n, any float dtype) receives every rank's ``input`` dequantized."""
     N, n = comm.world_size, input.numel()
@@ -80,14 +65,14 @@ def all_gather(comm, output: torch.Tensor, input: torch.Tensor, block: int, asyn
     wire = torch.empty(N * per, dtype=torch.uint8, device=input.device)
     mine = wire.view(N, per)[comm.rank]
     pack(input, block, mine)
-    buf = _buffer(comm, wire.numel(), tag)
-    work = comm.all_gather(wire, mine, async_op=True, tag=tag)
+    release = _held(comm, wire, tag)
 
     def after():
         for q, row in enumerate(wire.view(N, per)):
             unpack(row, n, block, output.view(N, n)[q])
-        buf()
-    return _finish(Then(work, after), async_op)
+        release()
+    work = comm.all_gather(wire, mine, async_op=True, tag=tag).then(after)
+    return work if async_op else work.wait()
 
 
 def reduce_scatter(comm, output: torch.Tensor, input: torch.Tensor, block: int, async_op: bool, tag: str):
@@ -99,8 +84,7 @@ def reduce_scatter(comm, output: torch.Tensor, input: torch.Tensor, block: int, 
     for q, chunk in enumerate(input.view(N, n)):
         pack(chunk, block, send[q])
     recv = torch.empty_like(send)
-    buf = _buffer(comm, 2 * send.numel(), tag)
-    work = comm.all_to_all(recv.view(-1), send.view(-1), async_op=True, tag=tag)
+    release = _held(comm, send, tag, also=recv)
 
     def after():
         acc = torch.zeros(n, dtype=torch.float32, device=output.device)
@@ -109,21 +93,16 @@ def reduce_scatter(comm, output: torch.Tensor, input: torch.Tensor, block: int, 
             unpack(row, n, block, part)
             acc += part
         output.view(-1).copy_(acc)
-        buf()
-    return _finish(Then(work, after), async_op)
+        release()
+    work = comm.all_to_all(recv.view(-1), send.view(-1), async_op=True, tag=tag).then(after)
+    return work if async_op else work.wait()
 
 
-def _buffer(comm, nbytes: int, tag: str):
+def _held(comm, t: torch.Tensor, tag: str, also: torch.Tensor | None = None):
     """Enter the packed buffers in the ledger as ``comm_buffers``; returns their release."""
     if comm.ledger is None:
         return lambda: None
-    name = f"quantized:{tag}:{comm._next_tag()}"
+    name = f"quantized:{tag}:{id(t)}"
+    nbytes = sum(x.numel() * x.element_size() for x in (t, also) if x is not None)
     comm.ledger.alloc("comm_buffers", nbytes, name)
     return lambda: comm.ledger.free(name)
-
-
-def _finish(work: Then, async_op: bool):
-    if async_op:
-        return work
-    work.wait()
-    return None
