@@ -3,6 +3,7 @@ scenarios per launch: starting ranks costs seconds, a nano model's save or load 
 import contextlib
 import os
 import signal
+import time
 
 import torch
 
@@ -330,7 +331,8 @@ def background_runs(rank, root: str, runs: list) -> list[dict]:
 def background_fails(rank, path: str, bad_rank: int) -> dict:
     """A good checkpoint at ``path`` (step 2); then a background save over it whose write fails on
     rank ``bad_rank`` alone: what each rank's wait raised. Then another background save, which
-    must work (the save's group survives a failed save)."""
+    must work (the save's group survives a failed save) — though rank 0 is slow to remove the
+    failed save's directory: no rank may start writing the next one before it is gone."""
     built, comm, _ = _built(rank, "zero1")
     model, opt = built.model, built.optimizer
     checkpoint.save(model, opt, path, comm=comm, step=2)
@@ -341,7 +343,14 @@ def background_fails(rank, path: str, bad_rank: int) -> dict:
             raise checkpoint.CheckpointError(f"planted failure on rank {bad_rank}")
         return real(*args, **kwargs)
 
+    real_rmtree = checkpoint.saving.shutil.rmtree
+
+    def slow_rmtree(*args, **kwargs):
+        time.sleep(0.5)
+        return real_rmtree(*args, **kwargs)
+
     checkpoint.saving.write_safetensors = failing
+    checkpoint.saving.shutil.rmtree = slow_rmtree
     try:
         pending = checkpoint.save(model, opt, path, comm=comm, step=3, background=True)
         try:
@@ -351,6 +360,7 @@ def background_fails(rank, path: str, bad_rank: int) -> dict:
             raised = str(e)
     finally:
         checkpoint.saving.write_safetensors = real
+        checkpoint.saving.shutil.rmtree = real_rmtree
     after_failure = checkpoint.read_metadata(path)["step"]
     again = checkpoint.save(model, opt, path, comm=comm, step=4, background=True).wait()
     return {"raised": raised, "after_failure": after_failure, "again": again["step"]}

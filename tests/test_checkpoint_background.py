@@ -68,6 +68,7 @@ def test_an_error_on_one_rank_is_raised_by_every_ranks_wait(pools, tmp_path):
     assert [r["raised"] for r in results] == ["planted failure on rank 1"] * 2
     assert all(r["after_failure"] == 2 and r["again"] == 4 for r in results)
     assert checkpoint.read_metadata(ck)["step"] == 4 and not (tmp_path / ".ck.saving").exists()
+    assert checkpoint.read_full(ck)           # every file there, every checksum right
 
 
 def test_in_one_process_the_copy_is_what_is_written(tmp_path):

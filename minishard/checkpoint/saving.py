@@ -235,12 +235,15 @@ def _write_own_file(file: Path, own: _OwnPart, block_bytes: int) -> list:
 
 def _clean_up_if_any(comm: Comm, tmp: Path, errors: list, agreed: bool = True) -> None:
     """If any rank failed, rank 0 removes the half-written checkpoint and every rank raises the
-    same error. ``agreed=False``: ``errors`` is this rank's own; the ranks agree first."""
+    same error — after the removal, so that a rank's next save cannot make the directory anew
+    only to have it removed under its write. ``agreed=False``: ``errors`` is this rank's own;
+    the ranks agree first."""
     try:
         raise_if_any(errors) if agreed else agree(comm, errors[0])
     except CheckpointError:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        comm.barrier()                        # every rank is here: the error is agreed
         raise
 
 
@@ -267,11 +270,18 @@ def _check_target(path: Path, tmp: Path, nbytes: int) -> None:
 
 
 def _commit(meta: dict, tmp: Path, path: Path) -> None:
-    """The leftovers of an interrupted save removed, the metadata written and fsync'd, then the
-    new checkpoint renamed into place."""
+    """The leftovers of an interrupted save removed, every rank's file checked to be there with
+    the size it reported (the metadata must never name a file that is not), the metadata written
+    and fsync'd, then the new checkpoint renamed into place."""
     for f in tmp.iterdir():
         if f.name not in meta["files"]:
             shutil.rmtree(f) if f.is_dir() else f.unlink()
+    for name, info in meta["files"].items():
+        size = (tmp / name).stat().st_size if (tmp / name).exists() else None
+        if size != info["bytes"]:
+            raise CheckpointError(f"rank {info['rank']} wrote {info['bytes']:,} bytes to {tmp / name}, "
+                                  f"but {'the file is gone' if size is None else f'it holds {size:,}'}: "
+                                  f"not committing this checkpoint")
     with open(tmp / METADATA, "w") as f:
         f.write(json.dumps(meta, separators=(",", ":")))     # one line: json's C encoder, 20x faster
         f.flush()
