@@ -311,10 +311,10 @@ class Comm:
         return self._run(ev, lambda: dist.all_reduce(tensor, group=self.group, async_op=True), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                   tag: str = "", quantize: int | None = None) -> Work | None:
+                   tag: str = "", quantize: quantized.Scheme | None = None) -> Work | None:
         """``output`` (N * input.numel()) receives every rank's ``input``, in rank order.
-        ``quantize``: in int8 with a scale per block of that many elements (ZeRO++'s qwZ,
-        ``quantized.py``; the trace shows the int8 bytes that travel)."""
+        ``quantize``: in int8 or int4 with a scale per block (ZeRO++'s qwZ, ``quantized.py``;
+        the trace shows the bytes that travel)."""
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                              f"{self.world_size} x {input.numel()}")
@@ -330,9 +330,9 @@ class Comm:
             output, input, group=self.group, async_op=True), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                       tag: str = "", quantize: int | None = None) -> Work | None:
+                       tag: str = "", quantize: quantized.Scheme | None = None) -> Work | None:
         """``output`` receives slice ``rank`` of the sum over ranks of ``input`` (N slices).
-        ``quantize``: each contribution in int8 through an all-to-all (ZeRO++'s qgZ)."""
+        ``quantize``: each contribution in int8 or int4 through an all-to-all (ZeRO++'s qgZ)."""
         N = self.world_size
         if input.numel() != output.numel() * N:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "

@@ -98,8 +98,8 @@ class TrainConfig:
                                      # micro-batch, "no_sync" keeps full gradients and reduces once,
                                      # "gathered" (FSDP) keeps parameters gathered in between;
                                      # None: the strategy's own (sync; torch_fsdp no_sync)
-    quantized_weights: bool = False    # ZeRO++ qwZ: FSDP's all-gathers in int8 (block scales)
-    quantized_gradients: bool = False  # ZeRO++ qgZ: its gradient reduction in int8, all-to-all
+    quantized_weights: bool | int = False    # ZeRO++ qwZ: FSDP's all-gathers in int8 (True, 8) or int4
+    quantized_gradients: bool | int = False  # ZeRO++ qgZ: its gradient reduction so, all-to-all
     shard_size: int = 2              # hsdp: ranks per shard group ("a node")
     # memory
     recompute: bool = False          # activation recomputation: keep each block's input only
@@ -184,6 +184,11 @@ class TrainConfig:
             raise ConfigError("{reshard_after_forward}: True, False, or the number of ranks a unit "
                               "reshards to after forward (an integer >= 1)", reshard_after_forward=k)
         _one_of("accumulation", self.accumulation, (None, *ACCUMULATIONS))
+        for name in ("quantized_weights", "quantized_gradients"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or type(value) is int and value in (8, 4)):
+                raise ConfigError("{%s}: False, True (int8), 8 or 4 (the bits an element)" % name,
+                                  **{name: value})
         if self.accumulation == "gathered" and strategy.name == "zero2":
             raise ConfigError("{accumulation} gathered keeps FSDP's parameters gathered between "
                               "micro-batches; ZeRO-2 holds them whole on every rank already (use "

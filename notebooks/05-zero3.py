@@ -492,6 +492,182 @@ assert measured["bytes ratio, textbook (§3)"] == 1.5 and measured["bytes ratio,
 # about half again slower, and ZeRO-1, which fits, is the better choice. The disagreement is the
 # trade-off itself: stage 3 is the default only where the network can carry it.
 
+# %% [markdown]
+# ## 5. ZeRO++: fewer bits on the wire
+# §3 counted passes and dtypes; ZeRO++ (DeepSpeed) attacks the bytes of each pass instead, in
+# three parts:
+#
+# * **qwZ** — the weights' all-gather quantized: each rank cuts what it sends into blocks of 256
+#   elements and sends one fp32 scale per block (the block's largest magnitude / 127) and every
+#   element as the nearest int8 multiple of it; every rank dequantizes what arrives, its own block
+#   too, so all ranks compute with the same weights. The fp32 master shards stay exact: only the
+#   copy a unit computes with is rounded.
+# * **qgZ** — the gradient reduction quantized. A reduce-scatter sums as it goes, and summing
+#   int8 values would overflow and compound the rounding; so qgZ sends through an **all-to-all**
+#   instead: each rank quantizes the slice meant for every other rank, the slices cross once
+#   ((N−1)/N of the buffer, as a reduce-scatter), and each rank dequantizes the N contributions to
+#   its own slice and sums them in fp32. DeepSpeed does it in two hops — int8 inside the node,
+#   int4 across; minishard does one hop, in 8 or 4 bits.
+# * **hpZ** — a secondary copy of the weights sharded inside the node, so that backward's
+#   all-gather never leaves it: that is `reshard_after_forward=k`, measured on four ranks in
+#   chapter 10 §4.3.
+#
+# Per rank's part of n elements the wire carries 4·⌈n/256⌉ bytes of scales and n·bits/8 of values
+# (to whole 4 bytes). On two ranks, one step of the nano model with each dtype on the wire — the
+# bytes one rank sends, from the trace, each checked against that formula:
+#
+# <details><summary>中文</summary>
+#
+# §3 数的是遍数和 dtype；ZeRO++（DeepSpeed）则削减每一遍的字节数，分三部分：
+#
+# * **qwZ**——权重的 all-gather 做量化：每个 rank 把要发送的数据切成 256 个元素一块，每块发一个
+#   fp32 的 scale（块内最大绝对值 / 127），每个元素发成最接近的 int8 倍数；每个 rank 把收到的反量化，
+#   包括自己那一块，所以所有 rank 用同样的权重计算。fp32 的主权重分片保持精确：被取整的只是单元计算时用的那份副本。
+# * **qgZ**——梯度归约做量化。reduce-scatter 边传边加，直接加 int8 会溢出、误差会累积；所以 qgZ 改用
+#   **all-to-all**：每个 rank 把发给其他每个 rank 的那一片量化，各片只交换一次（与 reduce-scatter 一样发送缓冲区的
+#   (N−1)/N），每个 rank 把收到的 N 份贡献反量化后用 fp32 求和。DeepSpeed 分两跳做——节点内 int8，
+#   跨节点 int4；minishard 只做一跳，8 位或 4 位。
+# * **hpZ**——在节点内再切一份权重的副本（secondary copy），让反向的 all-gather 不出节点：这就是
+#   `reshard_after_forward=k`，第 10 章 §4.3 在四个 rank 上测过。
+#
+# 每个 rank 的 n 个元素，线上是 4·⌈n/256⌉ 字节的 scale 加 n·bits/8 字节的值（凑整到 4 字节）。
+# 下面在两个 rank 上用 nano 模型跑一步，线上分别是各种 dtype——一个 rank 发送的字节数取自 trace，
+# 每一项都对照上面的公式检查：
+#
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minishard import quantized
+
+one = dict(strategy="fsdp", model="nano", micro_batch=2, steps=1, track_activations=False)
+WIRE = {"fp32": dict(), "bf16 (bf16_mixed)": dict(precision="bf16_mixed"),
+        "int8 (qwZ + qgZ)": dict(quantized_weights=8, quantized_gradients=8),
+        "int4 (qwZ + qgZ, 4 bits)": dict(quantized_weights=4, quantized_gradients=4)}
+per_op, parts = {}, {}
+for case, kw in WIRE.items():
+    out = R2.run(train, TrainConfig(**one, **kw))
+    ops = out[0]["by_op"]
+    per_op[case] = (ops["all_gather"]["wire"], sum(ops.get(o, {}).get("wire", 0) for o in ("reduce_scatter", "all_to_all")))
+    if case == "fp32":                       # each unit's part on a rank (elements), and its gathers a step
+        mine = [e for e in R2.last_events if e["kind"] == "collective" and e["op"] == "all_gather" and e["rank"] == 0]
+        parts = {e["tag"]: e["payload"] // 4 // 2 for e in mine}
+        gathers = {u: sum(e["tag"] == u for e in mine) for u in parts}
+print(f"{'on the wire':<26}{'all-gathers':>13}{'gradients':>11}{'total':>11}{'vs fp32':>9}{'vs bf16':>9}")
+fp32_total, bf16_total = sum(per_op["fp32"]), sum(per_op["bf16 (bf16_mixed)"])
+for case, (gathered, reduced) in per_op.items():
+    total = gathered + reduced
+    key = {"int8 (qwZ + qgZ)": "int8", "int4 (qwZ + qgZ, 4 bits)": "int4"}.get(case)
+    vs32 = glue(f"zeropp-{key}-vs-fp32", total / fp32_total, "{:.3f}") if key else f"{total / fp32_total:.3f}"
+    vs16 = glue(f"zeropp-{key}-vs-bf16", total / bf16_total, "{:.3f}") if key else f"{total / bf16_total:.3f}"
+    print(f"{case:<26}{gathered:>13,}{reduced:>11,}{total:>11,}{vs32:>9}{vs16:>9}")
+for case, bytes_of in [("fp32", lambda n: 4 * n), ("bf16 (bf16_mixed)", lambda n: 2 * n),
+                       *[(c, lambda n, b=b: quantized.packed_bytes(n, quantized.Scheme(b)))
+                         for c, b in [("int8 (qwZ + qgZ)", 8), ("int4 (qwZ + qgZ, 4 bits)", 4)]]]:
+    sent = {u: (2 - 1) * bytes_of(n) for u, n in parts.items()}      # each pass sends (N-1) parts, N = 2
+    reduced = sum(sent.values()) if case != "bf16 (bf16_mixed)" else sum(4 * n for n in parts.values())
+    assert per_op[case] == (sum(gathers[u] * sent[u] for u in parts), reduced), case   # (bf16_mixed reduces in fp32)
+
+# %% [markdown]
+# int8 sends a little over a quarter of fp32's bytes and half of bf16's; int4 a little over an
+# eighth of fp32's — "a little over" is the scales, 4 bytes per 256 elements. What does the
+# rounding cost? The same 20 AdamW steps, unquantized and quantized four ways — the loss at every
+# step, and how far each run's model has drifted from the unquantized one, relative to how far
+# training moved it (`minishard.parity.drift`: 0 is the same model, 1 a drift as large as the
+# whole training):
+#
+# <details><summary>中文</summary>
+#
+# int8 的字节数略多于 fp32 的四分之一、bf16 的一半；int4 略多于 fp32 的八分之一——"略多"的是 scale，
+# 每 256 个元素 4 字节。取整的代价是什么？同样 20 步 AdamW，不量化和四种量化方式各跑一遍——每一步的
+# loss，以及每个 run 的模型相对不量化的那个漂移了多远，以训练本身把模型移动的距离为单位
+# （`minishard.parity.drift`：0 是同一个模型，1 是与整个训练一样大的漂移）：
+#
+# </details>
+
+# %%
+from minishard.parity import drift, params_of
+
+RUNS = {"unquantized": dict(), "int8 weights (qwZ)": dict(quantized_weights=8),
+        "int8 gradients (qgZ)": dict(quantized_gradients=8),
+        "int8 weights + int4 gradients": dict(quantized_weights=8, quantized_gradients=4),
+        "int4 weights": dict(quantized_weights=4)}
+twenty = dict(one, steps=20, return_params=True)
+curves = {name: R2.run(train, TrainConfig(**twenty, **kw))[0] for name, kw in RUNS.items()}
+start = params_of(GPT("nano", seed=0))
+drifts = {name: drift(c["params"], curves["unquantized"]["params"], start) for name, c in curves.items()}
+fig = go.Figure([go.Scatter(y=c["losses"], name=name, mode="lines") for name, c in curves.items()])
+fig.update_layout(title="20 steps, 2 ranks, nano: the loss with each quantization", xaxis_title="step",
+                  yaxis_title="loss", height=360)
+display(fig)
+for name, d in list(drifts.items())[1:]:      # the digits vary with the CPU's kernels: not a checked cell
+    print(f"{name:<32} drift {d.overall:.3f}  (most: {d.worst_tensor})")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+base = curves["unquantized"]["losses"]
+for name, c in list(curves.items())[1:]:
+    worst = max(abs(a - b) / b for a, b in zip(c["losses"], base))
+    print(f"{name:<32} loss within 1% at every step: {worst < 0.01}   drift below 0.35: {drifts[name].overall < 0.35}")
+print("int4 weights drift over 3x int8 weights:", drifts["int4 weights"].overall > 3 * drifts["int8 weights (qwZ)"].overall)
+print("int8 gradients drift least:", min(drifts, key=lambda k: drifts[k].overall if k != "unquantized" else 9) == "int8 gradients (qgZ)")
+
+# %% [markdown]
+# The loss curves lie on top of each other; the drift tells them apart. Quantized gradients cost
+# least: each contribution is rounded once, then summed in fp32 and applied to an exact fp32
+# master, so the rounding averages out across steps. int8 weights cost more — every forward and
+# backward computes with a rounded model — and int4 weights are another matter: a block has only
+# 15 levels, so a LayerNorm weight near 1 snaps to steps of 1/7 and the small updates training
+# makes to it are invisible to the computation. Which is why ZeRO++'s recipe is int8 weights and
+# int4 gradients, not int4 everywhere.
+#
+# **When is it worth it?** Count the bytes that cross the slow link, per parameter per step.
+# ZeRO-3 in fp16 (DeepSpeed's baseline) sends 2 + 2 + 2. ZeRO++ sends the forward gather in int8
+# (1 byte), keeps the backward gather inside the node (hpZ: 0 bytes across) and sends the
+# gradients in int4 across nodes (½ byte):
+#
+# <details><summary>中文</summary>
+#
+# 几条 loss 曲线几乎重合；漂移才把它们区分开。量化梯度代价最小：每份贡献只取整一次，然后用 fp32 求和，
+# 更新到精确的 fp32 主权重上，取整误差在多步之间互相抵消。int8 权重代价更大——每次前向和反向都用取整后的模型计算——
+# 而 int4 权重就是另一回事了：一个块只有 15 个等级，接近 1 的 LayerNorm 权重被吸附到 1/7 的台阶上，
+# 训练对它的微小更新在计算中根本看不到。所以 ZeRO++ 的配方是 int8 权重加 int4 梯度，而不是处处 int4。
+#
+# 那么什么时候值得？数一数每个参数每一步跨过慢速链路的字节。fp16 的 ZeRO-3（DeepSpeed 的基线）发送
+# 2 + 2 + 2。ZeRO++ 前向 all-gather 用 int8（1 字节），反向 all-gather 留在节点内（hpZ：跨节点 0 字节），
+# 跨节点的梯度用 int4（½ 字节）：
+#
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+scale = 4 / quantized.BLOCK                       # the scales' share, bytes per element
+across = {"ZeRO-3, fp16": (2, 2, 2), "ZeRO-3 + qwZ": (1 + scale, 1 + scale, 2),
+          "ZeRO-3 + qwZ + hpZ": (1 + scale, 0, 2), "ZeRO++ (qwZ + hpZ + qgZ int4)": (1 + scale, 0, 0.5 + scale)}
+for name, (fwd, bwd, grads) in across.items():
+    total = fwd + bwd + grads
+    print(f"{name:<30} forward {fwd:6.4f} + backward {bwd:6.4f} + gradients {grads:6.4f} = {total:6.4f} B"
+          f"  ->  {glue('zeropp-across-reduction', 6 / total, '{:.2f}') if name.startswith('ZeRO++') else format(6 / total, '.2f')}x fewer")
+
+# %% [markdown]
+# About 4× fewer bytes across nodes (3.9× with the scales) — DeepSpeed's headline figure, and
+# where it comes from. What it costs is not only the drift above: the quantize and dequantize
+# kernels run on every pass, the hpZ copy holds 1/k of each unit instead of 1/N between forward
+# and backward (chapter 10 §4.3), and the two-hop gradient reduction adds a collective. It pays where
+# the slow link is the bottleneck — many nodes on Ethernet or a thin InfiniBand fabric, small
+# per-rank batches — and not inside one NVLink node, where the bytes were cheap to begin with and
+# the kernels' time is all cost.
+#
+# <details><summary>中文</summary>
+#
+# 跨节点的字节大约少 4 倍（算上 scale 是 3.9 倍）——这就是 DeepSpeed 的标题数字，以及它的来历。代价不只是
+# 上面的漂移：每一遍都要跑量化和反量化的 kernel，hpZ 的副本在前向和反向之间让每个单元占 1/k 而不是 1/N
+# （第 10 章 §4.3），两跳的梯度归约还多一次集合通信。在慢速链路是瓶颈的地方它才划算——很多节点、走以太网或
+# 较窄的 InfiniBand，每个 rank 的 batch 较小；在一个 NVLink 节点内部则不划算，那里字节本来就便宜，
+# kernel 的时间全是成本。
+#
+# </details>
+
 # %%
 R2.close()
 

@@ -106,6 +106,7 @@ CASES = [
     (["demo", "--strategy", "zero2", "--accumulation", "gathered"], 2, ["--accumulation gathered", "ZeRO-2"]),
     (["demo", "--strategy", "ddp", "--accumulation", "no_sync"], 2, ["--accumulation no_sync", "--strategy ddp"]),
     (["demo", "--strategy", "zero2", "--quantized-weights"], 2, ["--quantized-weights", "--strategy zero2"]),
+    (["demo", "--strategy", "fsdp", "--quantized-gradients", "5"], 2, ["--quantized-gradients 5", "8 or 4"]),
     (["demo", "--strategy", "fsdp", "--world-size", "4", "--reshard-after-forward", "3"], 2,
      ["--reshard-after-forward 3", "[1, 2, 4]"]),
     (["demo", "--strategy", "hsdp", "--world-size", "4", "--reshard-after-forward", "4"], 2,

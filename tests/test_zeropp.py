@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from minishard import quantized
+from minishard import fsdp, quantized
+from minishard.comm import Comm
 from minishard.config import ConfigError, TrainConfig
 from minishard.model import GPT
 from minishard.parity import drift, params_of
@@ -18,68 +19,100 @@ from minishard.train import train
 STEPS = 20
 KW = dict(strategy="fsdp", model="nano", micro_batch=2, steps=STEPS, return_params=True)
 MODES = {"qwZ": dict(quantized_weights=True), "qgZ": dict(quantized_gradients=True),
-         "qwZ+qgZ": dict(quantized_weights=True, quantized_gradients=True)}
+         "qwZ+qgZ": dict(quantized_weights=True, quantized_gradients=True),
+         "qgZ int4": dict(quantized_gradients=4), "qwZ+qgZ int4": dict(quantized_weights=8, quantized_gradients=4),
+         "qwZ int4": dict(quantized_weights=4)}
 
 
-def test_a_block_round_trips_within_half_its_scale():
-    g = torch.Generator().manual_seed(0)
-    for n in (1, 255, 256, 1000):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_block_round_trips_within_half_its_scale(bits):
+    scheme, g = quantized.Scheme(bits), torch.Generator().manual_seed(0)
+    for n in (1, 255, 256, 257, 1000):
         x = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)
-        buf = torch.empty(quantized.packed_bytes(n, 256), dtype=torch.uint8)
-        quantized.pack(x, 256, buf)
+        buf = torch.empty(quantized.packed_bytes(n, scheme), dtype=torch.uint8)
+        quantized.pack(x, scheme, buf)
         y = torch.empty(n)
-        quantized.unpack(buf, n, 256, y)
+        quantized.unpack(buf, n, scheme, y)
         for lo in range(0, n, 256):
             block = slice(lo, min(lo + 256, n))
-            scale = x[block].abs().max() / 127
-            assert (x[block] - y[block]).abs().max() <= scale / 2 * (1 + 1e-6)
+            scale = x[block].abs().max() / scheme.levels
+            assert (x[block] - y[block]).abs().max() <= scale / 2 * (1 + 1e-6), (bits, n, lo)
+            assert torch.equal(y[block].abs().max(), x[block].abs().max()), (bits, n, lo)   # the extreme exact
+        assert len(set((y / (x.abs().max() / scheme.levels)).round().tolist())) <= 2 * scheme.levels + 1
     zeros = torch.zeros(300)
-    buf = torch.empty(quantized.packed_bytes(300, 256), dtype=torch.uint8)
-    quantized.pack(zeros, 256, buf)
-    quantized.unpack(buf, 300, 256, y := torch.empty(300))
+    buf = torch.empty(quantized.packed_bytes(300, scheme), dtype=torch.uint8)
+    quantized.pack(zeros, scheme, buf)
+    quantized.unpack(buf, 300, scheme, y := torch.empty(300))
     assert torch.equal(y, zeros)
 
 
+def test_int4_is_two_elements_a_byte_with_fifteen_levels():
+    scheme = quantized.Scheme(4, block=8)
+    # block 1's scale is 1; block 2's is 0.5, then padding (a 0: the nibble 8)
+    x = torch.tensor([-7., -6., -1., 0., 1., 2., 6., 7., 3.5])
+    buf = torch.empty(quantized.packed_bytes(9, scheme), dtype=torch.uint8)
+    quantized.pack(x, scheme, buf)
+    assert buf.numel() == 8 + 8 and torch.equal(buf[8:13], torch.tensor([0x21, 0x87, 0xA9, 0xFE, 0x8F],
+                                                                          dtype=torch.uint8))
+    quantized.unpack(buf, 9, scheme, y := torch.empty(9))
+    assert torch.equal(y, x)
+
+
 @pytest.mark.parametrize("N", [2, 3])
-def test_the_int8_bytes_on_the_wire_are_the_formula(pools, N):
+def test_the_bytes_on_the_wire_are_the_formula(pools, N):
     pool = pools(N)
     plain = pool.run(train, TrainConfig(**dict(KW, steps=1)))
     fp32 = {(e["op"], e["tag"]): e["payload"] for e in pool.last_events
             if e["kind"] == "collective" and e.get("step") == 0 and e["rank"] == 0}
-    both = pool.run(train, TrainConfig(**dict(KW, steps=1), **MODES["qwZ+qgZ"]))
-    seen = {(e["op"], e["tag"]): (e["payload"], e["dtype"], e["wire"]) for e in pool.last_events
-            if e["kind"] == "collective" and e.get("step") == 0 and e["rank"] == 0}
-    for (op, unit), nbytes in fp32.items():
-        n = nbytes // 4 // N                              # this rank's part, in elements
-        want = N * quantized.packed_bytes(n, quantized.BLOCK)
-        got = seen[("all_gather" if op == "all_gather" else "all_to_all", unit)]
-        assert got == (want, "uint8", (N - 1) * want // N), (op, unit)
-        assert want < nbytes / 3.9                        # a quarter of fp32, and the scales
-    assert both[0]["wire"][0] < plain[0]["wire"][0] / 3.9
-    for r in both:                     # the kernel's count of what each rank process wrote agrees
-        assert 0 <= r["wchar"][0] - r["wire"][0] < 16384, (r["rank"], r["wchar"], r["wire"])
+    for bits, fraction in ((8, 3.9), (4, 7.5)):
+        both = pool.run(train, TrainConfig(**dict(KW, steps=1), quantized_weights=bits, quantized_gradients=bits))
+        seen = {(e["op"], e["tag"]): (e["payload"], e["dtype"], e["wire"]) for e in pool.last_events
+                if e["kind"] == "collective" and e.get("step") == 0 and e["rank"] == 0}
+        for (op, unit), nbytes in fp32.items():
+            n = nbytes // 4 // N                              # this rank's part, in elements
+            want = N * quantized.packed_bytes(n, quantized.Scheme(bits))
+            got = seen[("all_gather" if op == "all_gather" else "all_to_all", unit)]
+            assert got == (want, "uint8", (N - 1) * want // N), (bits, op, unit)
+            assert want < nbytes / fraction                   # 1/4 (1/8) of fp32, and the scales
+        assert both[0]["wire"][0] < plain[0]["wire"][0] / fraction
+        for r in both:                 # the kernel's count of what each rank process wrote agrees
+            assert 0 <= r["wchar"][0] - r["wire"][0] < 16384, (r["rank"], r["wchar"], r["wire"])
 
 
 @pytest.mark.parametrize("N", [2, 3])
 def test_what_the_rounding_costs_over_twenty_steps(pools, N):
-    """Measured on 2 and 3 ranks, nano, AdamW: the loss stays within 0.5 % of the unquantized
-    run at every step, and the model within a quarter of how far training moved it (overall)."""
+    """Measured on 2 and 3 ranks, nano, AdamW, 20 steps: int8 either way, and int4 gradients
+    under int8 weights (DeepSpeed's recipe), keep the loss within 0.5 % of the unquantized run at
+    every step and the model within a third of how far training moved it (int8: 0.06–0.15,
+    int4 gradients 0.26–0.29). int4 *weights* are another matter: 15 levels a block round a
+    LayerNorm's weights near 1 to steps of 1/7, and the model drifts 0.69–0.86 (5–8 times int8's)."""
     pool = pools(N)
     base = pool.run(train, TrainConfig(**KW))
     init = params_of(GPT("nano", seed=0))
+    drifts = {}
     for name, kw in MODES.items():
         out = pool.run(train, TrainConfig(**KW, **kw))
         for s, (got, want) in enumerate(zip(out[0]["losses"], base[0]["losses"])):
-            assert abs(got - want) <= 5e-3 * want, (name, s, got, want)
-        d = drift(out[0]["params"], base[0]["params"], init)
-        assert d.overall <= 0.25, (name, d.overall, d.worst_tensor)
+            assert abs(got - want) <= (1e-2 if name == "qwZ int4" else 5e-3) * want, (name, s, got, want)
+        d = drifts[name] = drift(out[0]["params"], base[0]["params"], init)
         assert d.overall > 1e-3, name                     # it did quantize
+    for name in ("qwZ", "qgZ", "qwZ+qgZ"):
+        assert drifts[name].overall <= 0.2, (name, drifts[name].overall, drifts[name].worst_tensor)
+    assert drifts["qgZ"].overall < drifts["qgZ int4"].overall <= 0.35
+    assert drifts["qwZ+qgZ int4"].overall <= 0.35
+    assert drifts["qwZ int4"].overall > 3 * drifts["qwZ"].overall
 
 
 def test_quantized_collectives_are_refused_where_nothing_is_gathered():
     with pytest.raises(ConfigError, match="quantized_weights"):
         TrainConfig(strategy="ddp", quantized_weights=True)
-    assert quantized.packed_bytes(1001, 256) == 4 * math.ceil(1001 / 256) + 1004
+    assert quantized.packed_bytes(1001, quantized.Scheme(8)) == 4 * math.ceil(1001 / 256) + 1004
+    assert quantized.packed_bytes(1001, quantized.Scheme(4)) == 4 * math.ceil(1001 / 256) + 504
+    for bad in (2, 16, "int8"):
+        with pytest.raises(ConfigError, match="8 or 4"):
+            TrainConfig(strategy="fsdp", quantized_gradients=bad)
+        with pytest.raises(ValueError, match="8 or 4"):
+            fsdp.fully_shard(torch.nn.Linear(2, 2), comm=Comm(), quantized_weights=bad)
 
 
 @pytest.mark.parametrize("N", [2, 3])

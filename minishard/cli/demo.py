@@ -85,10 +85,10 @@ def _sharding_arguments(g) -> None:
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="keep a unit's gathered parameters from its forward to its backward")
     g.add_argument("--reshard-root", action="store_true", help="free the root too (the textbook ZeRO-3 schedule)")
-    g.add_argument("--quantized-weights", action="store_true",
-                   help="ZeRO++ qwZ: FSDP's all-gathers in int8 with a scale per block")
-    g.add_argument("--quantized-gradients", action="store_true",
-                   help="ZeRO++ qgZ: FSDP's gradient reduction in int8, through an all-to-all")
+    g.add_argument("--quantized-weights", nargs="?", const=True, default=False, type=int, metavar="BITS",
+                   help="ZeRO++ qwZ: FSDP's all-gathers in int8 (or BITS: 8 or 4) with a scale per block")
+    g.add_argument("--quantized-gradients", nargs="?", const=True, default=False, type=int, metavar="BITS",
+                   help="ZeRO++ qgZ: FSDP's gradient reduction in int8 (or BITS: 8 or 4), through an all-to-all")
     g.add_argument("--prefetch", type=int, default=0, metavar="K", help="FSDP units gathered ahead (chapter 07; fsdp, fsdp_flat, hsdp, torch_fsdp: FSDP2 gathers 1 ahead in backward at 0)")
     g.add_argument("--shard-size", type=int, default=2, help="hsdp only: ranks per shard group, a node (default 2)")
 

@@ -23,8 +23,8 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
                 mp_policy: MixedPrecisionPolicy | None = None, layout: str = "per_param",
                 manual: bool = False, name: str | None = None, offload: Tier | None = None,
                 replicate: Comm | None = None, replicate_params: tuple[str, ...] = (),
-                param_persistence_threshold: int | None = None, quantized_weights: bool = False,
-                quantized_gradients: bool = False) -> nn.Module:
+                param_persistence_threshold: int | None = None, quantized_weights: bool | int = False,
+                quantized_gradients: bool | int = False) -> nn.Module:
     """Make ``module`` an FSDP unit owning its parameters that no child unit owns yet. Apply it
     bottom-up — blocks first, the root last. Returns the module itself (no class swapping).
 
@@ -46,8 +46,8 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     ``param_persistence_threshold``: DeepSpeed's ``stage3_param_persistence_threshold``, in
     elements — every parameter of at most that many elements joins ``replicate_params``.
     ``quantized_weights`` / ``quantized_gradients``: ZeRO++'s qwZ and qgZ — the all-gathers, and
-    the gradient reduction (as an all-to-all), in int8 with one scale per block of
-    ``quantized.BLOCK`` elements (``minishard/quantized.py``)."""
+    the gradient reduction (as an all-to-all), in int8 (True or 8) or int4 (4) with one scale per
+    block of ``quantized.BLOCK`` elements (``minishard/quantized.py``)."""
     name = name or type(module).__name__
     if hasattr(module, "_fsdp_unit"):
         raise ValueError(f"{name} is already an FSDP unit: fully_shard a module once")
@@ -103,12 +103,14 @@ def _start_from_rank0(slots: list[ParamSlot], comm: Comm, replicate: Comm | None
         replicate.replicate_from_rank0(params)
 
 
-def _quantize(weights: bool, gradients: bool, lay, name: str) -> tuple[int | None, int | None]:
-    """ZeRO++: the block size of the all-gathers' int8 (qwZ) and of the reduction's (qgZ)."""
-    if (weights or gradients) and getattr(lay, "mixed", False):
+def _quantize(weights, gradients, lay, name: str) -> tuple:
+    """ZeRO++: the all-gathers' quantization (qwZ) and the reduction's (qgZ), or None."""
+    schemes = (quantized.scheme_of(weights, f"{name}: quantized_weights"),
+               quantized.scheme_of(gradients, f"{name}: quantized_gradients"))
+    if any(schemes) and getattr(lay, "mixed", False):
         raise ValueError(f"{name}: quantized collectives need one dtype to gather; its parameters "
                          f"hold several and no param_dtype is set (give mp_policy a param_dtype)")
-    return (quantized.BLOCK if weights else None, quantized.BLOCK if gradients else None)
+    return schemes
 
 
 def _post_forward(k, comm: Comm, name: str) -> tuple[bool | int | None, Comm | None]:
