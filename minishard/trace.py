@@ -390,6 +390,7 @@ class Replay:
         self.transfers: list[int] = []           # indices of the transfer events (offload)
         self.unit_events: list[tuple] = []       # (index, rank, unit, state) of unit events
         self.unit_names: dict[str, None] = {}    # units in the order they first appear
+        self.after_forward_events: list[tuple] = []   # (index, {unit: words}): the root's rule
         self.phases = PhaseFold()
         self._coll_cache = (0, np.empty(0), np.empty(0))
         timeline = LedgerTimeline.build(events)
@@ -441,6 +442,8 @@ class Replay:
         elif kind == "unit":
             self.unit_events.append((self.n - 1, ev["rank"], ev["name"], ev["state"]))
             self.unit_names.setdefault(ev["name"])
+            if "after_forward" in ev:                # the root's, at its first forward
+                self.after_forward_events.append((self.n - 1, ev["after_forward"]))
 
     # ---- lookups
     def bytes_at(self, i: int) -> np.ndarray:
@@ -464,6 +467,15 @@ class Replay:
         for _, rank, name, state in self.unit_events[:end]:
             states[rank][name] = state
         return states
+
+    def after_forward(self, i: int) -> dict[str, str]:
+        """``{unit: what it does after forward}`` as decided by event ``i`` (the root decides at
+        its first forward, FSDP2's root rule included; before that, nothing)."""
+        told = {}
+        for at, words in self.after_forward_events:
+            if at <= i:
+                told.update(words)
+        return told
 
     def phase(self, i: int) -> str:
         """The phase event ``i``'s rank was in (see :meth:`PhaseFold.add`)."""

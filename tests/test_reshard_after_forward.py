@@ -10,6 +10,7 @@ import torch
 from minishard.config import ConfigError, TrainConfig
 from minishard.links import link_bytes, next_in_ring
 from minishard.playback import ring_caption
+from minishard.trace import Replay
 from minishard.train import train
 
 from parity import assert_parity, reference
@@ -47,6 +48,8 @@ def test_on_4_ranks_k_2_gathers_backward_inside_pairs_and_trains_as_true(pools, 
     full, ev_full = run(pool, True, strategy)
     assert_parity(half, reference(4, MB, **KW))
     assert same_training(half, full)                 # the same bytes, gathered by fewer ranks
+    assert Replay(ev_half).after_forward(len(ev_half) - 1) == {     # what the unit-state table says
+        "root": "keep (None: the root's rule)", **{f"blocks.{b}": "keep 1/2" for b in range(3)}}
     blocks = 0
     for rank in range(4):
         pair = [rank - rank % 2, rank - rank % 2 + 1]

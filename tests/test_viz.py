@@ -507,6 +507,16 @@ def test_player_shows_fsdp_unit_states_next_to_the_bars():
     assert "blocks.1" in p.units_panel.value and "unsharded" in p.units_panel.value
     p.jump(len(p.replay.events) - 1)
     assert set(p.unit_states()[0].values()) == {"sharded"}
+    # what each unit does after forward appears when the root decides it, at its first forward
+    decided = next(k for k, e in enumerate(p.replay.events) if "after_forward" in e)
+    assert p.replay.after_forward(decided - 1) == {} and p.replay.events[decided]["name"] == "root"
+    rule = " (None: the root's rule)"
+    assert p.replay.after_forward(i) == {"root": "keep" + rule, **{f"blocks.{b}": "reshard" for b in range(3)}}
+    assert "after forward" in p.units_panel.value and "keep (None: the root&#x27;s rule)" in p.units_panel.value
+    ctx = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
+    train(ctx, TrainConfig(strategy="fsdp", model="nano", steps=1, micro_batch=1, track_activations=False,
+                           reshard_root=True))
+    assert trace.Replay(ctx.tracer.events).after_forward(len(ctx.tracer.events) - 1)["root"] == "reshard"
 
 
 def test_timeline_draws_waits_on_communication_and_offload_transfers():

@@ -56,3 +56,24 @@ class MixedPrecisionPolicy:
     they are the master weights the optimizer updates."""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+
+
+def after_forward_words(asked, kept) -> str:
+    """What a unit does after forward, as the trace's unit-state table shows it: ``reshard``,
+    ``keep`` or ``keep 1/k`` — and, where ``reshard_after_forward=None`` left it to the root's
+    rule (FSDP2's clamp: the root keeps, every other unit reshards), says so."""
+    what = "reshard" if kept is True else "keep" if kept is False else f"keep 1/{kept}"
+    return what + (" (None: the root's rule)" if asked is None else "")
+
+
+def root_rule(root, units: list) -> dict[str, str]:
+    """FSDP2's rule for ``reshard_after_forward=None``, applied by the root at its first forward:
+    the root keeps its parameters (backward starts with it at once), every other unit reshards.
+    Returns what each unit does after forward, in words, for the trace."""
+    told = {}
+    for u in units:
+        asked = u.reshard_after_forward
+        if asked is None:
+            u.reshard_after_forward = u is not root
+        told[u.name] = after_forward_words(asked, u.reshard_after_forward)
+    return told

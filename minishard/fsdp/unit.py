@@ -28,7 +28,7 @@ from ..offload import Tier, TransferLog
 from . import hooks, limits
 from .layout import ParamSlot
 from .replicated import ReplicatedParams
-from .state import MemoryState, MixedPrecisionPolicy, TrainingState
+from .state import MemoryState, MixedPrecisionPolicy, TrainingState, root_rule
 
 _IN_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -56,11 +56,12 @@ class FSDPUnit(ReplicatedParams):
         self.mp_policy = mp_policy
         self.state = MemoryState.SHARDED
         self.training_state = TrainingState.IDLE
+        self._untold: dict = {}                    # facts for the trace's next unit event
         self.root: FSDPUnit | None = None          # set lazily, at the first forward
         self.units: list[FSDPUnit] = []            # the root's list of every unit below it
         self.requires_gradient_sync = True
         self.reshard_after_backward = True         # False: stay gathered for the next micro-batch
-        self.quantize: tuple[int | None, int | None] = (None, None)   # ZeRO++: qwZ's, qgZ's block
+        self.quantize: tuple = (None, None)        # ZeRO++: qwZ's and qgZ's quantized.Scheme
         self.replicated_slots = list(replicated)
         self.replicated = [s.module._parameters[s.name] for s in self.replicated_slots]
         self._originals = set(originals)           # ids of the parameters the shards replaced
@@ -124,7 +125,8 @@ class FSDPUnit(ReplicatedParams):
     def _set_state(self, state: MemoryState) -> None:
         self.state = state
         if self.comm.tracer is not None:
-            self.comm.tracer.emit("unit", name=self.name, state=state.value)
+            self.comm.tracer.emit("unit", name=self.name, state=state.value, **self._untold)
+        self._untold = {}
 
     # ------------------------------------------------------------------ unshard / reshard
     def unshard(self, async_op: bool = False) -> None:
@@ -271,6 +273,7 @@ class FSDPUnit(ReplicatedParams):
             self.reshard()
         hooks.register_pre_backward(self, output)
         self.training_state = TrainingState.IDLE
+        self._untold: dict = {}                    # facts for the trace's next unit event
         if self.is_root:
             self._end_recording()
         return output
@@ -313,6 +316,7 @@ class FSDPUnit(ReplicatedParams):
         elif self.state is MemoryState.REDUCE_SCATTERING:     # the full parameters stay
             self._set_state(MemoryState.UNSHARDED)
         self.training_state = TrainingState.IDLE
+        self._untold: dict = {}                    # facts for the trace's next unit event
 
     # ------------------------------------------------------------------ gradient reduction
     def reduce_scatter_grads(self, async_op: bool = False) -> None:
@@ -410,8 +414,7 @@ class FSDPUnit(ReplicatedParams):
             if u.root is not None and u.root is not u:
                 raise RuntimeError(f"unit {u.name} already belongs to root {u.root.name}")
             u.root = self
-            if u.reshard_after_forward is None:
-                u.reshard_after_forward = u is not self
+        self._untold = {"after_forward": root_rule(self, self.units)}   # the trace hears it next
 
     def record_forward(self, unit: "FSDPUnit") -> None:
         """The root notes the order in which its first forward runs the units (as FSDP2 does):

@@ -249,7 +249,11 @@ class Player:
                 f"<td style='padding:2px 6px;background:{UNIT_STATE_COLORS.get(st[n], '#f4f4f4')}'>"
                 f"{st[n]}</td>" for n in names) + "</tr>"
             for r, st in states.items())
-        value = f"<table><tr><th>unit states</th>{head}</tr>{rows}</table>"
+        after = self.replay.after_forward(i)
+        policy = "<tr><th style='padding:2px 6px'>after forward</th>" + "".join(
+            f"<td style='padding:2px 6px;font-size:smaller'>{html.escape(after.get(n, '—'))}</td>"
+            for n in names) + "</tr>"
+        value = f"<table><tr><th>unit states</th>{head}</tr>{policy}{rows}</table>"
         self.units_panel.layout.display = ""
         if self.units_panel.value != value:
             self.units_panel.value = value
