@@ -126,3 +126,24 @@ def test_a_block_size_that_cuts_elements_is_refused_before_anything_is_written(t
     assert not any(tmp_path.iterdir())
     checkpoint.save(net, None, tmp_path / "ck", step=0, block_bytes=8)
     assert torch.equal(checkpoint.read_full(tmp_path / "ck")["param/weight"], net.weight.detach())
+
+
+def test_a_commit_refuses_a_rank_file_that_is_gone_or_of_another_size(tmp_path):
+    """Rank 0 writes the metadata (which marks a checkpoint complete) only if every rank's file
+    is there with the bytes that rank reported."""
+    from minishard.checkpoint import saving
+    tmp, path = tmp_path / ".ck.saving", tmp_path / "ck"
+    tmp.mkdir()
+    (tmp / "rank0.safetensors").write_bytes(b"x" * 10)
+    (tmp / "rank1.safetensors").write_bytes(b"x" * 12)
+    meta = {"files": {"rank0.safetensors": {"rank": 0, "bytes": 10},
+                      "rank1.safetensors": {"rank": 1, "bytes": 11}}}
+    with pytest.raises(CheckpointError, match="rank 1 wrote 11 bytes .* it holds 12"):
+        saving._commit(meta, tmp, path)
+    (tmp / "rank1.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="rank 1 wrote 11 bytes .* the file is gone"):
+        saving._commit(meta, tmp, path)
+    assert not path.exists() and not (tmp / "metadata.json").exists()
+    (tmp / "rank1.safetensors").write_bytes(b"x" * 11)
+    saving._commit(meta, tmp, path)
+    assert (path / "metadata.json").exists() and not tmp.exists()

@@ -508,8 +508,13 @@ def test_player_shows_fsdp_unit_states_next_to_the_bars():
     p.jump(len(p.replay.events) - 1)
     assert set(p.unit_states()[0].values()) == {"sharded"}
     # what each unit does after forward appears when the root decides it, at its first forward
-    decided = next(k for k, e in enumerate(p.replay.events) if "after_forward" in e)
-    assert p.replay.after_forward(decided - 1) == {} and p.replay.events[decided]["name"] == "root"
+    told = [k for k, e in enumerate(p.replay.events) if "after_forward" in e]
+    decided = told[0]
+    assert len(told) == 1 and p.replay.events[decided]["name"] == "root"      # told once, by the root
+    assert p.replay.after_forward(decided - 1) == {} and p.replay.after_forward(decided) != {}
+    p.jump(decided - 1)
+    assert "after forward" in p.units_panel.value and "root&#x27;s rule" not in p.units_panel.value
+    p.jump(len(p.replay.events) - 1)
     rule = " (None: the root's rule)"
     assert p.replay.after_forward(i) == {"root": "keep" + rule, **{f"blocks.{b}": "reshard" for b in range(3)}}
     assert "after forward" in p.units_panel.value and "keep (None: the root&#x27;s rule)" in p.units_panel.value

@@ -108,11 +108,36 @@ def test_quantized_collectives_are_refused_where_nothing_is_gathered():
         TrainConfig(strategy="ddp", quantized_weights=True)
     assert quantized.packed_bytes(1001, quantized.Scheme(8)) == 4 * math.ceil(1001 / 256) + 1004
     assert quantized.packed_bytes(1001, quantized.Scheme(4)) == 4 * math.ceil(1001 / 256) + 504
-    for bad in (2, 16, "int8"):
+    for bad in (0, 2, 16, 8.0, "int8"):
         with pytest.raises(ConfigError, match="8 or 4"):
             TrainConfig(strategy="fsdp", quantized_gradients=bad)
         with pytest.raises(ValueError, match="8 or 4"):
             fsdp.fully_shard(torch.nn.Linear(2, 2), comm=Comm(), quantized_weights=bad)
+    for block in (0, 1, 255):                             # int4 packs pairs: a block is even
+        with pytest.raises(ValueError, match="even number"):
+            quantized.Scheme(4, block=block)
+    mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to(torch.bfloat16))
+    for kw in (dict(quantized_weights=True), dict(quantized_gradients=4)):
+        with pytest.raises(ValueError, match="one dtype to gather"):
+            fsdp.fully_shard(mixed, comm=Comm(), **kw)
+
+
+def test_the_demo_reads_a_bare_flag_as_int8_and_a_number_as_its_bits():
+    from minishard.cli import parser
+    from minishard.cli.demo import config_of
+    for argv, want in (([], (False, False)), (["--quantized-weights", "--quantized-gradients"], (True, True)),
+                       (["--quantized-weights", "4", "--quantized-gradients", "8"], (4, 8))):
+        c = config_of(parser().parse_args(["demo", "--strategy", "fsdp", *argv]))
+        assert (c.quantized_weights, c.quantized_gradients) == want and all(type(v) in (bool, int) for v in want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qgz_sums_every_dequantized_contribution_in_fp32(pools, dtype):
+    """Its own contribution quantized too (as every peer's), the sum in fp32 and cast once, the
+    send and receive buffers in the ledger while they live."""
+    import zeropp_tasks
+    for r in pools(3).run(zeropp_tasks.quantized_reduce_scatter, dtype):
+        assert r["exact"] and r["held"] == r["want_held"] and r["left"] == 0, r
 
 
 @pytest.mark.parametrize("N", [2, 3])
