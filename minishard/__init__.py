@@ -11,7 +11,8 @@ from .config import TrainConfig
 from .ddp import DDP, NaiveDDP
 from .fsdp import MixedPrecisionPolicy, fully_shard
 from .launch import RankContext, RankError, Ranks, release_captured_groups, run
-from .ledger import LiveLedger, conventions, count_params, estimate, gpt_activation_bytes
+from .ledger import LiveLedger
+from .analytic import conventions, count_params, estimate, gpt_activation_bytes
 from .model import CONFIGS, GPT, GPTConfig, batch, config
 from .parity import drift
 from .trace import Tracer, TraceFormatError

@@ -18,9 +18,21 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from .playback import fmt_bytes
+
+
+@dataclass
+class Finding:
+    """What the doctor reports: a kind of fault (``doctor.KINDS``), the ranks it concerns, a
+    one-line title, the evidence read from the dumps and traces, and the fix."""
+    kind: str
+    ranks: list[int]
+    title: str
+    evidence: list[str]
+    fix: str
 
 NORM_AGREES = 1e-6        # relative: an all-reduced norm is the same number on every rank
 MOST = 0.5                # one unit holding this share of the parameters or more
@@ -71,7 +83,6 @@ def weights(dumps: dict[int, dict]) -> list:
 
 def _weights_finding(prints: dict[int, dict[str, str]], odd: dict[int, list[str]], facts, title: str,
                      verb: str, when: str, more: list[str], fix: str):
-    from .doctor import Finding
     base = min(prints)
     n = len(prints[base])
     return Finding(
@@ -91,7 +102,6 @@ def _sync_evidence(facts: dict[int, dict]) -> list[str]:
 
 
 def clip(dumps: dict[int, dict]) -> list:
-    from .doctor import Finding
     norms: dict[int, dict[int, float]] = defaultdict(dict)      # step -> rank -> norm
     for r, f in _facts(dumps).items():
         for note in f.get("steps", []):
@@ -126,7 +136,6 @@ def _norm_reduced(dumps: dict[int, dict], step: int) -> bool:
 
 
 def precision(dumps: dict[int, dict]) -> list:
-    from .doctor import Finding
     low: dict[int, list[dict]] = {}
     for r, f in _facts(dumps).items():
         notes = [n for n in f.get("steps", []) if set(n.get("param_dtypes", ())) - {"float32", "float64"}]
@@ -222,7 +231,6 @@ def _one_unit(units: dict[str, int]) -> bool:
 
 
 def memory(traces: dict[int, Path], dumps: dict[int, dict] | None = None) -> list:
-    from .doctor import Finding
     folds = {r: _fold(_read(path)) for r, path in sorted(traces.items())}
     found = out_of_memory(folds, dumps or {})
     one_unit = {r: f for r, f in folds.items() if _one_unit(f["units"])}
@@ -267,7 +275,6 @@ def out_of_memory(folds: dict[int, dict], dumps: dict[int, dict]) -> list:
     """A rank that ran out of memory: what it held when the allocation failed (the ledger's own
     count, which its dump keeps; units and full gradients from its trace, as its last
     allocation left them), split into the causes one can change, the largest first."""
-    from .doctor import Finding
     ranks = sorted(r for r, d in dumps.items() if (d.get("facts") or {}).get("out_of_memory"))
     if not ranks:
         return []

@@ -1,7 +1,7 @@
 """The planner: memory and step time of a strategy on a cluster nobody has on a laptop.
 
 Memory comes from the *same* ledger code the live runs are checked against
-(:func:`minishard.ledger.estimate`, :func:`minishard.ledger.gpt_activation_bytes`), plus the
+(:func:`minishard.analytic.estimate`, :func:`minishard.analytic.gpt_activation_bytes`), plus the
 terms a sharded run adds: the gathered units (root + (1 + prefetch) blocks for ZeRO-3) and the
 communication buckets. Time is compute plus the communication compute cannot hide, with each
 collective costed by the alpha-beta model of a ring::
@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass, field, replace
 
 from . import strategies
-from .ledger import estimate, gpt_activation_bytes
+from .analytic import estimate, gpt_activation_bytes
 from .model import GPT, GPTConfig, config
 
 
@@ -275,7 +275,7 @@ def _sizes(cfg: GPTConfig, precision: str, shard_n: int) -> _Sizes:
 
 def activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes: int,
                      flash_attention: bool, recompute: bool) -> int:
-    """Every layer's saved tensors (:func:`~minishard.ledger.gpt_activation_bytes`), or with
+    """Every layer's saved tensors (:func:`~minishard.analytic.gpt_activation_bytes`), or with
     recomputation only each block's input plus one block's worth recomputed at a time."""
     args = (micro_batch, seq_len, dtype_bytes, flash_attention)
     acts = gpt_activation_bytes(cfg, *args)
@@ -291,7 +291,7 @@ def memory_per_gpu(s: _Sizes, stage: int, precision: str, optimizer: str, acts: 
                    prefetch: int, offload: bool, bucket_mb: float,
                    post_forward: int | None = None) -> tuple[dict[str, float], list[str]]:
     """Bytes on one GPU by ledger category at the step's peak, and notes on how it was read:
-    the training state (:func:`~minishard.ledger.estimate`, less what is offloaded), what the
+    the training state (:func:`~minishard.analytic.estimate`, less what is offloaded), what the
     strategy gathers or buffers, the activations."""
     memory = dict(estimate(n_params=s.n_params, world_size=s.shard_n, strategy=strategies.STAGES[stage],
                            precision=precision, optimizer=optimizer).per_rank)
@@ -440,7 +440,7 @@ def deepspeed_estimate(n_params: int, largest_layer: int, stage: int, gpus_per_n
                        nodes: int = 1, buffer_factor: float = 1.5) -> list[EstimatorRow]:
     """DeepSpeed's published memory-estimator table, rebuilt from the ledger's categories.
 
-    The GPU column is :func:`minishard.ledger.estimate` for fp16/bf16 mixed precision with fp32
+    The GPU column is :func:`minishard.analytic.estimate` for fp16/bf16 mixed precision with fp32
     gradients (DeepSpeed's fused Adam updates fp32 gradients), plus the terms DeepSpeed's
     accounting adds on purpose:
 

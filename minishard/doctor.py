@@ -29,7 +29,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import torch_flight
+from . import causes, torch_flight
+from .causes import Finding
 from .flight import FORMAT_VERSION
 from .playback import fmt_bytes
 from .trace import TraceFormatError
@@ -45,15 +46,6 @@ KINDS = ("desync", "exception", "missing_dump", "hang", "timeout", "weights", "c
 TIMED_OUT = re.compile(r"^TimeoutError\b|timed out waiting|timed out after|collective operation "
                        r"timeout|timeout caused pair closure|connection (closed|reset) by peer",
                        re.IGNORECASE)
-
-
-@dataclass
-class Finding:
-    kind: str
-    ranks: list[int]
-    title: str
-    evidence: list[str]
-    fix: str
 
 
 @dataclass
@@ -395,7 +387,6 @@ def diagnose(directory: str | Path) -> Report:
                 group, held, ranks, missing if len(ranks) == len(report.dumps) else [], report.dumps)
         if f is not None:
             found.append(f)
-    from . import causes
     found += causes.weights(report.dumps) + causes.clip(report.dumps) + causes.precision(report.dumps)
     found += causes.memory(report.traces, report.dumps)
     report.findings = sorted(found, key=lambda f: KINDS.index(f.kind))

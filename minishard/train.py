@@ -22,11 +22,12 @@ import torch
 from . import faults, health
 from . import model as model_mod
 from . import strategies
+from .analytic import estimate, gpt_activation_bytes
 from .comm import Comm
 from .flight import dumping
-from .config import OPTIMIZERS, PRECISIONS, WRAPS, TrainConfig
+from .config import OPTIMIZERS, PRECISIONS, WRAPS, TrainConfig, check_fault_rank
 from .launch import RankContext
-from .ledger import STATE_CATEGORIES, LiveLedger, estimate, gpt_activation_bytes
+from .ledger import STATE_CATEGORIES, LiveLedger
 from .meter import Meter
 from .strategies import Built, build, wrap_targets
 from .trace import Tracer
@@ -171,8 +172,7 @@ def _outputs(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: B
 def _build_noted(config: TrainConfig, cfg, rank: RankContext, comm: Comm, ledger, facts: dict | None) -> Built:
     """The model built and wrapped, a planted fault in place; ``facts`` (for the doctor): the
     weights as built and — replicas — as training starts from them."""
-    faults.check(config, strategies.get(config.strategy))
-    faults.check_rank(config, rank.world_size)
+    check_fault_rank(config, rank.world_size)          # (the rest TrainConfig checked)
     net = _model(config, cfg, rank.device, rank.rank)
     if facts is not None:
         health.note_run(facts, config, rank.world_size)

@@ -16,7 +16,7 @@ same arithmetic on N copies of the same 12 bytes/param. ZeRO gives each rank one
 Layout. The trainable parameters are packed, bucket by bucket, into one flat buffer that the
 model's parameters alias. Each bucket is padded to a multiple of N and cut into N equal
 *chunks*; rank r owns chunk r of every bucket. One code path serves both stages (the stage is a
-threshold on what is sharded, see ``ledger.SHARDED_FROM_STAGE``) and the inner optimizer is any
+threshold on what is sharded, see ``analytic.SHARDED_FROM_STAGE``) and the inner optimizer is any
 element-wise ``torch.optim`` class, run on the rank's chunks as if they were parameters — one
 inner parameter group per parameter group given (a bucket never mixes groups). The bucket
 mechanics (hooks, launch order, end of backward) are shared with DDP (``minishard.buckets``);
@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from .buckets import Bucket, BucketedReduction, offsets_of, plan_buckets
 from .comm import Comm
+from .clipping import clip_sharded_grad_norm_
 from .ledger import LiveLedger, track_optimizer_state
 
 # Optimizers whose update is element-wise, so running them on flat slices is exact. Their state
@@ -214,19 +215,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         b.buffer = None
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the *global* norm: each rank sums the squares of its slice, one all-reduce of
-        a single number adds them up. Same rule as ``torch.nn.utils.clip_grad_norm_``."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.flat_params.device)
-        for g in self.grad_chunks:
-            sq += g.double().pow(2).sum()
-        self.comm.all_reduce(sq, tag="grad_norm")
-        total = sq.sqrt().to(torch.float32)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self.grad_chunks:
-            g.mul_(coef.to(g.dtype))
-        return total
+        """Clip by the *global* norm (``clipping.py``): this rank's gradient chunks are its shards."""
+        return clip_sharded_grad_norm_(self.grad_chunks, self.comm, max_norm)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -65,7 +65,7 @@ from IPython.display import display
 
 from minishard import GPT, Ranks, config
 from minishard.launch import RankError
-from minishard.ledger import gpt_activation_bytes
+from minishard.analytic import gpt_activation_bytes
 from minishard.course.ch07 import (gather_waits, gathered_peaks, prefetch_race,
                                         prefetch_timeline, who_is_gathered)
 from minishard.course.glue import glue

@@ -66,7 +66,7 @@ import torch
 
 from minishard import GPT, Ranks
 from minishard.costmodel import DEVICES, LINKS, Cluster, plan
-from minishard.ledger import gpt_activation_bytes
+from minishard.analytic import gpt_activation_bytes
 from minishard.course.ch10 import percentile, phase_seconds, profile, straggler, under_budget
 from minishard.model import config
 from minishard.course.ch10 import compare_with_fsdp
@@ -210,7 +210,7 @@ assert [s for s, p in p70.items() if p.fits] == ["fsdp"]
 # **Why trust the planner's memory?** Its terms are the ledger's, which earlier chapters matched
 # to the byte against live runs, and they reproduce published tables. One of them is DeepSpeed's
 # own memory estimator: its documented output for a 2,851 M-parameter model (t5-3b) with a 32 M
-# largest layer on 8 GPUs, rebuilt from `ledger.estimate` plus the two terms DeepSpeed's
+# largest layer on 8 GPUs, rebuilt from `analytic.estimate` plus the two terms DeepSpeed's
 # accounting adds by convention (ZeRO-2 counts the whole model's 16-bit gradients as resident;
 # ZeRO-3 adds the largest layer gathered with its gradients). Every row must agree with the
 # published figure to its printed precision:

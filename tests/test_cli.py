@@ -13,7 +13,7 @@ import pytest
 
 from minishard import strategies, trace
 from minishard.cli import main
-from minishard.ledger import estimate, gpt_activation_bytes
+from minishard.analytic import estimate, gpt_activation_bytes
 from minishard.model import GPT, config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -148,7 +148,7 @@ def test_deepspeed_zero3_worked_example_in_megabytes():
 
 
 def test_deepspeed_gpu_column_is_the_ledger_plus_named_terms():
-    from minishard.ledger import estimate
+    from minishard.analytic import estimate
     n, layer = 1_000_003, 40_000           # 8 ranks do not divide n: shards are padded
     z3 = deepspeed_estimate(n, layer, 3, gpus_per_node=8)[-1]
     ledger = estimate(n_params=n, world_size=8, strategy="zero3", precision="bf16_mixed_fp32_grads")

@@ -51,6 +51,58 @@ def test_the_engine_imports_no_course_or_widget_code():
                         f"code lives in minishard/course, widgets in minishard/viz)"
 
 
+def engine_import_graph() -> dict[str, set[str]]:
+    """Which engine modules each engine module imports, at run time: lazy imports inside
+    functions included, ``if TYPE_CHECKING:`` blocks left out (they never run)."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    modules = {name(p): p for p in ENGINE}
+    graph = {}
+    for mod, path in modules.items():
+        tree = ast.parse(path.read_text())
+        never = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and "TYPE_CHECKING" in ast.unparse(block.test) for b in block.body for n in ast.walk(b)}
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in never:
+                continue
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, *([node.module] if node.module else [])])
+                for a in node.names:        # `from . import hooks` imports the module hooks
+                    deps.add(f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target)
+        graph[mod] = {d for d in deps if d in modules and d != mod}
+    return graph
+
+
+def test_no_engine_module_imports_itself_back_through_others():
+    """No import cycle among the engine's modules, lazy imports included: a cycle hidden by an
+    import inside a function still ties the modules' meanings together (and breaks the day the
+    import moves to the top)."""
+    graph = engine_import_graph()
+    assert "minishard.analytic" in graph["minishard.costmodel"]          # the walk sees imports
+    assert "minishard.watching.calls" in graph["minishard.watching.session"]     # lazy ones too
+    done, path = set(), []
+
+    def visit(mod):
+        if mod in path:
+            cycle = path[path.index(mod):] + [mod]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if mod in done:
+            return
+        path.append(mod)
+        for dep in sorted(graph[mod]):
+            visit(dep)
+        path.pop()
+        done.add(mod)
+    for mod in sorted(graph):
+        visit(mod)
+
+
 def test_the_engines_dependencies_are_torch_numpy_safetensors_and_xxhash():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}

@@ -5,7 +5,7 @@ import torch
 
 from minishard import fsdp
 from minishard.comm import Comm
-from minishard.ledger import gpt_activation_bytes
+from minishard.analytic import gpt_activation_bytes
 from minishard.model import GPT, batch, config
 from minishard.train import TrainConfig, train
 

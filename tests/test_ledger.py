@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from minishard.ledger import (LiveLedger, conventions, count_params, estimate,
-                              gpt_activation_bytes, track_optimizer_state)
+from minishard.ledger import LiveLedger, track_optimizer_state
+from minishard.analytic import conventions, count_params, estimate, gpt_activation_bytes
 from minishard.model import GPT, batch, config
 
 PSI = 6_868_992      # the tiny GPT (docs/reference-figures.md)

@@ -6,7 +6,8 @@ import torch
 from minishard import fsdp
 from minishard.comm import Comm
 from minishard.launch import RankError
-from minishard.ledger import DeviceOutOfMemory, gpt_activation_bytes
+from minishard.ledger import DeviceOutOfMemory
+from minishard.analytic import gpt_activation_bytes
 from minishard.model import GPT, config
 from minishard.course.ch07 import gathered_peaks
 from minishard.train import TrainConfig, train

@@ -121,7 +121,7 @@ def sequence_length(args, cfg) -> tuple[int, str]:
 
 def check_common(args) -> None:
     """The flags ledger and plan share, refused in their own words before anything is built."""
-    from ..ledger import PRECISIONS
+    from ..analytic import PRECISIONS
     from ..model import CONFIGS
     if getattr(args, "world_size", 1) < 1:
         raise ValueError(f"--world-size {args.world_size}: must be an integer >= 1")
@@ -135,7 +135,7 @@ def check_common(args) -> None:
 
 
 def ledger(args) -> int:
-    from ..ledger import estimate
+    from ..analytic import estimate
     from ..model import GPT
     check_common(args)
     name = args.config or args.model

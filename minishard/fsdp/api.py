@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from .. import quantized
+from ..clipping import clip_sharded_grad_norm_
 from ..comm import Comm
 from ..ledger import LiveLedger
 from ..offload import Tier
@@ -232,30 +233,15 @@ def keep_gathered(model: nn.Module):
             u.reshard_after_backward = True
 
 
-@torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip by the norm of the *whole* gradient, which no rank holds: each rank sums the squares
-    of its gradient shards (padding is zero), one all-reduce of that number over the shard group
-    adds the ranks up (hybrid: each replica group holds the same shards), the replicated
-    parameters' gradients — whole on every rank — are added once, and every rank scales by the
-    same factor — ``torch.nn.utils.clip_grad_norm_``'s rule, as ZeRO's."""
+    """Clip by the norm of the *whole* gradient, which no rank holds (``clipping.py``): the
+    units' gradient shards are this rank's shards, their replicated parameters' gradients are
+    whole on every rank; the all-reduce runs over the shard group."""
     us = units(model)
     whole = {id(p) for u in us for p in u.replicated}
     params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
-    for p in params:
-        if id(p) not in whole:
-            sq += p.grad.double().pow(2).sum()
-    us[0].comm.all_reduce(sq, tag="grad_norm")
-    for p in params:
-        if id(p) in whole:
-            sq += p.grad.double().pow(2).sum()
-    total = sq.sqrt().to(torch.float32)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return total
+    return clip_sharded_grad_norm_([p.grad for p in params if id(p) not in whole], us[0].comm, max_norm,
+                                   whole=[p.grad for p in params if id(p) in whole])
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import sys
 
 import torch.distributed as dist
 
-from .session import WatchError, _bytes, _dtype
+from .basics import WatchError, _bytes, _dtype
 
 # the function, the op it is, the argument holding the payload (minishard's convention: the
 # whole gathered / scattered buffer)

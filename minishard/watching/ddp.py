@@ -9,7 +9,7 @@ is a view of a bucket, ``gradient_as_bucket_view=True``, is already counted ther
 """
 from __future__ import annotations
 
-from .session import WatchError, _bytes, _dtype
+from .basics import WatchError, _bytes, _dtype
 
 
 class _Relay:

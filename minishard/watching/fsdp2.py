@@ -13,7 +13,7 @@ parameters), so its units have no ``reduce_scattering`` state: the reduce-scatte
 """
 from __future__ import annotations
 
-from .session import WatchError, _bytes, _dtype
+from .basics import WatchError, _bytes, _dtype
 
 
 def _comms():

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..comm import ring_wire_bytes
 from ..flight import FlightRecorder
 from ..trace import Tracer
+from .basics import WatchError
 
 SUPPORTED = ("torch.nn.parallel.DistributedDataParallel (any torch.optim optimizer, or "
              "ZeroRedundancyOptimizer), FSDP2 torch.distributed.fsdp.fully_shard, or minishard's "
@@ -24,21 +25,9 @@ SUPPORTED = ("torch.nn.parallel.DistributedDataParallel (any torch.optim optimiz
 OPTIMIZER_STATE = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum_buffer": "momentum"}
 
 
-class WatchError(RuntimeError):
-    """``watch`` cannot watch this job (unsupported wrapper, no process group, no trace file)."""
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2 parameters and their optimizer state), else the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _kind(model: torch.nn.Module, optimizer) -> str:
