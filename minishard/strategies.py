@@ -150,17 +150,6 @@ class MasterWeights:
             h.replicated(fqn, p, self.optimizer, masters.get(p))
 
 
-def wrap_targets(net: nn.Module, wrap: str) -> list[tuple[str, nn.Module]]:
-    """The modules that become FSDP units below the root: each block, each Linear, or none."""
-    if wrap == "block":
-        return [(f"blocks.{i}", b) for i, b in enumerate(net.blocks)]
-    if wrap == "linear":
-        return [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]
-    if wrap == "model":
-        return []
-    raise ValueError(f"unknown wrap policy {wrap!r}; expected block, model or linear")
-
-
 # ---------------------------------------------------------------------------- the builders
 
 def _replicated(strategy, net, config, comm, ledger, *, wrapper=None) -> Built:
@@ -241,9 +230,8 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier, replicate=replicate, layout=layout,
               param_persistence_threshold=config.param_persistence_threshold,
               quantized_weights=config.quantized_weights, quantized_gradients=config.quantized_gradients)
-    for name, m in wrap_targets(net, config.wrap):
-        fsdp.fully_shard(m, reshard_after_forward=config.reshard_after_forward, name=name, **kw)
-    fsdp.fully_shard(net, name="root", reshard_after_forward=True if config.reshard_root else None, **kw)
+    fsdp.apply_fsdp(net, wrap=config.wrap, blocks=dict(reshard_after_forward=config.reshard_after_forward),
+                    root=dict(reshard_after_forward=True if config.reshard_root else None), **kw)
     fsdp.set_prefetch(net, config.prefetch, config.prefetch)
     fsdp.set_stage3_limits(net, config.prefetch_bucket_size, config.max_live_parameters)
     # the step on the shards (with offload: the moments are made in the tier, the step runs there)
@@ -262,6 +250,8 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
 def _torch_fsdp(strategy, net, config, comm, ledger) -> Built:
     """PyTorch's FSDP2 ``fully_shard``, one unit per block and the root (the oracle)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .fsdp import wrap_targets
     opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
     mp = (MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed"
           else MixedPrecisionPolicy())

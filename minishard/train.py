@@ -29,7 +29,8 @@ from .config import OPTIMIZERS, PRECISIONS, WRAPS, TrainConfig, check_fault_rank
 from .launch import RankContext
 from .ledger import STATE_CATEGORIES, LiveLedger
 from .meter import Meter
-from .strategies import Built, build, wrap_targets
+from .fsdp import wrap_targets
+from .strategies import Built, build
 from .trace import Tracer
 from .watching import watch
 

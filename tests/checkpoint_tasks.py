@@ -217,9 +217,8 @@ def save_with_replicated_norms(rank, path: str, layout: str) -> dict:
     cfg = config(MODEL)
     comm = Comm(rank.tracer)
     net = GPT(cfg, seed=0)
-    for i, b in enumerate(net.blocks):
-        fsdp.fully_shard(b, comm=comm, layout=layout, name=f"blocks.{i}", replicate_params=("ln1", "ln2"))
-    fsdp.fully_shard(net, comm=comm, layout=layout, name="root", replicate_params=("ln_f",))
+    fsdp.apply_fsdp(net, comm=comm, layout=layout, blocks=dict(replicate_params=("ln1", "ln2")),
+                    root=dict(replicate_params=("ln_f",)))
     opt = fsdp.ShardedOptimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
     built = Built(get("fsdp"), net, opt, (comm,), units=fsdp.units(net))
     for step in range(2):

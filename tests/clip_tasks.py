@@ -54,9 +54,8 @@ def fsdp_with_whole_norms(rank, max_norm: float) -> float:
     cfg = config("nano")
     comm = Comm(rank.tracer)
     net = GPT(cfg, seed=0)
-    for i, b in enumerate(net.blocks):
-        fsdp.fully_shard(b, comm=comm, name=f"blocks.{i}", replicate_params=("ln1", "ln2"))
-    fsdp.fully_shard(net, comm=comm, name="root", replicate_params=("ln_f",))
+    fsdp.apply_fsdp(net, comm=comm, blocks=dict(replicate_params=("ln1", "ln2")),
+                    root=dict(replicate_params=("ln_f",)))
     x, y = batch(cfg, 0, MB, rank.rank, rank.world_size)
     net(x, y).backward()
     return fsdp.clip_grad_norm_(net, max_norm).item()

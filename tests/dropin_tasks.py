@@ -58,9 +58,7 @@ def setup(rank, strategy: str, kind: str, precision: str, optimizer: str, seed: 
               mp_policy=fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None)
     if strategy == "hsdp":
         kw["comm"], kw["replicate"] = comm.split(2)
-    for i, b in enumerate(net.blocks):
-        fsdp.fully_shard(b, name=f"blocks.{i}", **kw)
-    fsdp.fully_shard(net, name="root", **kw)
+    fsdp.apply_fsdp(net, **kw)
     inner = cls(groups(net.parameters(), optimizer), **extra)
     opt = fsdp.ShardedOptimizer(net, inner) if kind == "wrapper" else inner
     return net, opt, inner, comm

@@ -117,9 +117,7 @@ def fsdp_manual_vs_hooks(rank, steps: int = 2):
     results = []
     for manual in (False, True):
         net = GPT(cfg)
-        for i, b in enumerate(net.blocks):
-            fsdp.fully_shard(b, comm=comm, manual=manual, name=f"blocks.{i}")
-        fsdp.fully_shard(net, comm=comm, manual=manual, name="root")
+        fsdp.apply_fsdp(net, comm=comm, manual=manual)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         losses = []
         for s in range(steps):

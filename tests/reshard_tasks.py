@@ -10,9 +10,8 @@ def root_clamp_states(rank, root: "bool | int | None", blocks: "bool | int" = 2)
     from minishard.model import GPT
     comm = Comm(rank.tracer)
     net = GPT("nano", seed=0)
-    for i, block in enumerate(net.blocks):
-        fsdp.fully_shard(block, comm=comm, reshard_after_forward=blocks, name=f"blocks.{i}")
-    fsdp.fully_shard(net, comm=comm, reshard_after_forward=root, name="root")
+    fsdp.apply_fsdp(net, comm=comm, blocks=dict(reshard_after_forward=blocks),
+                    root=dict(reshard_after_forward=root))
     g = torch.Generator().manual_seed(rank.rank)
     x = torch.randint(0, net.cfg.vocab_size, (2, net.cfg.seq_len), generator=g)
     loss = net(x, x)
@@ -34,9 +33,7 @@ def k_groups_of_six(rank, k: int):
     ledger = LiveLedger()
     comm = Comm(rank.tracer, ledger=ledger)
     net = GPT("nano", seed=0)
-    for i, block in enumerate(net.blocks):
-        fsdp.fully_shard(block, comm=comm, ledger=ledger, reshard_after_forward=k, name=f"blocks.{i}")
-    fsdp.fully_shard(net, comm=comm, ledger=ledger, name="root")
+    fsdp.apply_fsdp(net, comm=comm, ledger=ledger, blocks=dict(reshard_after_forward=k))
     g = torch.Generator().manual_seed(rank.rank)
     x = torch.randint(0, net.cfg.vocab_size, (2, net.cfg.seq_len), generator=g)
     loss = net(x, x)

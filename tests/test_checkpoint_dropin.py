@@ -95,10 +95,7 @@ def test_a_model_with_both_fsdp_layouts_is_saved_as_fsdp_mixed_and_loads_into_ei
 
     def sharded(layouts, seed):
         net = GPT(config("nano"), seed=seed)
-        for i, b in enumerate(net.blocks):
-            fsdp.fully_shard(b, layout=layouts[0], name=f"blocks.{i}")
-        fsdp.fully_shard(net, layout=layouts[1], name="root")
-        return net
+        return fsdp.apply_fsdp(net, blocks=dict(layout=layouts[0]), root=dict(layout=layouts[1]))
 
     net = sharded(("per_param", "flat"), seed=0)
     checkpoint.save(net, None, tmp_path / "ck", step=0)

@@ -225,9 +225,8 @@ def replicated_norms_run(rank, layout: str, accum: int, no_sync: bool) -> dict:
     cfg = config("nano")
     comm = Comm(rank.tracer)
     net = GPT(cfg, seed=0)
-    for i, b in enumerate(net.blocks):
-        fsdp.fully_shard(b, comm=comm, layout=layout, name=f"blocks.{i}", replicate_params=NORMS["blocks"])
-    fsdp.fully_shard(net, comm=comm, layout=layout, name="root", replicate_params=NORMS["root"])
+    fsdp.apply_fsdp(net, comm=comm, layout=layout, blocks=dict(replicate_params=NORMS["blocks"]),
+                    root=dict(replicate_params=NORMS["root"]))
     opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=SGD["lr"]))
     built = Built(get("fsdp"), net, opt, (comm,), units=fsdp.units(net),
                   no_sync=(lambda: fsdp.no_sync(net)) if no_sync else None,
@@ -338,9 +337,7 @@ def test_training_state_says_what_each_unit_is_doing():
     """FORWARD while a unit computes forward; in backward, PRE_BACKWARD while it computes its
     gradients (blocks after it already POST_BACKWARD); IDLE and SHARDED after the step."""
     net = GPT("nano")
-    for i, b in enumerate(net.blocks):
-        fsdp.fully_shard(b, name=f"blocks.{i}")
-    fsdp.fully_shard(net, name="root")
+    fsdp.apply_fsdp(net)
     us = {u.name: u for u in fsdp.units(net)}
     seen = {}
 

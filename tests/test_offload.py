@@ -72,9 +72,7 @@ def where_the_state_lives(rank, layout: str, directory: str) -> dict:
     comm = Comm(rank.tracer)
     tier = Tier(OffloadPolicy("disk", directory), rank.rank)
     net = GPT(cfg, seed=0)
-    for i, b in enumerate(net.blocks):
-        fsdp.fully_shard(b, comm=comm, layout=layout, offload=tier, name=f"blocks.{i}")
-    fsdp.fully_shard(net, comm=comm, layout=layout, offload=tier, name="root")
+    fsdp.apply_fsdp(net, comm=comm, layout=layout, offload=tier)
     opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), tier)
     files = lambda t: t.untyped_storage().filename   # noqa: E731
     out = {"tier": str(tier.directory)}

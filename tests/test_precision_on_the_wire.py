@@ -24,9 +24,7 @@ def fsdp_wire(rank, layout: str) -> list[dict]:
         comm = Comm(rank.tracer)
         net = GPT(cfg, seed=0)
         kw = dict(comm=comm, layout=layout, mp_policy=fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype))
-        for i, b in enumerate(net.blocks):
-            fsdp.fully_shard(b, name=f"blocks.{i}", **kw)
-        fsdp.fully_shard(net, name="root", **kw)
+        fsdp.apply_fsdp(net, **kw)
         first = len(rank.tracer.events)
         net(x, y).backward()
         evs = [e for e in rank.tracer.events[first:] if e["kind"] == "collective"]

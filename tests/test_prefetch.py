@@ -131,8 +131,6 @@ def test_prefetch_follows_the_order_forward_ran_the_units_in():
 def test_the_gpts_recorded_order_is_its_module_order():
     """For the GPT the recorded order is the declared one: prefetch is unchanged by recording."""
     net = GPT("nano")
-    for i, b in enumerate(net.blocks):
-        fsdp.fully_shard(b, name=f"blocks.{i}")
-    fsdp.fully_shard(net, name="root")
+    fsdp.apply_fsdp(net)
     net(torch.zeros(1, 4, dtype=torch.long))
     assert net._fsdp_unit.forward_order() == [b._fsdp_unit for b in net.blocks]

@@ -176,9 +176,7 @@ def own_after_exit(rank):
     net = minishard.GPT("nano")
     ledger = minishard.LiveLedger()
     comm = minishard.Comm(ledger=ledger)
-    for i, b in enumerate(net.blocks):
-        minishard.fully_shard(b, comm=comm, ledger=ledger, name=f"blocks.{i}")
-    minishard.fully_shard(net, comm=comm, ledger=ledger, name="root")
+    minishard.fsdp.apply_fsdp(net, comm=comm, ledger=ledger)
     opt = ShardedOptimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
     cfg = minishard.config("nano")
     with minishard.watch(net, opt) as w:
@@ -200,9 +198,7 @@ def rs_out_in_bf16(rank):
     ledger = minishard.LiveLedger(tracer)
     comm = minishard.Comm(tracer, ledger=ledger)
     mp = minishard.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for i, b in enumerate(net.blocks):
-        minishard.fully_shard(b, comm=comm, ledger=ledger, mp_policy=mp, name=f"blocks.{i}")
-    minishard.fully_shard(net, comm=comm, ledger=ledger, mp_policy=mp, name="root")
+    minishard.fsdp.apply_fsdp(net, comm=comm, ledger=ledger, mp_policy=mp)
     x, y = minishard.batch(minishard.config("nano"), 0, 2, rank.rank, rank.world_size)
     net(x, y).backward()
     rs = {e["tag"]: e for e in tracer.events if e["kind"] == "collective" and e["op"] == "reduce_scatter"}

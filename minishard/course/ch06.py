@@ -35,10 +35,7 @@ from ..trace import phase_spans, unit_spans
 
 def _shard_model(net: GPT, comm: Comm, ledger: LiveLedger | None, manual: bool,
                  layout: str = "per_param") -> GPT:
-    for i, b in enumerate(net.blocks):
-        fsdp.fully_shard(b, comm=comm, ledger=ledger, manual=manual, layout=layout, name=f"blocks.{i}")
-    fsdp.fully_shard(net, comm=comm, ledger=ledger, manual=manual, layout=layout, name="root")
-    return net
+    return fsdp.apply_fsdp(net, comm=comm, ledger=ledger, manual=manual, layout=layout)
 
 
 def lifecycle_by_hand(rank, model: str = "nano", micro_batch: int = 2, seed: int = 0) -> dict:

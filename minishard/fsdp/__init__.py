@@ -28,6 +28,7 @@ One file per idea, in the order of the lifecycle:
     replicated.py  parameters kept whole on every rank, in their own dtype; units of nothing else
     hooks.py    every hook, each a single call to a named method of the unit
     api.py      fully_shard, prefetch settings, no_sync, clip_grad_norm_, full_parameters
+    recipe.py   apply_fsdp: the GPT sharded one unit per block (or Linear), then the root
     optim.py    ShardedOptimizer: the optimizer step on the shards (and in the offload tier)
 """
 from .api import (clip_grad_norm_, full_parameters, fully_shard, keep_gathered, no_sync,
@@ -35,10 +36,11 @@ from .api import (clip_grad_norm_, full_parameters, fully_shard, keep_gathered, 
                   set_prefetch, units)
 from .limits import set_stage3_limits
 from .optim import ShardedOptimizer
+from .recipe import apply_fsdp, wrap_targets
 from .state import MemoryState, MixedPrecisionPolicy, TrainingState
 from .unit import FSDPUnit
 
-__all__ = ["fully_shard", "MixedPrecisionPolicy", "MemoryState", "TrainingState",
+__all__ = ["fully_shard", "apply_fsdp", "wrap_targets", "MixedPrecisionPolicy", "MemoryState", "TrainingState",
            "FSDPUnit", "ShardedOptimizer", "set_prefetch", "set_modules_to_forward_prefetch",
            "set_modules_to_backward_prefetch", "units", "no_sync", "keep_gathered", "clip_grad_norm_",
            "full_parameters", "set_stage3_limits"]

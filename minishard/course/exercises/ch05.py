@@ -31,9 +31,7 @@ def _task(ctx, spec: dict) -> dict:
 
     net = GPT("nano", seed=0)
     comm = Comm(None)
-    for block in net.blocks:
-        fsdp.fully_shard(block, comm=comm)
-    fsdp.fully_shard(net, comm=comm)
+    fsdp.apply_fsdp(net, comm=comm)
     want = fsdp.full_parameters(net)                  # minishard's gather, unit by unit
     names = {id(m): n for n, m in net.named_modules()}
     comm.reset_counters()

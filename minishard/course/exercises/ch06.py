@@ -36,10 +36,7 @@ def _net(comm):
     from ...model import GPT
 
     net = GPT("nano", seed=0)
-    for i, b in enumerate(net.blocks):
-        fsdp.fully_shard(b, comm=comm, manual=True, name=f"blocks.{i}")
-    fsdp.fully_shard(net, comm=comm, manual=True, name="root")
-    return net
+    return fsdp.apply_fsdp(net, comm=comm, manual=True)
 
 
 def _task(ctx, spec: dict) -> dict:
