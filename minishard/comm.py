@@ -21,14 +21,12 @@ slice straight to the rank it belongs to and receives the N-1 slices meant for i
 ``isend``/``irecv`` pairs, :class:`PairwiseReduceScatter`; (N-1)/N * S on the wire), then sums
 them locally in rank order — the ring volume, and the same sum on every rank. One slice arrives
 straight into the output, so the receive buffer holds N-2 slices: none on two ranks. (It was
-an ``all_to_all`` into a receive buffer as large as the input: as fast on the wire, but on the
-course's machine that fresh buffer cost a ZeRO-2 step ~20 ms of page faults, ``benchmarks/RESULTS.md``.)
-NCCL gets its native reduce-scatter.
+an ``all_to_all`` into a receive buffer as large as the input: as fast on the wire, but that
+fresh buffer cost every ZeRO-2 step its page faults; the figures are in docs/architecture.md,
+"The measurements behind the code".) NCCL gets its native reduce-scatter.
 
-gloo's all-gather is slow: on the course's 2-core machine, quiet, gathering 27.5 MB took 14.9 ms
-on 2 ranks and 32.9 ms on 4, where an ``all_to_all`` of the same size took 10.5 and 20.4 ms
-(under load the gap widened to 34–75 ms against 14–19; ``benchmarks/bench_collectives.py``,
-``benchmarks/RESULTS.md``). On gloo, :meth:`Comm.all_gather`
+gloo's all-gather is slow: slower than an ``all_to_all`` of the same size, quiet or loaded
+(measured, same section; ``benchmarks/bench_collectives.py``). On gloo, :meth:`Comm.all_gather`
 therefore sends this rank's block straight to every other rank and receives theirs into place
 (N-1 ``isend``/``irecv`` pairs, :class:`PairwiseGather`): the same (N-1)/N * S on the wire, no
 buffer beyond the output. NCCL gets its native all-gather.

@@ -91,7 +91,7 @@ def release_captured_groups() -> int:
     the module is imported before any group, and every such function hands its ``group`` to a
     ``torch.distributed`` call that reads ``None`` as "the default group": nothing changes but
     the lifetime of the group. ``import minishard`` calls it once, having imported
-    ``torch.distributed.nn`` (2 ms), so that a later import captures nothing; one of the other
+    ``torch.distributed.nn`` (a few ms), so that a later import captures nothing; one of the other
     modules imported later, while a group exists, is not covered: call it again then."""
     if not dist.is_available():
         return 0

@@ -146,8 +146,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not {"foreach", "fused"} & self.defaults.keys():
             # torch's CPU default is the per-tensor loop, made for many small parameters. On a
             # chunk of millions of elements each of its full-size temporaries is handed back
-            # to the OS and faults in again every step (2.8x slower on a 3.4 M chunk,
-            # benchmarks/RESULTS.md); the multi-tensor path computes the same update in place.
+            # to the OS and faults in again every step (measured: docs/architecture.md, "The
+            # measurements behind the code"); the multi-tensor path updates in place.
             self.defaults = {**self.defaults, "foreach": True}
         if self.master_dtype == dtype:
             self.master = None

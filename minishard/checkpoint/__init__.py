@@ -9,6 +9,8 @@ in the order chapter 9 tells it:
   each FSDP unit — whichever torch optimizer steps its shards — do); :func:`describe`.
 * :mod:`.format` — the files: safetensors written by hand, an XXH3-64 checksum per block,
   metadata.json.
+* :mod:`.agreement` — every rank fails alike: the ranks agree whether all succeeded, and all
+  raise the first error.
 * :mod:`.saving` — :func:`save`: every rank its own file, atomically.
 * :mod:`.background` — ``save(..., background=True)``: copied to host memory, written while
   training goes on (:class:`PendingSave`, :func:`wait_for_saves`).

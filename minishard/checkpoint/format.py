@@ -5,10 +5,10 @@ bytes behind a JSON header: no pickle, so loading runs no code from the file);
 ``path/metadata.json`` lists every tensor's shape and dtype and every piece's file, key, first
 element, byte offset and checksum per 64 KiB block. Its presence marks a complete checkpoint.
 
-The checksum is XXH3-64 (the ``xxhash`` package: ~20 GB/s per core on the course's machine,
-against 1.7 GB/s for SHA-256, so a save is not held up by it). It catches what goes wrong by
-accident — flipped bits, a block of zeros, a torn or truncated write, a file from another
-save — missing such damage with a chance of about 2^-64 per block. It is not cryptographic:
+The checksum is XXH3-64 (the ``xxhash`` package: an order of magnitude faster than SHA-256, so
+a save is not held up by it; docs/architecture.md, "The measurements behind the code"). It
+catches what goes wrong by accident — flipped bits, a block of zeros, a torn or truncated
+write, a file from another save — missing such damage with a chance of about 2^-64 per block. It is not cryptographic:
 whoever can edit the files can also make the checksums match, so it does not detect
 deliberate tampering (sign the files for that). Version 1 checkpoints, which carry SHA-256 per
 block, are still read and verified with SHA-256.
@@ -31,7 +31,6 @@ import torch
 import xxhash
 
 if TYPE_CHECKING:
-    from ..comm import Comm
     from .regions import Region, ShardedState
 
 # version 2: XXH3-64 checksums (version 1: SHA-256, ~11x the CPU per byte; still readable)
@@ -62,20 +61,6 @@ def element_size(name: str) -> int:
     return DTYPES[name].itemsize
 
 
-def raise_if_any(errors: list) -> None:
-    """Every rank gathered every rank's error: all raise the first, so all fail alike."""
-    for e in errors:
-        if e:
-            raise CheckpointError(e)
-
-
-def agree(comm: Comm, error: str | None) -> None:
-    """Did every rank succeed? One 4-byte all-reduce answers it; only if some rank failed are
-    the messages gathered (a larger exchange), and every rank raises the first."""
-    if comm.anyone(error is not None):
-        raise_if_any(comm.all_gather_object(error))
-
-
 # ====================================================================== safetensors, by hand
 
 def safetensors_header(entries: list[tuple[str, str, list[int], int]]) -> bytes:
@@ -92,7 +77,7 @@ def safetensors_header(entries: list[tuple[str, str, list[int], int]]) -> bytes:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's memory as bytes, without a copy (unless it is not contiguous). Called once
-    per piece on every save and load: the shortest path through torch (2.4 µs, not 6.8)."""
+    per piece on every save and load: the shortest path through torch we measured."""
     t = t.contiguous()
     if t.dtype == torch.bfloat16:                   # numpy has no bfloat16
         t = t.view(torch.uint8)
@@ -114,7 +99,7 @@ def write_safetensors(file: Path, entries: list, tensors: Iterable[torch.Tensor]
     header = safetensors_header(entries)
     hashes = []
     # ~1 MiB segments of whole blocks: each is hashed while in cache, then written, and the kernel
-    # copies a segment for less CPU than one multi-MB write (measured: 4 ms vs 9 ms for 20 MB)
+    # copies a segment for less CPU than one multi-MB write (docs/architecture.md, measured)
     segment = max(1, (1 << 20) // hash_bytes) * hash_bytes if hash_bytes else 1 << 20
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(header)))

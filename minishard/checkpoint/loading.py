@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
-from .format import METADATA, CheckpointError, agree, dtype_name, read_metadata, resolve
+from .agreement import agree
+from .format import METADATA, CheckpointError, dtype_name, read_metadata, resolve
 from .reads import plan_reads, read_verified
 from .regions import Region, ShardedState, describe
 

@@ -29,9 +29,10 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
+from .agreement import agree, raise_if_any
 from .background import PendingSave, checkpoint_comm, wait_for_saves
-from .format import (BLOCK_BYTES, CHECKSUM, HASHES, METADATA, CheckpointError, agree, build_metadata,
-                     dtype_name, file_layout, fsync_dir, raise_if_any, tensor_bytes, write_safetensors)
+from .format import (BLOCK_BYTES, CHECKSUM, HASHES, METADATA, CheckpointError, build_metadata,
+                     dtype_name, file_layout, fsync_dir, tensor_bytes, write_safetensors)
 from .regions import ShardedState, describe
 
 
