@@ -378,6 +378,38 @@ class Ranks:
             pass
 
 
+class Pools:
+    """Warm pools of ranks, one per world size: ``pools(n)`` is a live pool of n ranks — one
+    handed in (a notebook's ``R2``) or one started here and kept for the next call — and
+    ``close()`` closes those started here. As a context manager it closes them on exit:
+    ``with Pools(R2) as pools: pools(4).run(...)``. The test session and the exercises share it."""
+
+    def __init__(self, *given: Ranks, timeout: float = 300.0):
+        self.given = {p.world_size: p for p in given}
+        self.started: dict[int, Ranks] = {}
+        self.timeout = timeout
+
+    def __call__(self, world_size: int) -> Ranks:
+        for held in (self.given, self.started):
+            pool = held.get(world_size)
+            if pool is not None and pool.alive:
+                return pool
+        pool = self.started[world_size] = Ranks(world_size, timeout=self.timeout)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.started.values():
+            pool.close()
+        self.started.clear()
+
+    def __enter__(self) -> "Pools":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
 def run(fn: Callable | str, world_size: int, *args, on_event=None, timeout: float | None = None,
         **kwargs) -> list:
     """Start ``world_size`` ranks, run one task on them, shut them down."""

@@ -6,26 +6,10 @@ rank) uses its own pool, never these.
 """
 import pytest
 
-from minishard.launch import Ranks
-
-
-class Pools:
-    def __init__(self):
-        self._pools: dict[int, Ranks] = {}
-
-    def __call__(self, world_size: int) -> Ranks:
-        pool = self._pools.get(world_size)
-        if pool is None or not pool.alive:
-            pool = self._pools[world_size] = Ranks(world_size, timeout=300)
-        return pool
-
-    def close(self):
-        for pool in self._pools.values():
-            pool.close()
+from minishard.launch import Pools
 
 
 @pytest.fixture(scope="session")
 def pools():
-    p = Pools()
-    yield p
-    p.close()
+    with Pools() as p:
+        yield p

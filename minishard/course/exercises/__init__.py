@@ -134,30 +134,12 @@ def run_guarded(spec: dict, *args, **kwargs) -> tuple[object, str | None]:
         return None, f"{type(e).__name__}: {e}"
 
 
-class pools:
-    """``with pools(ranks, 2, 4) as get: get(2).run(...)`` — use the caller's warm pool when it
-    has the right size (a notebook's ``R2``, a test's fixture), else start one and close it."""
-
-    def __init__(self, given=None, *sizes: int):
-        self.given = {} if given is None else (given if isinstance(given, dict)
-                                              else {given.world_size: given})
-        self.sizes, self.started = sizes, {}
-
-    def __enter__(self):
-        return self.get
-
-    def get(self, n: int):
-        if n in self.given and self.given[n].alive:
-            return self.given[n]
-        if n not in self.started:
-            from ...launch import Ranks
-            self.started[n] = Ranks(n, timeout=300)
-        return self.started[n]
-
-    def __exit__(self, *exc):
-        for pool in self.started.values():
-            pool.close()
-        return False
+def pools(given=None):
+    """``with pools(ranks) as get: get(2).run(...)`` — the caller's warm pools where they have the
+    size asked (a notebook's ``R2``, a dict of them from a test), others started and closed on
+    exit (``launch.Pools``)."""
+    from ...launch import Pools
+    return Pools(*(() if given is None else given.values() if isinstance(given, dict) else (given,)))
 
 
 def in_process():
@@ -183,7 +165,7 @@ def at_world_sizes(task: Callable, spec: dict, ranks, sizes: tuple[int, ...]):
     ``(n, [one result per rank])``. World size 1 runs right here (quick, and a wrong answer
     fails before any pool starts); the others on ``ranks`` or pools started for the purpose. A
     learner's NotImplementedError on a rank comes back as "not done yet"."""
-    with pools(ranks, *(n for n in sizes if n > 1)) as get:
+    with pools(ranks) as get:
         for n in sizes:
             try:
                 out = [task(in_process(), spec)] if n == 1 else get(n).run(task, spec)

@@ -28,7 +28,7 @@ def check_predict_hello(fn=None, ranks=None, payload_mb: float = 1.0) -> None:
         expect(isinstance(wire, int), f"wire must be a whole number of bytes, got {wire!r}")
         if n == 1:
             expect(wire == 0, f"one rank sends nothing to anyone; you predict {wire} bytes")
-    with pools(ranks, 2, 3) as get:
+    with pools(ranks) as get:
         for n in (2, 3):
             value, wire = call(fn, n, payload_mb)
             out = get(n).run(hello, payload_mb=payload_mb)

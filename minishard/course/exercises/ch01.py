@@ -42,7 +42,7 @@ def check_ddp_state_bytes(fn=None, ranks=None) -> None:
                    f"ledger says {want}")
         print(f"{precision}: agrees with estimate() for {', '.join(sizes)}; "
               f"llama3-8b: {sum(per_rank['llama3-8b'].values()) / 1e9:.1f} GB per DDP rank")
-    with pools(ranks, 2) as get:
+    with pools(ranks) as get:
         out = get(2).run(train, TrainConfig(strategy="ddp", steps=2, model="nano", micro_batch=1, precision="bf16_mixed", track_activations=False))
     got = _nonzero(call(fn, out[0]["n_params"], "bf16_mixed"))
     for o in out:

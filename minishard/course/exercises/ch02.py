@@ -34,7 +34,7 @@ def check_ring_bytes(fn=None, ranks=None) -> None:
                        f"{got:,}, the ring sends {want:,}")
     print("formula: agrees with minishard.ring_wire_bytes for all-reduce, reduce-scatter, all-gather")
     psi = 4 * GPT("nano", device="meta").num_params()          # fp32 gradient bytes
-    with pools(ranks, 2, 3) as get:
+    with pools(ranks) as get:
         for n in (2, 3):
             out = get(n).run(train, TrainConfig(strategy="ddp", steps=1, model="nano", micro_batch=1, track_activations=False))
             predicted = call(fn, "all_reduce", psi, n)

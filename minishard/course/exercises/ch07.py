@@ -31,7 +31,7 @@ def check_prefetch_targets(fn=None, ranks=None) -> None:
     fn = fn or prefetch_targets
     blocks = [f"blocks.{i}" for i in range(config("nano").n_layer)]
     call(fn, blocks, "root", 1, True)                    # not written yet? say so before any rank
-    with pools(ranks, 2) as get:
+    with pools(ranks) as get:
         for k in (0, 1, 2, 3):
             # (activations tracked: the trace then shows when each unit's compute begins)
             get(2).run(train, TrainConfig(strategy="fsdp_flat", model="nano", micro_batch=1, steps=2, prefetch=k))

@@ -39,7 +39,7 @@ def check_offload_bytes(fn=None, ranks=None) -> None:
 
     fn = fn or offload_bytes
     call(fn, *shard_bytes(2))                            # not written yet? say so before any rank
-    with pools(ranks, 2, 3) as get:
+    with pools(ranks) as get:
         for n in (2, 3):
             block, root, L = shard_bytes(n)
             h2d, d2h = call(fn, block, root, L)

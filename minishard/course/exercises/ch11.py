@@ -98,7 +98,7 @@ def _real_reorder(ranks) -> dict[int, list[dict]]:
     import json
 
     from ..ch11 import broken
-    with tempfile.TemporaryDirectory() as d, pools(ranks, 4) as get:
+    with tempfile.TemporaryDirectory() as d, pools(ranks) as get:
         get(4).run(broken, d, strategy="fsdp", fault="reorder")
         dumps = {r: json.loads((Path(d) / f"flight_rank{r}.json").read_text()) for r in range(4)}
     return {r: [e for e in body["entries"] if e["group"] == "world"] for r, body in dumps.items()}
