@@ -37,8 +37,7 @@ class NaiveDDP(nn.Module):
         self.module, self.comm = module, comm if comm is not None else Comm()
         self.comm.replicate_from_rank0(module.parameters(), ledger)
         if ledger is not None:
-            for name, p in module.named_parameters():
-                ledger.track("params", p, f"param:{name}")
+            ledger.track_parameters(module)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -89,8 +88,7 @@ class DDP(nn.Module):
                                      per_parameter=per_parameter)
         self.buckets = [self._allocate_bucket(i, params) for i, (_, params) in enumerate(plan)]
         if ledger is not None:
-            for name, p in module.named_parameters():
-                ledger.track("params", p, f"param:{name}")
+            ledger.track_parameters(module)
             for b in self.buckets:
                 ledger.track("grads", b.buffer, f"grad_bucket:{b.index}")
         self.reduction = BucketedReduction(self.buckets, reduce=self._all_reduce, ledger=ledger)

@@ -130,6 +130,11 @@ class LiveLedger:
         self._storages[ptr] = tag
         self._tag_ptr[tag] = ptr
 
+    def track_parameters(self, module: torch.nn.Module, prefix: str = "param") -> None:
+        """Enter every parameter of ``module`` as ``params``, tagged ``{prefix}:{name}``."""
+        for name, p in module.named_parameters():
+            self.track("params", p, f"{prefix}:{name}")
+
     def is_live(self, tag: str) -> bool:
         return tag in self._live
 

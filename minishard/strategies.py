@@ -160,8 +160,7 @@ def _replicated(strategy, net, config, comm, ledger, *, wrapper=None) -> Built:
         net.to(torch.bfloat16)
     model = wrapper(net, comm, ledger, config) if wrapper is not None else net
     if model is net and ledger is not None:
-        for name, p in net.named_parameters():
-            ledger.track("params", p, f"param:{name}")
+        ledger.track_parameters(net)
     if not getattr(model, "owns_gradients", False):   # (DDP's gradients live in its buckets)
         for name, p in net.named_parameters():        # grads allocated up front, so that the
             if not p.requires_grad:                   # ledger sees them; a frozen weight has

@@ -75,8 +75,7 @@ class TensorParallelMLP(nn.Module):
         self.proj_w = nn.Parameter(full.proj.weight.detach()[:, part].clone())  # (C, F/N)
         self.proj_b = nn.Parameter(full.proj.bias.detach().clone())           # added once, after
         if ledger is not None:
-            for name, p in self.named_parameters():
-                ledger.track("params", p, f"tp:{name}")
+            ledger.track_parameters(self, prefix="tp")
 
     def forward(self, x):                                   # (B, T, C) on every rank
         x = _CopyToParallel.apply(x, self.comm)
