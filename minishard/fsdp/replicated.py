@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from .layout import ParamSlot
-from .state import MemoryState
+from .state import AllReduceState, MemoryState
 
 
 def dtype_boundaries(whole: list[ParamSlot], param_dtype: torch.dtype | None, unit: str,
@@ -117,29 +117,29 @@ class ReplicatedParams:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in self._replicated_grads():
             by_dtype.setdefault(g.dtype, []).append(g)
-        self._pending_ar = [] if by_dtype else None
+        self._all_reduces = [] if by_dtype else None
         for k, grads in enumerate(by_dtype.values()):
             flat = torch.cat([g.reshape(-1) for g in grads]).div_(divisor)
             if self.ledger is not None:
                 nbytes = flat.numel() * flat.element_size()
                 self.ledger.alloc("comm_buffers", nbytes, f"{self.name}:ar{k}")
             work = self.comm.all_reduce(flat, async_op=True, tag=self.name)
-            self._pending_ar.append((work, flat, grads))
+            self._all_reduces.append(AllReduceState(work, flat, grads))
 
     def _finish_all_reduce(self) -> None:
         """Each ``.grad`` gets the sum over ranks (hybrid: and over the replica groups)."""
-        for k, (work, flat, grads) in enumerate(self._pending_ar):
-            if work is not None:
-                self._wait(work, "wait_reduce_scatter")
+        for k, pending in enumerate(self._all_reduces):
+            if pending.work is not None:
+                self._wait(pending.work, "wait_reduce_scatter")
             if self.replicate is not None:
-                self.replicate.all_reduce(flat, tag=self.name)
+                self.replicate.all_reduce(pending.flat, tag=self.name)
             offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            for g in pending.grads:
+                g.copy_(pending.flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
             if self.ledger is not None:
                 self.ledger.free(f"{self.name}:ar{k}")
-        self._pending_ar = None
+        self._all_reduces = None
 
 
 class NothingToShard:

@@ -34,6 +34,33 @@ class MemoryState(enum.Enum):
     flight; the shard's ``.grad`` receives this rank's summed slice when it lands."""
 
 
+@dataclass
+class AllGatherState:
+    """An all-gather in flight (FSDP2's name): its work, the buffer it fills, and the buffer's
+    autograd version before it (put back when it lands: the gathered values are the saved ones)."""
+    work: object
+    buffer: torch.Tensor
+    version: int
+
+
+@dataclass
+class ReduceScatterState:
+    """A reduce-scatter in flight: its work, the slice it fills, and the packed full gradients it
+    reads (alive until it lands)."""
+    work: object
+    output: torch.Tensor
+    input: torch.Tensor
+
+
+@dataclass
+class AllReduceState:
+    """One all-reduce of replicated parameters' gradients in flight: its work, the flat buffer it
+    sums, and the ``.grad`` tensors the sum goes back into."""
+    work: object
+    flat: torch.Tensor
+    grads: list
+
+
 class TrainingState(enum.Enum):
     """Where the unit is in the training step (what its hooks are doing)."""
     IDLE = "idle"

@@ -28,7 +28,8 @@ from ..offload import Tier, TransferLog
 from . import hooks, limits
 from .layout import ParamSlot
 from .replicated import ReplicatedParams
-from .state import MemoryState, MixedPrecisionPolicy, TrainingState, root_rule
+from .state import (AllGatherState, MemoryState, MixedPrecisionPolicy, ReduceScatterState, TrainingState,
+                    root_rule)
 
 _IN_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -65,9 +66,9 @@ class FSDPUnit(ReplicatedParams):
         self.replicated_slots = list(replicated)
         self.replicated = [s.module._parameters[s.name] for s in self.replicated_slots]
         self._originals = set(originals)           # ids of the parameters the shards replaced
-        self._gather: tuple[Work | None, torch.Tensor, int] | None = None
-        self._pending_rs: tuple[Work | None, torch.Tensor, torch.Tensor] | None = None
-        self._pending_ar: list[tuple[Work | None, torch.Tensor, list[torch.Tensor]]] | None = None
+        self._all_gather: AllGatherState | None = None          # work in flight, by name
+        self._reduce_scatter: ReduceScatterState | None = None
+        self._all_reduces: list[AllReduceState] | None = None
         self._root_post_backward_queued = False    # the root's: one callback per backward
         self._recording: list[FSDPUnit] | None = None    # the root's: the first forward's order
         self._forward_order: list[FSDPUnit] | None = None
@@ -161,7 +162,7 @@ class FSDPUnit(ReplicatedParams):
                 inp = self._fetch_shards(into=out.view(self.comm.world_size, -1)[self.comm.rank])
                 work = self.comm.all_gather(out, inp, async_op=True, tag=self.name,
                                             quantize=self.quantize[0])
-        self._gather = (work, out, version)
+        self._all_gather = AllGatherState(work, out, version)
         if not async_op:
             self.wait_for_unshard()
 
@@ -184,18 +185,18 @@ class FSDPUnit(ReplicatedParams):
                 self.ledger.track("unsharded", t, f"{self.name}:full{i}")
 
     def wait_for_unshard(self) -> None:
-        if self._gather is None:
+        gather = self._all_gather
+        if gather is None:
             return
-        work, out, version = self._gather
-        if work is not None:
-            self._wait(work, "wait_unshard")
-        torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+        if gather.work is not None:
+            self._wait(gather.work, "wait_unshard")
+        torch._C._autograd._unsafe_set_version_counter((gather.buffer,), (gather.version,))
         if not self.layout.gathers_in_place:
             self._alloc_unsharded()
-            self.layout.copy_out(out)
+            self.layout.copy_out(gather.buffer)
             if self.ledger is not None:
                 self.ledger.free(f"{self.name}:ag")
-        self._gather = None
+        self._all_gather = None
         self.layout.to_unsharded()          # the module now computes with the full parameters
         self._set_state(MemoryState.UNSHARDED)
 
@@ -337,20 +338,20 @@ class FSDPUnit(ReplicatedParams):
             self.ledger.alloc("comm_buffers", inp.numel() * inp.element_size(), f"{self.name}:rs")
             self.ledger.alloc("grads", out.numel() * out.element_size(), f"{self.name}:rs_out")
         work = self.comm.reduce_scatter(out, inp, async_op=True, tag=self.name, quantize=self.quantize[1])
-        self._pending_rs = (work, out, inp)
+        self._reduce_scatter = ReduceScatterState(work, out, inp)
         if self.replicated:
             self._all_reduce_replicated(self.comm.world_size * replicas)
         if not async_op:
             self.wait_for_reduce_scatter()
 
     def wait_for_reduce_scatter(self) -> None:
-        if self._pending_rs is not None:
+        if self._reduce_scatter is not None:
             self._finish_reduce_scatter()
-        if self._pending_ar is not None:
+        if self._all_reduces is not None:
             self._finish_all_reduce()
 
     def _finish_reduce_scatter(self) -> None:
-        work, out, _ = self._pending_rs
+        work, out = self._reduce_scatter.work, self._reduce_scatter.output
         if work is not None:
             self._wait(work, "wait_reduce_scatter")
         if self.replicate is not None:      # hybrid: sum the slice with its replicas' (slow link)
@@ -367,7 +368,7 @@ class FSDPUnit(ReplicatedParams):
         if self.ledger is not None:
             self.ledger.free(f"{self.name}:rs")
             self.ledger.free(f"{self.name}:rs_out")
-        self._pending_rs = None
+        self._reduce_scatter = None
 
     def _release_full_grads(self) -> None:
         self.layout.drop_unsharded_grads()
