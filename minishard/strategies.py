@@ -46,7 +46,10 @@ class Strategy:
 
 @dataclass
 class Built:
-    """A model wrapped by a strategy, ready to train (see :func:`minishard.train.train_step`)."""
+    """A model wrapped by a strategy, ready to train. Every strategy answers the same questions
+    of :func:`minishard.train.train_step` — :meth:`accumulating`, :meth:`synchronise`,
+    :meth:`clip_grad_norm`, :meth:`track_state` — whatever it does for each (often nothing);
+    the builders say what differs through the fields below."""
     strategy: Strategy
     model: nn.Module                   # call it: model(x, y) -> loss
     optimizer: Any                     # step it: .step(), .zero_grad(); may shard its state
@@ -57,7 +60,25 @@ class Built:
     sync_gradients: Callable[[], None] | None = None   # explicit sync after backward (naive DDP)
     gather: Callable[[], dict] | None = None    # the full parameters, by name
     clip: Callable[[float], torch.Tensor] | None = None   # clip by the global gradient norm
-    track_state: Callable[[Any], None] | None = None     # enter new optimizer state in a ledger
+    new_state: Callable[[Any], None] | None = None       # enter new optimizer state in a ledger
+
+    def accumulating(self, quiet: bool):
+        """The context of one micro-batch's forward and backward: for all but the last of a step
+        (``quiet``), the strategy's way of holding its gradients back (``no_sync``), if it has
+        one; otherwise the gradients reduce as backward makes them."""
+        return self.no_sync() if quiet and self.no_sync is not None else contextlib.nullcontext()
+
+    def synchronise(self, tracer=None) -> None:
+        """The gradients summed over ranks after backward — naive DDP's one all-reduce, a phase
+        of its own in the trace. Every other strategy reduced them while backward ran."""
+        if self.sync_gradients is not None:
+            with tracer.phase("sync_gradients") if tracer is not None else contextlib.nullcontext():
+                self.sync_gradients()
+
+    def track_state(self, ledger) -> None:
+        """Enter in ``ledger`` (if any) the optimizer state the first step created (the moments)."""
+        if ledger is not None and self.new_state is not None:
+            self.new_state(ledger)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         params = self.gather() if self.gather is not None else dict(self.model.named_parameters())
@@ -178,7 +199,7 @@ def _replicated(strategy, net, config, comm, ledger, *, wrapper=None) -> Built:
     return Built(strategy, model, opt, (comm,), no_sync=getattr(model, "no_sync", None),
                  sync_gradients=getattr(model, "sync_gradients", None),
                  gather=lambda: dict(net.named_parameters()),
-                 clip=lambda c: torch.nn.utils.clip_grad_norm_(net.parameters(), c), track_state=track)
+                 clip=lambda c: torch.nn.utils.clip_grad_norm_(net.parameters(), c), new_state=track)
 
 
 def _ddp(net, comm, ledger, config):
@@ -243,7 +264,7 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     return Built(strategy, net, opt, comms, units=fsdp.units(net), tier=tier, no_sync=no_sync,
                  gather=lambda: fsdp.full_parameters(net),
                  clip=lambda c: fsdp.clip_grad_norm_(net, c),
-                 track_state=lambda led: track_optimizer_state(led, opt.optimizer, net, device=device))
+                 new_state=lambda led: track_optimizer_state(led, opt.optimizer, net, device=device))
 
 
 def _torch_fsdp(strategy, net, config, comm, ledger) -> Built:

@@ -49,28 +49,24 @@ def train_step(built: Built, batches: Sequence[tuple[torch.Tensor, torch.Tensor]
     (``minishard.health``: the norm clipped by, the precision the optimizer stepped in)."""
     accum = len(batches)
     loss_sum = 0.0
+    counting = ledger.activations if (ledger is not None and track_activations) else nullcontext
     with _phase(None, tracer, "step"):
         for k, (x, y) in enumerate(batches):
-            quiet = built.no_sync is not None and k < accum - 1
-            with built.no_sync() if quiet else nullcontext():
-                with _phase(ledger, tracer, "forward"):
-                    with ledger.activations() if (ledger is not None and track_activations) else nullcontext():
-                        loss = built.model(x, y) / accum
+            with built.accumulating(quiet=k < accum - 1):     # no reduction but after the last
+                with _phase(ledger, tracer, "forward"), counting():
+                    loss = built.model(x, y) / accum            # forward
                 with _phase(ledger, tracer, "backward"):
-                    loss.backward()
+                    loss.backward()                             # backward (most reduce meanwhile)
             loss_sum += loss.item()
-        if built.sync_gradients is not None:          # naive DDP: after backward, not during
-            with _phase(None, tracer, "sync_gradients"):
-                built.sync_gradients()
+        built.synchronise(tracer)                               # synchronise (naive DDP only)
         with _phase(ledger, tracer, "optimizer"):
-            norm = built.clip_grad_norm(clip) if clip is not None else None
+            norm = built.clip_grad_norm(clip) if clip is not None else None      # clip
             with health.StepNotes(built.optimizer) if notes is not None else nullcontext() as noted:
-                built.optimizer.step()
+                built.optimizer.step()                          # step
             if notes is not None:
                 notes.update(noted.note, **({"grad_norm": float(norm)} if norm is not None else {}))
-            if ledger is not None and built.track_state is not None:
-                built.track_state(ledger)             # the moments the first step created
-            built.optimizer.zero_grad(set_to_none=False)   # (DDP's grads are views into buckets)
+            built.track_state(ledger)                           # (the moments the first step made)
+            built.optimizer.zero_grad(set_to_none=False)        # zero (DDP's: views into buckets)
     return loss_sum
 
 
