@@ -190,7 +190,7 @@ class _Sizes:
 def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
          micro_batch: int = 1, seq_len: int | None = None, precision: str | None = None,
          optimizer: str = "adamw", prefetch: int = 1, recompute: bool = False,
-         offload: bool = False, hybrid: bool = False, mfu: float = 0.4, bucket_mb: float = 25.0,
+         offload: bool = False, hybrid: bool = False, mfu: float = 0.4, bucket_cap_mb: float = 25.0,
          flash_attention: bool = True, overlap: bool = True, wrap: str = "block",
          reshard_after_forward: int | None = None) -> Plan:
     """Per-GPU memory by ledger category and step time for one configuration.
@@ -224,7 +224,7 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
     k = _post_forward_ranks(reshard_after_forward, stage, sizes.shard_n)
     acts = activation_bytes(cfg, micro_batch, T, sizes.x, flash_attention, recompute)
     memory, notes = memory_per_gpu(sizes, stage, precision, optimizer, acts, prefetch=prefetch,
-                                   offload=offload, bucket_mb=bucket_mb, post_forward=k)
+                                   offload=offload, bucket_cap_mb=bucket_cap_mb, post_forward=k)
     compute, backward = compute_seconds(cfg, T, micro_batch, recompute, cluster.device, mfu)
     link = ring_link(cluster, hybrid)
     comm, exposed = collective_seconds(sizes, stage, link, prefetch, compute, backward,
@@ -288,7 +288,7 @@ def activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes
 
 
 def memory_per_gpu(s: _Sizes, stage: int, precision: str, optimizer: str, acts: int, *,
-                   prefetch: int, offload: bool, bucket_mb: float,
+                   prefetch: int, offload: bool, bucket_cap_mb: float,
                    post_forward: int | None = None) -> tuple[dict[str, float], list[str]]:
     """Bytes on one GPU by ledger category at the step's peak, and notes on how it was read:
     the training state (:func:`~minishard.analytic.estimate`, less what is offloaded), what the
@@ -318,7 +318,7 @@ def memory_per_gpu(s: _Sizes, stage: int, precision: str, optimizer: str, acts: 
             acts = int(acts * (1 - 1 / s.n_layer))
             notes.append("peak inside backward")
     elif stage == 2:                 # buckets of gradients waiting for their reduce-scatter
-        memory["comm_buffers"] = min(2 * bucket_mb * 2**20, s.g * s.n_params)
+        memory["comm_buffers"] = min(2 * bucket_cap_mb * 2**20, s.g * s.n_params)
     memory["activations"] = acts
     return memory, notes
 

@@ -50,11 +50,11 @@ class NaiveDDP(nn.Module):
                 self.comm.all_reduce(p.grad, tag=f"grad:{name}")
 
 
-def plan_buckets(module: nn.Module, cap_mb: float, first_mb: float = 1.0
-                 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """DDP's buckets for ``module``, as ``(name, parameter)`` lists: last layers first, the
-    first bucket at most ``first_mb`` MiB, the others ``cap_mb`` (see
-    :func:`minishard.buckets.plan_buckets`)."""
+def named_buckets(module: nn.Module, cap_mb: float, first_mb: float = 1.0
+                  ) -> list[list[tuple[str, nn.Parameter]]]:
+    """DDP's buckets for ``module`` as :func:`minishard.buckets.plan_buckets` plans them, each a
+    list of ``(name, parameter)``: last layers first, the first bucket at most ``first_mb`` MiB,
+    the others ``cap_mb``."""
     names = {p: n for n, p in module.named_parameters()}
     return [[(names[p], p) for p in params]
             for _, params in _buckets.plan_buckets([list(module.parameters())], cap_mb, first_mb)]

@@ -54,7 +54,7 @@ from IPython.display import display
 
 from minishard import GPT, Ranks, batch, config, estimate
 from minishard.course.glue import glue
-from minishard.ddp import plan_buckets
+from minishard.ddp import named_buckets
 from minishard.parity import drift, params_of
 from minishard.train import TrainConfig, train
 from minishard.viz import Player, ledger_bars, timeline_figure
@@ -349,7 +349,7 @@ for s, (loss_gap, d) in acc_drift.items():
 net = GPT("nano", seed=0)                                # the weights every run below starts from
 x, y = batch(config("nano"), 0, 2)                       # step 0's global batch (2 sequences)
 net(x, y).backward()
-(group,) = plan_buckets(net, 25.0)                       # nano: one bucket, as in the runs below
+(group,) = named_buckets(net, 25.0)                       # nano: one bucket, as in the runs below
 flat = torch.cat([p.grad.reshape(-1) for _, p in group])
 shards = flat.tensor_split(2)
 local = [s.norm().item() for s in shards]

@@ -253,7 +253,7 @@ def test_reshard_after_forward_k_terms_to_the_formula():
     for prefetch in (0, 1, 2):
         for acts, inside in ((10**13, False), (0, True)):
             args = (s, 3, "bf16_fsdp", "adamw", acts)
-            kw = dict(prefetch=prefetch, offload=False, bucket_mb=25.0)
+            kw = dict(prefetch=prefetch, offload=False, bucket_cap_mb=25.0)
             (base, n0), (k8, n8) = (memory_per_gpu(*args, **kw, post_forward=k) for k in (None, 8))
             assert ("peak inside backward" in n0) == ("peak inside backward" in n8) == inside
             held = s.n_layer - prefetch - (1 if inside else 0)
