@@ -55,7 +55,7 @@ def _build(kind: str, model: str, bucket_cap_mb: float):
     """A torch job as a reader writes it: the GPT, torch's wrapper, AdamW."""
     import torch
     import minishard
-    net = minishard.GPT(minishard.config(model), seed=0)
+    net = minishard.GPT(minishard.model_config(model), seed=0)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
@@ -75,7 +75,7 @@ def measure(rank, kind: str, arm: str, model: str, steps: int, micro_batch: int,
     import minishard
     rank.tracer.enabled = False                  # the pool's own tracer: nothing of ours in it
     net, opt = _build(kind, model, bucket_cap_mb)
-    cfg = minishard.config(model)
+    cfg = minishard.model_config(model)
     cpu, wall = [], []
     ctx = (contextlib.nullcontext() if arm == "off" else
            minishard.watch(net, opt, trace=trace_dir if arm == "file" else None))
@@ -224,7 +224,7 @@ def main() -> None:
     started, cores = time.perf_counter(), os.cpu_count() or 1
     order = " ".join("ABC"[arms.index(a)] for a in arms + arms[::-1])
     legend = ", ".join(f"{'ABC'[i]}: watch {ARMS[a]}" for i, a in enumerate(arms))
-    params = sum(p.numel() for p in minishard.GPT(minishard.config(model), device="meta").parameters())
+    params = sum(p.numel() for p in minishard.GPT(minishard.model_config(model), device="meta").parameters())
     print(f"# the cost of watching, {time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, "
           f"{platform.processor() or platform.machine()}, {cores} cores, torch {torch.__version__}; "
           f"GPT {model!r} ({params:,} params), micro-batch {args.micro_batch}/rank, AdamW, "

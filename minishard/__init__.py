@@ -11,9 +11,10 @@ from .config import TrainConfig
 from .ddp import DDP, NaiveDDP
 from .fsdp import MixedPrecisionPolicy, fully_shard
 from .launch import RankContext, RankError, Ranks, release_captured_groups, run
-from .ledger import LiveLedger
 from .analytic import conventions, count_params, estimate, gpt_activation_bytes
-from .model import CONFIGS, GPT, GPTConfig, batch, config
+from .ledger import LiveLedger
+from .model import CONFIGS, GPT, GPTConfig, batch
+from .model import config as model_config
 from .parity import drift
 from .trace import Tracer, TraceFormatError
 from .watching import watch
@@ -26,9 +27,12 @@ from .zero import ZeroOptimizer
 # that the first optimizer's import of torch._dynamo captures nothing): see launch.init_group.
 release_captured_groups()
 
+# ``minishard.config`` is the module of TrainConfig (``minishard/config.py``); a model's config is
+# ``minishard.model_config("nano")``. (It was ``minishard.config("nano")``, which hid the module:
+# calling the module now says so.)
 __version__ = "0.1.0"
 __all__ = ["checkpoint", "strategies", "Comm", "ring_wire_bytes", "TrainConfig", "DDP", "NaiveDDP",
            "MixedPrecisionPolicy", "fully_shard", "RankContext", "RankError", "Ranks", "run",
            "LiveLedger", "conventions", "count_params", "estimate", "gpt_activation_bytes",
-           "CONFIGS", "GPT", "GPTConfig", "batch", "config", "drift", "Tracer", "TraceFormatError",
+           "CONFIGS", "GPT", "GPTConfig", "batch", "model_config", "drift", "Tracer", "TraceFormatError",
            "train", "train_step", "watch", "ZeroOptimizer"]

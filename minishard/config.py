@@ -9,6 +9,8 @@ words in its flags). ``unused()`` names the knobs set for a strategy that never 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -284,3 +286,15 @@ def check_fault_rank(config, world_size: int) -> None:
     if config.fault is not None and not 0 <= config.fault_rank < world_size:
         raise ConfigError("{fault_rank}: no such rank in a world of %d" % world_size,
                           fault_rank=config.fault_rank)
+
+
+class _CalledAsModelConfig(types.ModuleType):
+    """``minishard.config("nano")`` made a model's config until the name went back to this
+    module; a call now names the function that does it."""
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("minishard.config is the module of TrainConfig; a model's config is "
+                        "minishard.model_config(name, **overrides) (minishard.model.config)")
+
+
+sys.modules[__name__].__class__ = _CalledAsModelConfig

@@ -51,7 +51,7 @@ import plotly.io as pio
 import psutil
 from IPython.display import display
 
-from minishard import GPT, Ranks, config, conventions, estimate, gpt_activation_bytes
+from minishard import GPT, Ranks, conventions, estimate, gpt_activation_bytes, model_config
 from minishard.course.glue import glue
 from minishard.train import TrainConfig, train
 from minishard.viz import LedgerCalculator, ledger_bars
@@ -122,7 +122,7 @@ assert quoted >= {(16, "bf16_mixed", "adamw"), (16, "bf16_fsdp", "adamw"), (18, 
 # claim: L2
 def act(**cfg_overrides):
     B = cfg_overrides.pop("B", 4)
-    return gpt_activation_bytes(config("tiny", **cfg_overrides), micro_batch=B)
+    return gpt_activation_bytes(model_config("tiny", **cfg_overrides), micro_batch=B)
 
 rows = [("micro-batch B", "B", (1, 2, 4, 8)), ("layers L", "n_layer", (3, 6, 12, 24)),
         ("sequence T", "seq_len", (64, 128, 256, 512))]
@@ -143,7 +143,7 @@ for label, key, values in rows:
 # %%
 # NBVAL_CHECK_OUTPUT
 for T in (2048, 4096, 8192):
-    a = gpt_activation_bytes(config("llama3-8b"), micro_batch=1, seq_len=T, dtype_bytes=2)
+    a = gpt_activation_bytes(model_config("llama3-8b"), micro_batch=1, seq_len=T, dtype_bytes=2)
     shown = glue("llama3-8b-activations-t4096", a / GB, "{:.1f}") if T == 4096 else f"{a / GB:.1f}"
     print(f"llama3-8b, micro-batch 1, T = {T:>4}: activations {shown:>6} GB")
 
@@ -175,7 +175,7 @@ def measured_activations(n_layer: int, b: int) -> int:
     out = train(None, TrainConfig(strategy="single", steps=1, model="tiny", micro_batch=b, precision="bf16_mixed", model_overrides={"n_layer": n_layer}))
     return out["ledger"]["category_peaks"]["activations"]
 
-tiny = config("tiny")
+tiny = model_config("tiny")
 s, h, a = tiny.seq_len, tiny.d_model, tiny.n_head
 for b in (2, 4):
     layer = measured_activations(2, b) - measured_activations(1, b)
@@ -187,8 +187,8 @@ for b in (2, 4):
           f"measured one layer = {glue(f'layer-measured-b{b}', layer, '{:,}')} = that + "
           f"{glue(f'layer-extra-b{b}', layer - no_dropout, '{:,}')} (s² mask + 4sb statistics = {small:,})")
     assert layer == no_dropout + small                         # measured, to the byte
-    assert layer == (gpt_activation_bytes(config("tiny", n_layer=2), b, dtype_bytes=2)
-                     - gpt_activation_bytes(config("tiny", n_layer=1), b, dtype_bytes=2))
+    assert layer == (gpt_activation_bytes(model_config("tiny", n_layer=2), b, dtype_bytes=2)
+                     - gpt_activation_bytes(model_config("tiny", n_layer=1), b, dtype_bytes=2))
 
 # %% [markdown]
 # ## 3. The calculator
@@ -244,7 +244,7 @@ def compare(out, precision, act_dtype_bytes, names=None):
     def shown(cat, rank, got):
         return glue(names[cat], got, "{:,}") if rank == 0 and cat in names else f"{got:,}"
     N = len(out)
-    act = gpt_activation_bytes(config("tiny"), micro_batch=4, dtype_bytes=act_dtype_bytes)
+    act = gpt_activation_bytes(model_config("tiny"), micro_batch=4, dtype_bytes=act_dtype_bytes)
     pred = estimate(tiny, world_size=N, strategy="ddp", precision=precision, optimizer="adamw",
                     activation_bytes=act)
     print(f"--- DDP on {N} ranks, {precision}: predicted vs measured peak, bytes per rank")
@@ -311,7 +311,7 @@ assert calc.per_rank_bytes == measured[4][0]["ledger"]["peak"]
 for B in (2, 4, 8):
     got = [o["ledger"]["peak_snapshot"]["activations"]
            for o in R2.run(train, TrainConfig(strategy="ddp", steps=2, model="tiny", micro_batch=B))]
-    want = gpt_activation_bytes(config("tiny"), micro_batch=B)
+    want = gpt_activation_bytes(model_config("tiny"), micro_batch=B)
     print(f"micro-batch {B}: predicted {glue(f'tiny-activations-b{B}', want, '{:,}'):>11}  measured {got}")
     assert got == [want, want]
 R2.close()

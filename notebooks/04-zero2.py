@@ -52,7 +52,7 @@ import plotly.io as pio
 import torch
 from IPython.display import display
 
-from minishard import GPT, Ranks, batch, config, estimate
+from minishard import GPT, Ranks, batch, estimate, model_config
 from minishard.course.glue import glue
 from minishard.ddp import named_buckets
 from minishard.parity import drift, params_of
@@ -347,7 +347,7 @@ for s, (loss_gap, d) in acc_drift.items():
 # %%
 # NBVAL_IGNORE_OUTPUT
 net = GPT("nano", seed=0)                                # the weights every run below starts from
-x, y = batch(config("nano"), 0, 2)                       # step 0's global batch (2 sequences)
+x, y = batch(model_config("nano"), 0, 2)                       # step 0's global batch (2 sequences)
 net(x, y).backward()
 (group,) = named_buckets(net, 25.0)                       # nano: one bucket, as in the runs below
 flat = torch.cat([p.grad.reshape(-1) for _, p in group])

@@ -64,7 +64,7 @@ import plotly.io as pio
 import torch
 from IPython.display import display
 
-from minishard import GPT, Ranks, config, estimate
+from minishard import GPT, Ranks, estimate, model_config
 from minishard.course.ch05 import race, unit_states_at, unsharded_series, with_unit_states
 from minishard.course.glue import glue
 from minishard.train import TrainConfig, train
@@ -288,8 +288,8 @@ for N, m in [(2, "tiny"), (4, "nano")]:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for name, cfg in [("tiny", config("tiny")), ("tiny, d 512, 12 layers", config("tiny", d_model=512, n_layer=12)),
-                  ("gpt2-small", config("gpt2-small")), ("llama3-8b", config("llama3-8b"))]:
+for name, cfg in [("tiny", model_config("tiny")), ("tiny, d 512, 12 layers", model_config("tiny", d_model=512, n_layer=12)),
+                  ("gpt2-small", model_config("gpt2-small")), ("llama3-8b", model_config("llama3-8b"))]:
     g = GPT(cfg, device="meta")
     psi = g.num_params()
     root = sum(p.numel() for n, p in g.named_parameters() if not n.startswith("blocks."))

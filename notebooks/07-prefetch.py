@@ -63,7 +63,7 @@ import statistics
 import plotly.io as pio
 from IPython.display import display
 
-from minishard import GPT, Ranks, config
+from minishard import GPT, Ranks, model_config
 from minishard.launch import RankError
 from minishard.analytic import gpt_activation_bytes
 from minishard.course.ch07 import (gather_waits, gathered_peaks, prefetch_race,
@@ -77,7 +77,7 @@ TINY = GPT("tiny", device="meta")
 PSI = TINY.num_params()
 ROOT = 4 * sum(p.numel() for n, p in TINY.named_parameters() if not n.startswith("blocks."))
 BLOCK = 4 * sum(p.numel() for p in TINY.blocks[0].parameters())      # fp32 bytes
-ACT = gpt_activation_bytes(config("tiny"), 4)                        # micro-batch 4
+ACT = gpt_activation_bytes(model_config("tiny"), 4)                        # micro-batch 4
 STATE = 16 * PSI // 2                                                # 16 Ψ / N, N = 2
 print(f"tiny GPT, 2 ranks, micro-batch 4: 16Ψ/N = {STATE:,} B, root unit {ROOT:,} B, "
       f"one block {glue('block-bytes', BLOCK, '{:,}')} B, activations {ACT:,} B")

@@ -64,7 +64,7 @@ def watch_fsdp2(device: torch.device, cuda: bool, steps: int) -> list[tuple[str,
         if ev["kind"] == "phase":
             allocated[ev["seq"]] = torch.cuda.memory_allocated() if cuda else 0
     tracer = Tracer(0, 1, sink=at_phase)
-    cfg = minishard.config(size)
+    cfg = minishard.model_config(size)
     with minishard.watch(net, opt, trace=tracer) as w:
         for step in range(steps):
             x, y = (t.to(device) for t in minishard.batch(cfg, step, 2, 0, 1))

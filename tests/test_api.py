@@ -198,3 +198,16 @@ def test_the_ledger_counts_the_optimizer_state_of_every_parameter_group():
     opt.step()
     psi_bytes = 4 * sum(p.numel() for p in net.parameters())
     assert ledger.current()["exp_avg"] == ledger.current()["exp_avg_sq"] == psi_bytes
+
+
+def test_minishard_config_is_the_module_and_calling_it_names_model_config():
+    """``minishard.config`` is ``minishard/config.py`` (TrainConfig's module) again; the model's
+    config is ``minishard.model_config``, and the old call says so."""
+    import importlib
+
+    import minishard
+    module = importlib.import_module("minishard.config")
+    assert minishard.config is module and module.TrainConfig is minishard.TrainConfig
+    assert minishard.model_config("nano") == minishard.model.config("nano")
+    with pytest.raises(TypeError, match=r"minishard\.model_config\(name"):
+        minishard.config("nano")

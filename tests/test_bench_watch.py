@@ -23,7 +23,7 @@ def least_events(job: str) -> int:
     each begin and end; DDP all-reduces its gradients once (one bucket or more); FSDP2 gathers
     the root once and each block twice (forward, backward) and reduce-scatters every unit."""
     phases = 2 * 4
-    blocks = minishard.config("nano").n_layer
+    blocks = minishard.model_config("nano").n_layer
     return phases + (1 if job == "torch DDP" else (1 + 2 * blocks) + (1 + blocks))
 
 

@@ -69,7 +69,7 @@ def watched(rank, kind, out, raf=True):
     """2 steps of a torch job under watch; what the test needs to check the trace against."""
     from torch.distributed.fsdp import FSDPModule
     model, opt = _build(kind, raf)
-    cfg = minishard.config("nano")
+    cfg = minishard.model_config("nano")
     with minishard.watch(model, opt, trace=out) as w:
         for step in range(STEPS):
             if kind == "encoder":
@@ -111,7 +111,7 @@ def own_watched(rank, kind, with_ledger, out):
         model = net
         opt = minishard.ZeroOptimizer(net.parameters(), torch.optim.AdamW, stage=2, comm=comm,
                                       ledger=ledger, lr=1e-3, bucket_cap_mb=0.25)
-    cfg = minishard.config("nano")
+    cfg = minishard.model_config("nano")
     peaks = lambda: {c: b for (c, d), b in ledger.category_peaks.items()} if ledger else None  # noqa: E731
     before = peaks()                             # (setting up broadcast rank 0's weights)
     with minishard.watch(model, opt, trace=out) as w:
@@ -130,7 +130,7 @@ def dies(rank, out):
     import os
     import signal
     model, opt = _build("fsdp")
-    cfg = minishard.config("nano")
+    cfg = minishard.model_config("nano")
     with minishard.watch(model, opt, trace=out) as w:
         for step in range(STEPS):
             if step == 1 and rank.rank == 1:
@@ -146,7 +146,7 @@ def in_memory(rank, mode):
     """trace=None keeps the events in w.tracer.events; trace=rank.tracer sends them to the
     pool's tracer (they come back with the results)."""
     model, opt = _build("ddp")
-    cfg = minishard.config("nano")
+    cfg = minishard.model_config("nano")
     with minishard.watch(model, opt, trace=None if mode == "none" else rank.tracer) as w:
         x, y = minishard.batch(cfg, 0, 2, rank.rank, rank.world_size)
         model(x, y).backward()

@@ -38,7 +38,7 @@ def after_exit(rank, kind, out):
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
                                                                        DefaultReduceScatter)
     model, opt = _build(kind)
-    cfg = minishard.config("nano")
+    cfg = minishard.model_config("nano")
     hooks_before = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
     with minishard.watch(model, opt, trace=f"{out}/first") as w:
         _step(model, opt, cfg, 0, rank)
@@ -96,7 +96,7 @@ def failed_enter(rank, kind):
                 pass
         except WatchError as e:
             res["nested"] = str(e)
-        _step(model, opt, minishard.config("nano"), 0, rank)
+        _step(model, opt, minishard.model_config("nano"), 0, rank)
         w.step()
     res["outer"] = sum(e["kind"] == "collective" for e in w.tracer.events)
     return res
@@ -115,7 +115,7 @@ def cannot_open(rank, out):
 def raises_mid_step(rank, out):
     """Step 1 raises between forward and backward, inside the with."""
     model, opt = _build("ddp")
-    cfg = minishard.config("nano")
+    cfg = minishard.model_config("nano")
     try:
         with minishard.watch(model, opt, trace=out) as w:
             _step(model, opt, cfg, 0, rank)
@@ -154,7 +154,7 @@ def ddp_pairs(rank, out):
     model = TorchDDP(net, process_group=mine, bucket_cap_mb=0.25)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     with minishard.watch(model, opt, trace=out) as w:
-        _step(model, opt, minishard.config("nano"), 0, rank)
+        _step(model, opt, minishard.model_config("nano"), 0, rank)
         dist.broadcast(torch.ones(16), src=rank.rank // 2 * 2 + 1, group=mine)
         w.step()
     return sum(p.grad is None or True for p in net.parameters())
@@ -178,7 +178,7 @@ def own_after_exit(rank):
     comm = minishard.Comm(ledger=ledger)
     minishard.fsdp.apply_fsdp(net, comm=comm, ledger=ledger)
     opt = ShardedOptimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-    cfg = minishard.config("nano")
+    cfg = minishard.model_config("nano")
     with minishard.watch(net, opt) as w:
         _step(net, opt, cfg, 0, rank)
         w.step()
@@ -199,7 +199,7 @@ def rs_out_in_bf16(rank):
     comm = minishard.Comm(tracer, ledger=ledger)
     mp = minishard.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     minishard.fsdp.apply_fsdp(net, comm=comm, ledger=ledger, mp_policy=mp)
-    x, y = minishard.batch(minishard.config("nano"), 0, 2, rank.rank, rank.world_size)
+    x, y = minishard.batch(minishard.model_config("nano"), 0, 2, rank.rank, rank.world_size)
     net(x, y).backward()
     rs = {e["tag"]: e for e in tracer.events if e["kind"] == "collective" and e["op"] == "reduce_scatter"}
     out = {e["tag"].split(":")[0]: e["bytes"] for e in tracer.events
