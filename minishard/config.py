@@ -185,11 +185,13 @@ class TrainConfig:
             raise ConfigError("{reshard_after_forward}: True, False, or the number of ranks a unit "
                               "reshards to after forward (an integer >= 1)", reshard_after_forward=k)
         _one_of("accumulation", self.accumulation, (None, *ACCUMULATIONS))
+        from .quantized import scheme_of     # (the one reading of the value: fully_shard's)
         for name in ("quantized_weights", "quantized_gradients"):
-            value = getattr(self, name)
-            if not (isinstance(value, bool) or type(value) is int and value in (8, 4)):
+            try:
+                scheme_of(getattr(self, name), name)
+            except ValueError:
                 raise ConfigError("{%s}: False, True (int8), 8 or 4 (the bits an element)" % name,
-                                  **{name: value})
+                                  **{name: getattr(self, name)}) from None
         if self.accumulation == "gathered" and strategy.name == "zero2":
             raise ConfigError("{accumulation} gathered keeps FSDP's parameters gathered between "
                               "micro-batches; ZeRO-2 holds them whole on every rank already (use "
