@@ -66,7 +66,8 @@ def train_step(built: Built, batches: Sequence[tuple[torch.Tensor, torch.Tensor]
             if notes is not None:
                 notes.update(noted.note, **({"grad_norm": float(norm)} if norm is not None else {}))
             built.track_state(ledger)                           # (the moments the first step made)
-            built.optimizer.zero_grad(set_to_none=False)        # zero (DDP's: views into buckets)
+            built.optimizer.zero_grad(set_to_none=False)        # zero, in place: the gradient
+            # buffers the ledger counts live for the whole run, as the memory formulas have them
     return loss_sum
 
 
@@ -298,9 +299,9 @@ def _layout_numel(built: Built) -> dict:
     holds, elements a sharded one holds) of the trainable parameters, padding included (absent:
     unpadded) — and ``frozen``, the elements of frozen weights it keeps."""
     buckets = getattr(built.optimizer, "buckets", None)
-    if buckets and hasattr(buckets[0], "chunk"):   # ZeRO: each bucket N equal chunks (frozen
+    if buckets and hasattr(buckets[0], "shard_numel"):   # ZeRO: each bucket N equal shards (frozen
         # parameters stay plain replicas, outside its buffers and outside its ledger)
-        return {"numel": (sum(b.size for b in buckets), sum(b.chunk for b in buckets))}
+        return {"numel": (sum(b.size for b in buckets), sum(b.shard_numel for b in buckets))}
     if built.units:                                        # FSDP: the shards the units keep
         shards = [t for u in built.units for t in u.layout.shard_tensors()]
         n = sum(p.numel() for p in built.model.parameters() if p.requires_grad)

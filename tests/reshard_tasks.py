@@ -15,9 +15,9 @@ def root_clamp_states(rank, root: "bool | int | None", blocks: "bool | int" = 2)
     g = torch.Generator().manual_seed(rank.rank)
     x = torch.randint(0, net.cfg.vocab_size, (2, net.cfg.seq_len), generator=g)
     loss = net(x, x)
-    after_forward = {u.name: u.state.value for u in fsdp.units(net)}
+    after_forward = {u.name: u.memory_state.value for u in fsdp.units(net)}
     loss.backward()
-    after_backward = {u.name: u.state.value for u in fsdp.units(net)}
+    after_backward = {u.name: u.memory_state.value for u in fsdp.units(net)}
     return after_forward, after_backward
 
 

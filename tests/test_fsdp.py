@@ -353,7 +353,7 @@ def test_training_state_says_what_each_unit_is_doing():
     assert set(seen["between forward and backward"].values()) == {"idle"}
     assert seen["backward of blocks.1"] == {"root": "pre_backward", "blocks.0": "idle",
                                             "blocks.1": "pre_backward", "blocks.2": "post_backward"}
-    assert {(u.training_state, u.state) for u in us.values()} == {
+    assert {(u.training_state, u.memory_state) for u in us.values()} == {
         (fsdp.TrainingState.IDLE, fsdp.MemoryState.SHARDED)}
 
 
@@ -386,6 +386,27 @@ def test_every_hook_is_registered_in_hooks_py():
     assert where and all(files == {"hooks.py"} for files in where.values()), where
 
 
+def test_calls_go_one_way_hooks_to_unit_to_context_and_layout():
+    """The hooks call the unit; the unit never calls a hook (it does not import ``hooks``), and
+    holds none of the root's fields: those live on the root's context (``root.py``)."""
+    import ast
+    from pathlib import Path
+    here = Path(fsdp.__file__).parent
+    unit_src = (here / "unit.py").read_text()
+    names = {a.name for n in ast.walk(ast.parse(unit_src)) if isinstance(n, ast.ImportFrom)
+             for a in n.names} | {n.id for n in ast.walk(ast.parse(unit_src)) if isinstance(n, ast.Name)}
+    assert "hooks" not in names
+    net = GPT("nano")
+    fsdp.apply_fsdp(net, comm=Comm())
+    root, block = net._fsdp_unit, net.blocks[0]._fsdp_unit
+    x, y = batch(config("nano"), 0, 2, 0, 1)
+    net(x, y).backward()                       # the root took the units in: one context
+    assert root.context is block.context and root.context.root is root
+    root_only = {"units", "root", "prefetch_depth", "stage3_limits", "_forward_order", "_recording"}
+    assert not root_only & set(vars(block)) and not root_only & set(vars(root))
+    assert set(root_only) <= set(vars(root.context))
+
+
 def test_the_architecture_docs_lifecycle_table_points_at_the_functions_it_names():
     """docs/architecture.md's "FSDP lifecycle" table gives file:line for each step: each must
     be the ``def`` of a function the row names (update the table when the code moves)."""
@@ -393,7 +414,7 @@ def test_the_architecture_docs_lifecycle_table_points_at_the_functions_it_names(
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     doc = (root / "docs" / "architecture.md").read_text()
-    table = doc[doc.index("### FSDP lifecycle"):].split("\n\n")[1]
+    table = next(b for b in doc[doc.index("### FSDP lifecycle"):].split("\n\n") if b.startswith("|"))
     rows = [r for r in table.splitlines()[2:] if r.startswith("|")]
     assert len(rows) >= 7
     for row in rows:

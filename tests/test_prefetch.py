@@ -122,7 +122,7 @@ def test_prefetch_follows_the_order_forward_ran_the_units_in():
     for step in range(2):
         tracer.step = step
         net(torch.ones(2, 8)).backward()
-    assert [u.name for u in net._fsdp_unit.forward_order()] == ["b2", "b0", "b1"]
+    assert [u.name for u in net._fsdp_unit.context.forward_order()] == ["b2", "b0", "b1"]
     gathers = [e["name"] for e in tracer.events if e["kind"] == "unit" and e.get("step") == 1
                and e["state"] == "unsharding"]
     assert gathers == ["root", "b2", "b0", "b1", "b1", "b0", "b2"]
@@ -133,4 +133,4 @@ def test_the_gpts_recorded_order_is_its_module_order():
     net = GPT("nano")
     fsdp.apply_fsdp(net)
     net(torch.zeros(1, 4, dtype=torch.long))
-    assert net._fsdp_unit.forward_order() == [b._fsdp_unit for b in net.blocks]
+    assert net._fsdp_unit.context.forward_order() == [b._fsdp_unit for b in net.blocks]

@@ -32,10 +32,11 @@ from hypothesis import strategies as st  # noqa: E402
 import rank_tasks  # noqa: E402
 from minishard.buckets import plan_buckets  # noqa: E402
 from minishard.checkpoint import CheckpointError, plan_reads  # noqa: E402
-from minishard.checkpoint.format import build_metadata, file_layout  # noqa: E402
+from minishard.checkpoint.format import build_metadata, plan_file  # noqa: E402
 from minishard.checkpoint.regions import Region  # noqa: E402
 from minishard.comm import Comm  # noqa: E402
-from minishard.fsdp.layout import FlatLayout, PerParamLayout, collect_slots  # noqa: E402
+from minishard.fsdp.layout import FlatLayout, PerParamLayout  # noqa: E402
+from minishard.fsdp.slots import collect_slots  # noqa: E402
 from minishard.zero import ZeroOptimizer  # noqa: E402
 
 
@@ -409,14 +410,14 @@ def test_flat_layout_partition_and_round_trips(N, shapes_, mode):
 
 class _OneRankOf(Comm):
     """Rank ``rank`` of ``world_size``, without a process group: enough to build ZeroOptimizer's
-    layout (its constructor's only collective, replicating rank 0's values, is a no-op here —
+    layout (its constructor's only collective, the broadcast from rank 0, is a no-op here —
     every 'rank' starts from the same copy)."""
 
     def __init__(self, rank: int, world_size: int):
         super().__init__(alone=True)
         self.rank, self.world_size = rank, world_size
 
-    def replicate_from_rank0(self, tensors, ledger=None) -> None:
+    def broadcast_from_rank0(self, tensors, ledger=None) -> None:
         pass
 
 
@@ -446,23 +447,23 @@ def test_zero_buckets_partition_every_parameter(N, groups, cap_bytes, first_byte
         start = 0
         for b in opt.buckets:
             assert b.start == start and b.numel == sum(p.numel() for p in b.params)
-            assert b.chunk == math.ceil(b.numel / N) and b.size == b.chunk * N
+            assert b.shard_numel == math.ceil(b.numel / N) and b.size == b.shard_numel * N
             assert 0 <= b.size - b.numel < max(N, 1)
             start += b.size
         flat = opt.flat_params
         assert flat.numel() == start
         for b, shard in zip(opt.buckets, opt.shards):
-            region = flat[b.start:b.start + b.size]
-            assert not region[b.numel:].any(), "padding not zero"
-            mine = opt._mine(flat, b)
-            lo = mine.storage_offset() - flat.storage_offset()
-            assert mine.numel() == b.chunk and lo == b.start + r * b.chunk
-            assert shard.numel() == b.chunk
+            whole = flat[b.start:b.start + b.size]
+            assert not whole[b.numel:].any(), "padding not zero"
+            ours = opt._shard_of(flat, b)
+            lo = ours.storage_offset() - flat.storage_offset()
+            assert ours.numel() == b.shard_numel and lo == b.start + r * b.shard_numel
+            assert shard.numel() == b.shard_numel
             for p, off in zip(b.params, b.offsets):
                 # the parameter aliases its place in the flat buffer, with its own values
                 assert p.data_ptr() == flat[b.start + off:].data_ptr() or p.numel() == 0
                 assert_bits_equal(p.detach(), values[ident[id(p)]], "parameter moved into the buffer")
-                a, e = max(off, r * b.chunk), min(off + p.numel(), (r + 1) * b.chunk)
+                a, e = max(off, r * b.shard_numel), min(off + p.numel(), (r + 1) * b.shard_numel)
                 for j in range(a, e):
                     owners.setdefault((ident[id(p)], j - off), []).append(r)
     for ps in groups:
@@ -510,7 +511,7 @@ def saved_checkpoint(draw):
         order = draw(st.permutations(regions[r]))
         state = SimpleNamespace(rank=r, world_size=N, regions=list(order),
                                 tensors={n: (s, d) for n, (s, d) in tensors.items()})
-        _, _, records, size = file_layout(state)
+        _, _, records, size = plan_file(state)
         for rec in records:
             esize = tensors[rec["tensor"]][1].itemsize
             rec["checksums"] = [f"{rec['file']}:{rec['key']}:{b}"
@@ -546,7 +547,7 @@ def needs_of(draw, meta):
 @bounded(400)
 @given(data=st.data(), meta=saved_checkpoint())
 def test_plan_reads_deliver_every_needed_element_once(data, meta):
-    # file_layout: a file's pieces lie end to end after its header, up to the file's size
+    # plan_file: a file's pieces lie end to end after its header, up to the file's size
     spans = {}
     for t in meta["tensors"].values():
         for p in t["pieces"]:

@@ -5,17 +5,17 @@ print and assert on; the views read traces only. Nothing here is a strategy: eve
 allocated, gathered and reduced by :mod:`minishard.fsdp` (its units and layouts).
 
 * :func:`lifecycle_by_hand` walks one training step of the nano GPT through every FSDP lifecycle
-  call written out (``unshard``, ``reshard``, ``reduce_scatter_grads`` ...), snapshotting the
-  units' states and the rank's ledger after each call, then checks that the hooks give the
-  same bits.
+  call written out (``unshard``, ``reshard``, ``reduce_scatter_grads`` ...) by
+  :func:`manual_step`, snapshotting the units' states and the rank's ledger after each call,
+  then checks that the hooks give the same bits.
 * :func:`layout_views` and :func:`mixed_dtypes` show what the per-parameter (FSDP2) and flat
   (FSDP1) layouts look like to ``model.parameters()``, to a checkpoint and to mixed dtypes;
   :func:`padding_table` computes each layout's padding for any world size without ranks.
 * :func:`lifecycle_order` and :func:`unit_state_figure` turn a trace's ``unit`` events into the
   chapter's table and picture (plotly is imported lazily, so the rank processes that import
   this module for its tasks do not pay for it).
-* :func:`manual_step` is one training step with every lifecycle call written out (the
-  exercise's reference and a test of the hooks).
+* :func:`manual_step` is that by-hand step on its own, watched by nobody (the exercise's
+  reference and a test of the hooks).
 """
 from __future__ import annotations
 
@@ -38,14 +38,81 @@ def _shard_model(net: GPT, comm: Comm, ledger: LiveLedger | None, manual: bool,
     return fsdp.apply_fsdp(net, comm=comm, ledger=ledger, manual=manual, layout=layout)
 
 
+def _unobserved(call: str) -> None:
+    """A training step watches nothing: :func:`manual_step`'s default observer."""
+
+
+def _grads_arrived(u) -> None:
+    """What the post-accumulate-grad hooks would report: the unit's full gradients are in."""
+    for i in range(len(u.layout.grad_leaves())):
+        u.on_grad_ready(i)
+
+
+def manual_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+                observe=_unobserved) -> torch.Tensor:
+    """One training step of a GPT whose units were made with ``fully_shard(..., manual=True)``,
+    every lifecycle call written out in the order the hooks make it. Returns the loss (detached).
+
+    The root (embeddings, final norm, head) stays unsharded all step. Each block is unsharded for
+    its forward and resharded after it, then unsharded again just before its own backward, its
+    gradients reduce-scattered and resharded before the next block's. To run backward one block at
+    a time, each block's input is cut from the graph (``detach().requires_grad_()``) and its
+    backward fed the gradient the next block produced — the arithmetic is unchanged.
+    ``observe(call)`` runs after each call (:func:`lifecycle_by_hand` snapshots there).
+    """
+    root, blocks = model._fsdp_unit, [b._fsdp_unit for b in model.blocks]
+    root.unshard()
+    observe("root.unshard()")
+    emb = model.tok_emb(idx)                                       # (B, T, C)
+    if model.pos_emb is not None:
+        emb = emb + model.pos_emb.weight[:idx.shape[1]]
+    h, cut = emb, []                                               # cut: (block input, output)
+    for b, u in zip(model.blocks, blocks):
+        first = u is blocks[0]     # once asynchronously: the split that prefetch is built on
+        u.unshard(async_op=first)
+        observe(f"{u.name}.unshard(async_op=True)" if first else f"{u.name}.unshard()")
+        if first:
+            u.wait_for_unshard()
+            observe(f"{u.name}.wait_for_unshard()")
+        a = h.detach().requires_grad_()
+        h = b(a)                   # autograd keeps this block's full weights for backward...
+        cut.append((a, h))
+        observe(f"{u.name} forward")
+        u.reshard()                # ...but their storage is freed now: 1/N stays
+        observe(f"{u.name}.reshard()")
+    top = h.detach().requires_grad_()
+    logits = model.head(model.ln_f(top))                           # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    observe("root forward: loss")
+    loss.backward()
+    _grads_arrived(root)
+    observe("loss.backward() (head, ln_f)")
+    grad = top.grad
+    for (a, h), u in reversed(list(zip(cut, blocks))):
+        u.unshard()                # just in time, as the pre-backward hook does
+        observe(f"{u.name}.unshard()")
+        h.backward(grad)
+        _grads_arrived(u)
+        grad = a.grad
+        observe(f"{u.name} backward")
+        u.reduce_scatter_grads()   # sum the full gradients, keep this rank's slice
+        observe(f"{u.name}.reduce_scatter_grads()")
+        u.reshard()
+        observe(f"{u.name}.reshard()")
+    emb.backward(grad)             # the root's embeddings: the last gradients backward reaches
+    _grads_arrived(root)
+    observe("embeddings backward")
+    root.reduce_scatter_grads()
+    observe("root.reduce_scatter_grads()")
+    root.reshard()
+    observe("root.reshard()")
+    return loss.detach()
+
+
 def lifecycle_by_hand(rank, model: str = "nano", micro_batch: int = 2, seed: int = 0) -> dict:
     """One AdamW step of a GPT whose units were made with ``fully_shard(..., manual=True)``,
-    every lifecycle call written out in the order the hooks would make it.
-
-    To run backward one unit at a time by hand, each block's input is cut from the graph
-    (``detach().requires_grad_()``): the block's backward is then its own call, fed the gradient
-    the next block produced. The arithmetic is unchanged — the result is compared bitwise with
-    the same step driven by hooks.
+    every lifecycle call written out in the order the hooks would make it (:func:`manual_step`,
+    watched after each call). The result is compared bitwise with the same step driven by hooks.
 
     Returns ``{"rows": [...], "loss": float, "matches_hooks": bool}``; each row is a snapshot
     after one call: unit states, the ledger by category, what the module holds as
@@ -63,8 +130,7 @@ def lifecycle_by_hand(rank, model: str = "nano", micro_batch: int = 2, seed: int
     x, y = batch(cfg, 0, micro_batch, rank.rank, rank.world_size)
     snap("(after fully_shard)")
     with ledger.activations():
-        loss, emb, cut, top = _forward_by_hand(net, x, y, snap)
-    _backward_by_hand(net, loss, emb, cut, top, snap)
+        loss = manual_step(net, x, y, observe=snap)
     opt.step()
     track_optimizer_state(ledger, opt, net)
     opt.zero_grad(set_to_none=False)
@@ -102,75 +168,11 @@ class _Snapshots:
         new = [e for e in self.tracer.events[self._seen:] if e["kind"] == "collective"]
         self._seen = len(self.tracer.events)
         self.rows.append({"call": call,
-                          "states": {u.name: u.state.value for u in self.units},
+                          "states": {u.name: u.memory_state.value for u in self.units},
                           "ledger": self.ledger.current(),
                           "qkv_shape": tuple(self.net.blocks[0].attn.qkv.weight.shape),
                           "qkv_full_bytes": self.qkv_full.untyped_storage().nbytes(),
                           "collectives": [f"{e['op']}({e['tag']})" for e in new]})
-
-
-def _forward_by_hand(net: GPT, x, y, snap: _Snapshots):
-    """The root (embeddings, final norm, head) gathered for the whole step, the blocks one by
-    one, each block's input cut from the graph. Returns the loss, the embeddings' output, the
-    blocks' (input, output) pairs and the head's input."""
-    root, blocks = net._fsdp_unit, [b._fsdp_unit for b in net.blocks]
-    root.unshard()
-    snap("root.unshard()")
-    h = emb = net.tok_emb(x) + net.pos_emb.weight[:x.shape[1]]    # (B, T, C)
-    cut = []                                                       # (block input, output)
-    for b, u in zip(net.blocks, blocks):
-        if u is blocks[0]:
-            u.unshard(async_op=True)
-            snap(f"{u.name}.unshard(async_op=True)")
-            u.wait_for_unshard()
-            snap(f"{u.name}.wait_for_unshard()")
-        else:
-            u.unshard()
-            snap(f"{u.name}.unshard()")
-        a = h.detach().requires_grad_()
-        h = b(a)
-        cut.append((a, h))
-        snap(f"{u.name} forward")
-        u.reshard()
-        snap(f"{u.name}.reshard()")
-    top = h.detach().requires_grad_()
-    logits = net.head(net.ln_f(top))                               # (B, T, V)
-    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-    snap("root forward: loss")
-    return loss, emb, cut, top
-
-
-def _backward_by_hand(net: GPT, loss, emb, cut, top, snap: _Snapshots) -> None:
-    """The root's head first, then the blocks in reverse (gathered again, backward, their
-    gradients reduce-scattered, resharded), the embeddings last."""
-    root, blocks = net._fsdp_unit, [b._fsdp_unit for b in net.blocks]
-
-    def grads_arrived(u) -> None:            # what the post-accumulate-grad hooks would report
-        for i in range(len(u.layout.grad_leaves())):
-            u.on_grad_ready(i)
-
-    loss.backward()
-    grads_arrived(root)
-    snap("loss.backward() (head, ln_f)")
-    grad = top.grad
-    for (a, h), u in reversed(list(zip(cut, blocks))):
-        u.unshard()
-        snap(f"{u.name}.unshard()")
-        h.backward(grad)
-        grads_arrived(u)
-        grad = a.grad
-        snap(f"{u.name} backward")
-        u.reduce_scatter_grads()
-        snap(f"{u.name}.reduce_scatter_grads()")
-        u.reshard()
-        snap(f"{u.name}.reshard()")
-    emb.backward(grad)
-    grads_arrived(root)
-    snap("embeddings backward")
-    root.reduce_scatter_grads()
-    snap("root.reduce_scatter_grads()")
-    root.reshard()
-    snap("root.reshard()")
 
 
 # --------------------------------------------------------------------------- 06: two layouts
@@ -213,7 +215,8 @@ def padding_table(model: str, world_size: int) -> dict[str, list[int]]:
     """Padding elements each rank stores (summed over the units: every block and the root),
     per layout, for ``world_size`` ranks — computed by building the layouts on the meta
     device, no ranks needed."""
-    from ..fsdp.layout import FlatLayout, PerParamLayout, collect_slots
+    from ..fsdp.layout import FlatLayout, PerParamLayout
+    from ..fsdp.slots import collect_slots
     out = {}
     for kind in ("per_param", "flat"):
         net = GPT(model, device="meta")
@@ -305,35 +308,3 @@ def unit_state_figure(events: list[dict], rank: int = 0, step: int | None = None
                       width=900, yaxis=dict(categoryorder="array", categoryarray=order[::-1]),
                       margin=dict(l=90, r=10, t=50, b=40))
     return fig
-
-
-# --------------------------------------------------------------------------- by hand, for the exercise
-
-
-def manual_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """One training step of a GPT whose units were made with ``fully_shard(..., manual=True)``,
-    every lifecycle step written out — what the hooks do for you. Returns the loss.
-
-    The root (embeddings, final norm, head) is gathered for the whole step; each block is
-    gathered for its forward and freed after it, gathered again for backward.
-    """
-    root, blocks = model._fsdp_unit, [b._fsdp_unit for b in model.blocks]
-    root.unshard()
-    root.wait_for_unshard()
-    x = model.tok_emb(idx)
-    if model.pos_emb is not None:
-        x = x + model.pos_emb.weight[:idx.shape[1]]
-    for b in blocks:
-        b.unshard()
-        b.wait_for_unshard()
-        x = b.module(x)              # autograd keeps this block's full weights for backward...
-        b.reshard()                  # ...but their storage is freed now: 1/N stays
-    loss = nn.functional.cross_entropy(model.head(model.ln_f(x)).flatten(0, 1), targets.flatten())
-    for b in blocks:                 # backward needs every block's weights again
-        b.unshard()
-        b.wait_for_unshard()
-    loss.backward()
-    for u in [*reversed(blocks), root]:
-        u.reduce_scatter_grads()     # sum the full gradients, keep this rank's slice
-        u.reshard()
-    return loss.detach()

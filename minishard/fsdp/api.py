@@ -12,7 +12,8 @@ from ..comm import Comm
 from ..ledger import LiveLedger
 from ..offload import Tier
 from . import hooks
-from .layout import FlatLayout, ParamSlot, PerParamLayout, collect_slots
+from .layout import FlatLayout, PerParamLayout
+from .slots import ParamSlot, collect_slots
 from .limits import persistent_names
 from .replicated import NoShards, NothingToShard, dtype_boundaries
 from .state import MixedPrecisionPolicy
@@ -133,9 +134,9 @@ def _units_inside(module: nn.Module) -> list[FSDPUnit]:
     at the first forward)."""
     inside = units(module)
     for u in inside:
-        if u.root is not None:
+        if u.context.root is not None:
             raise ValueError(f"unit {u.name} has already run forward as part of root "
-                             f"{u.root.name}; shard every module before the first forward")
+                             f"{u.context.root.name}; shard every module before the first forward")
     return inside
 
 
@@ -188,8 +189,7 @@ def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> None:
     computes, the next ``forward`` units (the previous ``backward`` units in backward) — in the
     order the first forward ran them — are already being gathered. Depth k keeps up to k+1
     units' full parameters in memory."""
-    root = model._fsdp_unit
-    root.prefetch_depth = (_depth(forward, "forward"), _depth(backward, "backward"))
+    model._fsdp_unit.context.prefetch_depth = (_depth(forward, "forward"), _depth(backward, "backward"))
 
 
 def set_modules_to_forward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:

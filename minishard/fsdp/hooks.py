@@ -1,26 +1,26 @@
-"""Every hook FSDP uses, in one place. Each hook is a single call to a named method of the unit.
+"""Every hook FSDP uses, in one place. Each hook calls a named method of the unit (or of the
+root's context); the unit never calls back here.
 
     when                                 hook                               calls
-    forward reaches the unit             module forward pre-hook            unit.pre_forward(args)
-    forward leaves the unit              module forward hook                unit.post_forward(output)
+    forward reaches the unit             module forward pre-hook            unit.pre_forward()
+    forward leaves the unit              module forward hook                unit.post_forward()
     a full gradient was accumulated      post-accumulate-grad hook, per     unit.on_grad_ready(i)
                                          gradient leaf
     backward reaches the unit's outputs  gradient hook on each output       unit.pre_backward()
     the unit's backward is done          identity node on its inputs        unit.post_backward()
-    backward is over                     callback queued on the autograd    root.root_post_backward()
+    backward is over                     callback queued on the autograd    context.post_backward()
                                          engine, once per backward
     forward reaches / leaves a module    module forward pre-hook / hook     (casts, no unit method)
     computing in its replicated
     parameters' own dtype
 
-The first three are registered once, by :func:`register_hooks` (``fully_shard``; not with
-``manual=True``). The next two belong to one forward's autograd graph and go with it, so they
-are attached to that forward's tensors, by :func:`register_post_backward` (from the unit's
-``pre_forward``) and :func:`register_pre_backward` (from its ``post_forward``). The root queues
-the end-of-backward callback at the first ``pre_backward`` of each backward
-(:func:`queue_root_post_backward`). The casts around a module that computes in its replicated
-parameters' dtype are no lifecycle step: ``fully_shard`` registers them even with
-``manual=True`` (:func:`register_dtype_boundaries`).
+:func:`register_hooks` (``fully_shard``; not with ``manual=True``) registers the first three for
+the unit's whole life. The next two belong to one forward's autograd graph and go with it: the
+forward hooks attach them to that forward's tensors — not to a recomputation's (activation
+checkpointing: its graph is never walked back). The first unit backward reaches queues the
+end-of-backward callback (the root's context says which is first). The casts around a module that
+computes in its replicated parameters' dtype are no lifecycle step: ``fully_shard`` registers
+them even with ``manual=True`` (:func:`register_dtype_boundaries`).
 """
 from __future__ import annotations
 
@@ -35,18 +35,22 @@ if TYPE_CHECKING:
 
 def register_hooks(unit: "FSDPUnit") -> None:
     """The hooks a unit keeps for its whole life."""
-    unit.module.register_forward_pre_hook(lambda mod, args: unit.pre_forward(args))
-    unit.module.register_forward_hook(lambda mod, args, out: unit.post_forward(out))
+    unit.module.register_forward_pre_hook(lambda mod, args: _pre_forward(unit, args))
+    unit.module.register_forward_hook(lambda mod, args, out: _post_forward(unit, out))
     for i, leaf in enumerate(unit.layout.grad_leaves()):
         leaf.register_post_accumulate_grad_hook(lambda p, i=i: unit.on_grad_ready(i))
 
 
-def register_post_backward(unit: "FSDPUnit", args: tuple) -> tuple:
-    """Pass the unit's inputs through an identity node: in backward it runs after the gradients
-    w.r.t. those inputs, i.e. after every gradient of the unit's parameters was accumulated
-    (counting gradient hooks could not tell, with frozen parameters). Made before the flat
-    layout's views, so that autograd runs it after them (later nodes run first)."""
-    return _RegisterPostBackward.apply(unit, *args)
+def _pre_forward(unit: "FSDPUnit", args: tuple) -> tuple:
+    """The inputs pass through an identity node whose backward is the unit's post-backward:
+    it runs after the gradients w.r.t. those inputs, i.e. after every gradient of the unit's
+    parameters was accumulated (counting gradient hooks could not tell, with frozen
+    parameters). Made before the unshard makes the flat layout's views, so that autograd runs
+    it after them (later nodes run first)."""
+    if not unit.in_backward:
+        args = _RegisterPostBackward.apply(unit, *args)
+    unit.pre_forward()
+    return args
 
 
 class _RegisterPostBackward(torch.autograd.Function):
@@ -61,17 +65,24 @@ class _RegisterPostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def register_pre_backward(unit: "FSDPUnit", output) -> None:
-    """A gradient hook on every output that needs a gradient: the first to fire means backward
-    has reached the unit."""
-    for t in tree_flatten(output)[0]:
-        if torch.is_tensor(t) and t.requires_grad:
-            t.register_hook(lambda grad: unit.pre_backward())   # (None: the gradient unchanged)
+def _post_forward(unit: "FSDPUnit", output):
+    """Then a gradient hook on every output that needs a gradient: the first to fire means
+    backward has reached the unit."""
+    recomputing = unit.in_backward
+    unit.post_forward()
+    if not recomputing:
+        for t in tree_flatten(output)[0]:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(lambda grad: _pre_backward(unit))   # (None: the gradient unchanged)
+    return output
 
 
-def queue_root_post_backward(root: "FSDPUnit") -> None:
-    """Run ``root.root_post_backward`` when the autograd engine has finished this backward."""
-    torch.autograd.Variable._execution_engine.queue_callback(root.root_post_backward)
+def _pre_backward(unit: "FSDPUnit") -> None:
+    """The first unit backward reaches queues the end of backward on the autograd engine: it
+    runs when the engine has finished this backward."""
+    if unit.context.first_in_backward():
+        torch.autograd.Variable._execution_engine.queue_callback(unit.context.post_backward)
+    unit.pre_backward()
 
 
 def register_dtype_boundaries(boundaries: dict[torch.nn.Module, torch.dtype],

@@ -1,11 +1,16 @@
 """How an FSDP unit lays out its parameters: per-parameter (FSDP2) or flat (FSDP1).
 
-A layout answers four questions for the unit lifecycle (``unit.py``), which never looks inside:
+A layout answers four questions for the unit lifecycle (``unit.py``), which asks them through
+the :class:`Layout` protocol and never looks inside:
 
 1. what does ``model.parameters()`` show while sharded (what the optimizer updates)?
-2. what does this rank contribute to the unit's all-gather, and where does the result go?
-3. how are the full parameters put in place for compute, and taken away again?
+2. what does this rank contribute to the unit's all-gather, and where does the result go
+   (``begin_unshard`` gives the buffer it fills, ``finish_unshard`` takes it when it lands)?
+3. how are the full parameters put in place for compute, and taken away again (``reshard``)?
 4. which gradients go into the reduce-scatter, and where does the reduced slice land?
+
+A layout allocates the full parameters and the gather's buffers, so it enters them in the
+ledger itself (``account``): the unit need not know which of them a layout has.
 
 **Per-parameter sharding** (:class:`PerParamLayout`, PyTorch FSDP2). Each parameter is cut along
 dim 0 into N row blocks of ``ceil(rows / N)`` (the last padded); rank r keeps block r as its own
@@ -34,12 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 
 from ..local_grad import local
+from .slots import ParamSlot
 
 _preserve_version = torch.autograd._unsafe_preserve_version_counter
 
@@ -49,51 +55,57 @@ def _set_storage(t: torch.Tensor, nbytes: int) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
-@dataclass
-class ParamSlot:
-    """One parameter of the unit: where it lives in the module, and its global shape."""
-    module: nn.Module
-    name: str
-    fqn: str
-    shape: torch.Size
-    dtype: torch.dtype
-    requires_grad: bool
+class Layout(Protocol):
+    """What a unit asks of its layout: :class:`PerParamLayout`, :class:`FlatLayout` and
+    ``replicated.NoShards`` answer it."""
+    kind: str
+    N: int
+    device: torch.device
+    slots: list[ParamSlot]
+    reduce_dtype: torch.dtype
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def collect_slots(module: nn.Module, taken: dict[int, str]) -> list[ParamSlot]:
-    """The parameters a new unit owns: those of ``module`` not already in a unit. ``taken`` maps
-    the ids of parameters (and of shards) that earlier units took over to those units' names;
-    a shard or a parameter a unit keeps replicated is skipped, an original a unit replaced is a
-    tied weight."""
-    slots, seen = [], {}
-    for mod_name, mod in module.named_modules():
-        for name, p in list(mod._parameters.items()):
-            fqn = f"{mod_name + '.' if mod_name else ''}{name}"
-            if p is None:
-                continue
-            if id(p) in taken:
-                if getattr(p, "_fsdp_shard", False) or getattr(p, "_fsdp_replicated", False):
-                    continue                     # held by a child unit: not ours
-                raise ValueError(f"parameter {fqn} is shared with unit {taken[id(p)]!r}, which "
-                                 f"already sharded it (tied weights across units): put every "
-                                 f"module that uses it in one unit, or untie the weights")
-            if id(p) in seen:
-                raise ValueError(f"parameter {fqn} is the same tensor as {seen[id(p)]} (tied "
-                                 f"weights inside one unit): minishard does not shard a tied "
-                                 f"parameter; untie the weights")
-            seen[id(p)] = fqn
-            slots.append(ParamSlot(mod, name, fqn, p.shape, p.dtype, p.requires_grad))
-    return slots
+    def account(self, ledger, unit: str) -> None: ...
+    def shard_tensors(self) -> list[torch.Tensor]: ...
+    def all_gather_input(self, device: torch.device, dtype: torch.dtype | None = None,
+                         into: torch.Tensor | None = None) -> torch.Tensor: ...
+    def all_gather_output(self, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+    def begin_unshard(self) -> torch.Tensor: ...
+    def finish_unshard(self, gathered: torch.Tensor) -> None: ...
+    def reshard(self) -> None: ...
+    def pack_blocks(self, ranks: range) -> torch.Tensor: ...
+    def unpack(self, gathered: torch.Tensor) -> list[torch.Tensor]: ...
+    def full_values(self) -> list[torch.Tensor]: ...
+    def grad_leaves(self) -> list[nn.Parameter]: ...
+    def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor: ...
+    def reduce_scatter_output(self, dtype: torch.dtype) -> torch.Tensor: ...
+    def accumulate_reduced(self, reduced: torch.Tensor) -> None: ...
+    def drop_unsharded_grads(self) -> None: ...
+    def held(self, i: int) -> tuple[torch.Tensor, int, int, int]: ...
 
 
-class PerParamLayout:
+class Accounted:
+    """A layout's ledger entries, under its unit's name: the full parameters (``unsharded``,
+    ``{unit}:full{i}``) and a buffer the all-gather fills before they exist (``{unit}:ag``)."""
+    _ledger = None
+    _unit = ""
+
+    def account(self, ledger, unit: str) -> None:
+        self._ledger, self._unit = ledger, unit
+
+    def _track_unsharded(self) -> None:
+        if self._ledger is not None:
+            for i, t in enumerate(self.unsharded_tensors()):
+                self._ledger.track("unsharded", t, f"{self._unit}:full{i}")
+
+    def _untrack_unsharded(self) -> None:
+        if self._ledger is not None:
+            for i in range(len(self.unsharded_tensors())):
+                self._ledger.free(f"{self._unit}:full{i}")
+
+
+class PerParamLayout(Accounted):
     """FSDP2: every parameter sharded on its own along dim 0 (see the module docstring)."""
     kind = "per_param"
-    gathers_in_place = False                    # gathered into a packed buffer, then copied out
 
     def __init__(self, slots: list[ParamSlot], rank: int, world_size: int,
                  param_dtype: torch.dtype | None):
@@ -171,6 +183,31 @@ class PerParamLayout:
             return torch.empty(self.N * self.per_rank, dtype=dtype, device=self.device)
         return torch.empty(self.N * self.gather_per_rank, dtype=self.gather_dtype,
                            device=self.device)
+
+    def begin_unshard(self) -> torch.Tensor:
+        """A packed buffer for the all-gather (a communication buffer in the ledger). The full
+        parameters are allocated only at the copy-out, when it lands: a unit still in flight
+        (prefetched) holds one copy of its parameters, not two."""
+        out = self.all_gather_output()
+        if self._ledger is not None:
+            self._ledger.alloc("comm_buffers", out.numel() * out.element_size(), f"{self._unit}:ag")
+        return out
+
+    def finish_unshard(self, gathered: torch.Tensor) -> None:
+        """The gathered blocks copied out into the full parameters, which the module computes
+        with from now on."""
+        self.alloc_unsharded()
+        self._track_unsharded()
+        self.copy_out(gathered)
+        if self._ledger is not None:
+            self._ledger.free(f"{self._unit}:ag")
+        self.to_unsharded()
+
+    def reshard(self) -> None:
+        """The module holds the shards again; the full parameters' storage is freed."""
+        self.to_sharded()
+        self.free_unsharded()
+        self._untrack_unsharded()
 
     def alloc_unsharded(self) -> None:
         for p in self.unsharded:
@@ -316,10 +353,9 @@ class PerParamLayout:
         return [p.detach() for p in self.unsharded]
 
 
-class FlatLayout:
+class FlatLayout(Accounted):
     """FSDP1: the unit's parameters as one flat padded buffer, sharded as one tensor."""
     kind = "flat"
-    gathers_in_place = True                     # the all-gather writes the full buffer itself
 
     def __init__(self, slots: list[ParamSlot], rank: int, world_size: int,
                  param_dtype: torch.dtype | None, owner: nn.Module):
@@ -384,6 +420,21 @@ class FlatLayout:
     def unpack(self, gathered: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's full value, as views of a gather in one dtype."""
         return [gathered[off:off + s.numel].view(s.shape) for s, off in zip(self.slots, self.offsets)]
+
+    def begin_unshard(self) -> torch.Tensor:
+        """The full flat buffer, allocated now: the all-gather writes it in place, nothing is
+        copied out when it lands."""
+        self.alloc_unsharded()
+        self._track_unsharded()
+        return self.flat_full
+
+    def finish_unshard(self, gathered: torch.Tensor) -> None:
+        self.to_unsharded()
+
+    def reshard(self) -> None:
+        self.to_sharded()
+        self.free_unsharded()
+        self._untrack_unsharded()
 
     def alloc_unsharded(self) -> None:
         _set_storage(self.flat_full, self.flat_full.numel() * self.flat_full.element_size())

@@ -43,17 +43,18 @@ def elements(unit) -> int:
     return sum(s.numel for s in unit.layout.slots)
 
 
-def live_elements(root) -> int:
-    """Elements gathered now under ``root``: every unit not back to its shard (unsharding,
-    unsharded, or reduce-scattering with its parameters still whole)."""
-    return sum(elements(u) for u in root.units if u.state is not MemoryState.SHARDED)
+def live_elements(context) -> int:
+    """Elements gathered now under the root (``context``: the root's, ``root.py``): every unit
+    not back to its shard (unsharding, unsharded, or reduce-scattering with its parameters
+    still whole)."""
+    return sum(elements(u) for u in context.units if u.memory_state is not MemoryState.SHARDED)
 
 
-def window(root, ahead: list, depth: int) -> list:
+def window(context, ahead: list, depth: int) -> list:
     """The units to prefetch from ``ahead`` (the units after the one computing, in the order
     they will run): the next ``depth`` — or, with a bucket, as many as fit in it — then cut at
     the cap on live parameters."""
-    limits = root.stage3_limits
+    limits = context.stage3_limits
     if limits.prefetch_bucket_size is None:
         chosen = ahead[:depth]
     else:
@@ -63,18 +64,18 @@ def window(root, ahead: list, depth: int) -> list:
             if total > limits.prefetch_bucket_size:
                 break
             chosen.append(u)
-    return under_cap(root, chosen)
+    return under_cap(context, chosen)
 
 
-def under_cap(root, targets: list) -> list:
+def under_cap(context, targets: list) -> list:
     """``targets`` up to the first unit whose gather would take the live elements over the
     cap (units already gathered or in flight cost nothing more)."""
-    cap = root.stage3_limits.max_live_parameters
+    cap = context.stage3_limits.max_live_parameters
     if cap is None:
         return list(targets)
-    live, kept = live_elements(root), []
+    live, kept = live_elements(context), []
     for u in targets:
-        if u.state is MemoryState.SHARDED:
+        if u.memory_state is MemoryState.SHARDED:
             if live + elements(u) > cap:
                 break
             live += elements(u)
@@ -98,7 +99,7 @@ def set_stage3_limits(model, prefetch_bucket_size: int | None = None,
     the elements gathered ahead; ``max_live_parameters`` (``stage3_max_live_parameters``) caps
     the elements gathered at once — it also bounds ``set_prefetch``'s depth and explicit lists."""
     bucket = _count(prefetch_bucket_size, "prefetch_bucket_size")
-    model._fsdp_unit.stage3_limits = Stage3Limits(bucket, _count(max_live_parameters, "max_live_parameters"))
+    model._fsdp_unit.context.stage3_limits = Stage3Limits(bucket, _count(max_live_parameters, "max_live_parameters"))
 
 
 def persistent_names(slots, threshold: int | None, unit: str) -> tuple[str, ...]:

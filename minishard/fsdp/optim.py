@@ -44,8 +44,8 @@ class ShardedOptimizer:
         """Update the shards. Refuses while a unit is not sharded: its module would go on
         computing with full parameters the step did not update."""
         for u in self.units:
-            if u.state is not MemoryState.SHARDED:
-                raise RuntimeError(f"optimizer step while FSDP unit {u.name} is {u.state.value}: "
+            if u.memory_state is not MemoryState.SHARDED:
+                raise RuntimeError(f"optimizer step while FSDP unit {u.name} is {u.memory_state.value}: "
                                    f"step after backward, when every unit holds only its shard")
         return self.optimizer.step(closure)
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .layout import ParamSlot
+from .layout import Accounted
+from .slots import ParamSlot
 from .state import AllReduceState, MemoryState
 
 
@@ -66,10 +67,9 @@ def dtype_boundaries(whole: list[ParamSlot], param_dtype: torch.dtype | None, un
     return out
 
 
-class NoShards:
+class NoShards(Accounted):
     """The layout of a unit whose every parameter is replicated: nothing sharded, gathered or
-    reduce-scattered. Answers the layout's questions (``layout.py``) with nothing."""
-    gathers_in_place = False
+    reduce-scattered. Answers the layout's questions (``layout.Layout``) with nothing."""
     mixed = False
 
     def __init__(self, kind: str, rank: int, world_size: int, device: torch.device,
@@ -97,7 +97,7 @@ class NoShards:
     def alloc_unsharded(self) -> None:
         pass
 
-    free_unsharded = to_unsharded = to_sharded = drop_unsharded_grads = alloc_unsharded
+    free_unsharded = to_unsharded = to_sharded = drop_unsharded_grads = reshard = alloc_unsharded
 
 
 class ReplicatedParams:
@@ -156,7 +156,7 @@ class NothingToShard:
     def reduce_scatter_grads(self, async_op: bool = False) -> None:
         """The replicated gradients' all-reduce (nothing to scatter); like any unit's reduction
         it waits first for the previous unit's, so at most one is in flight."""
-        for u in (self.root.units if self.root else [self]):
+        for u in self.context.units or [self]:
             u.wait_for_reduce_scatter()
         self._set_state(MemoryState.REDUCE_SCATTERING)
         replicas = self.replicate.world_size if self.replicate is not None else 1

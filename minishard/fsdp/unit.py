@@ -7,11 +7,13 @@
     pre_backward                 backward reaches the unit: unshard again (inside the k ranks), prefetch
     post_backward                its gradients are in: reduce_scatter_grads, reshard
     reduce_scatter_grads         sum the full gradients, keep the slice  -> REDUCE_SCATTERING
-    root_post_backward           the root, at the end of backward: every unit finish_backward
+    finish_backward              the root's context, at the end of backward: wait, reshard, IDLE
 
-Hooks call these (``hooks.py``); with ``manual=True`` a notebook calls ``unshard``, ``reshard``
-and ``reduce_scatter_grads`` itself. How the parameters are laid out is the layout's business
-(``layout.py``); this file never looks inside one.
+Hooks call these (``hooks.py``), and nothing here calls a hook; with ``manual=True`` a notebook
+calls ``unshard``, ``reshard`` and ``reduce_scatter_grads`` itself. What only the root holds
+and does — the units, the forward order, prefetch bounds, the end of backward — is the root's
+context (``root.py``). How the parameters are laid out is the layout's business: this file
+asks its questions through ``layout.Layout`` and never looks inside one.
 """
 from __future__ import annotations
 
@@ -25,24 +27,26 @@ from ..comm import Comm, Work
 from ..ledger import LiveLedger
 from ..local_grad import local
 from ..offload import Tier, TransferLog
-from . import hooks, limits
-from .layout import ParamSlot
+from . import limits
+from .layout import Layout
 from .replicated import ReplicatedParams
-from .state import (AllGatherState, MemoryState, MixedPrecisionPolicy, ReduceScatterState, TrainingState,
-                    root_rule)
+from .root import RootContext
+from .slots import ParamSlot
+from .state import AllGatherState, MemoryState, MixedPrecisionPolicy, ReduceScatterState, TrainingState
 
 _IN_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
 
 class FSDPUnit(ReplicatedParams):
-    """One unit: its parameters' layout, its two states — ``state`` (a :class:`MemoryState`,
-    traced) and ``training_state`` — and the lifecycle steps as methods.
+    """One unit: its parameters' layout, its two states — ``memory_state`` (a
+    :class:`MemoryState`, traced) and ``training_state`` — and the lifecycle steps as methods;
+    ``context``, the root's context once the first forward has run (``root.py``).
 
     ``replicated``: parameters of the module the unit keeps whole on every rank (norms, say):
     never gathered nor freed, computing in their own dtype, their gradients all-reduced in it
     next to the reduce-scatter (``replicated.py``: :class:`ReplicatedParams`)."""
 
-    def __init__(self, module: nn.Module, name: str, layout, comm: Comm, ledger: LiveLedger | None,
+    def __init__(self, module: nn.Module, name: str, layout: Layout, comm: Comm, ledger: LiveLedger | None,
                  reshard_after_forward: bool | int | None, mp_policy: MixedPrecisionPolicy,
                  tier: Tier | None = None, replicate: Comm | None = None,
                  replicated: list[ParamSlot] = (), originals: set[int] = frozenset()):
@@ -55,11 +59,10 @@ class FSDPUnit(ReplicatedParams):
         self.post_forward_comm: Comm | None = None
         self._post_forward_blocks: torch.Tensor | None = None
         self.mp_policy = mp_policy
-        self.state = MemoryState.SHARDED
+        self.memory_state = MemoryState.SHARDED
         self.training_state = TrainingState.IDLE
         self._untold: dict = {}                    # facts for the trace's next unit event
-        self.root: FSDPUnit | None = None          # set lazily, at the first forward
-        self.units: list[FSDPUnit] = []            # the root's list of every unit below it
+        self.context = RootContext()               # its own until a root takes it in
         self.requires_gradient_sync = True
         self.reshard_after_backward = True         # False: stay gathered for the next micro-batch
         self.quantize: tuple = (None, None)        # ZeRO++: qwZ's and qgZ's quantized.Scheme
@@ -69,17 +72,13 @@ class FSDPUnit(ReplicatedParams):
         self._all_gather: AllGatherState | None = None          # work in flight, by name
         self._reduce_scatter: ReduceScatterState | None = None
         self._all_reduces: list[AllReduceState] | None = None
-        self._root_post_backward_queued = False    # the root's: one callback per backward
-        self._recording: list[FSDPUnit] | None = None    # the root's: the first forward's order
-        self._forward_order: list[FSDPUnit] | None = None
         # prefetch: explicit lists of units to unshard early, or (None) the root's depth rule
         self.forward_prefetch: list[FSDPUnit] | None = None
         self.backward_prefetch: list[FSDPUnit] | None = None
-        self.prefetch_depth = (0, 0)               # (forward, backward); read on the root
-        self.stage3_limits = limits.Stage3Limits()  # DeepSpeed's bounds; read on the root
         self.exposed_s = 0.0                       # seconds compute waited for this unit's comm
         # offload: the shards and their gradients live in a tier off the device (offload.py)
         self.tier, self.transfers = tier, TransferLog()
+        layout.account(ledger, name)            # it enters the full parameters it allocates
         self._place_shards()
 
     def _place_shards(self) -> None:
@@ -111,7 +110,7 @@ class FSDPUnit(ReplicatedParams):
 
     @property
     def is_root(self) -> bool:
-        return self.root is self
+        return self.context.root is self
 
     @property
     def in_backward(self) -> bool:
@@ -124,27 +123,25 @@ class FSDPUnit(ReplicatedParams):
         return {**dict.fromkeys(self._originals, self.name), **{id(t): self.name for t in held}}
 
     def _set_state(self, state: MemoryState) -> None:
-        self.state = state
+        self.memory_state = state
         if self.comm.tracer is not None:
             self.comm.tracer.emit("unit", name=self.name, state=state.value, **self._untold)
         self._untold = {}
 
+    def tell_trace(self, **facts) -> None:
+        """Facts the trace's next event of this unit carries (the root's rule, say)."""
+        self._untold.update(facts)
+
     # ------------------------------------------------------------------ unshard / reshard
     def unshard(self, async_op: bool = False) -> None:
-        """Start the all-gather of the unit's full parameters (``wait_for_unshard`` finishes it).
-
-        The flat layout gathers straight into its full buffer, allocated here. The per-parameter
-        layout gathers into a packed buffer and allocates the parameters only at the copy-out,
-        so a unit still in flight (prefetched) holds one copy of its parameters, not two."""
-        if self.state not in (MemoryState.SHARDED, MemoryState.SHARDED_POST_FORWARD):
+        """Start the all-gather of the unit's full parameters (``wait_for_unshard`` finishes it)
+        into the buffer the layout gives (the flat layout: the full buffer itself; the
+        per-parameter layout: a packed buffer, copied out when it lands)."""
+        if self.memory_state not in (MemoryState.SHARDED, MemoryState.SHARDED_POST_FORWARD):
             return
-        post_forward = self.state is MemoryState.SHARDED_POST_FORWARD
+        post_forward = self.memory_state is MemoryState.SHARDED_POST_FORWARD
         self._set_state(MemoryState.UNSHARDING)
-        if self.layout.gathers_in_place:
-            self._alloc_unsharded()
-        out = self.layout.all_gather_output()
-        if not self.layout.gathers_in_place and self.ledger is not None:
-            self.ledger.alloc("comm_buffers", out.numel() * out.element_size(), f"{self.name}:ag")
+        out = self.layout.begin_unshard()
         # gathering into the buffer whose views autograd saved must not count as modifying them
         # (they get back the very values saved). gloo may write until wait(): the version is
         # put back only after it.
@@ -178,12 +175,6 @@ class FSDPUnit(ReplicatedParams):
                                time.perf_counter() - t0, self.comm.tracer, self.name)
         return inp
 
-    def _alloc_unsharded(self) -> None:
-        self.layout.alloc_unsharded()
-        if self.ledger is not None:
-            for i, t in enumerate(self.layout.unsharded_tensors()):
-                self.ledger.track("unsharded", t, f"{self.name}:full{i}")
-
     def wait_for_unshard(self) -> None:
         gather = self._all_gather
         if gather is None:
@@ -191,13 +182,8 @@ class FSDPUnit(ReplicatedParams):
         if gather.work is not None:
             self._wait(gather.work, "wait_unshard")
         torch._C._autograd._unsafe_set_version_counter((gather.buffer,), (gather.version,))
-        if not self.layout.gathers_in_place:
-            self._alloc_unsharded()
-            self.layout.copy_out(gather.buffer)
-            if self.ledger is not None:
-                self.ledger.free(f"{self.name}:ag")
         self._all_gather = None
-        self.layout.to_unsharded()          # the module now computes with the full parameters
+        self.layout.finish_unshard(gather.buffer)    # the module computes with them now
         self._set_state(MemoryState.UNSHARDED)
 
     def _wait(self, work: Work, what: str) -> None:
@@ -214,10 +200,10 @@ class FSDPUnit(ReplicatedParams):
 
     def reshard(self) -> None:
         """Free the full parameters: the module holds nothing but shards again."""
-        if self.state is MemoryState.SHARDED_POST_FORWARD:
+        if self.memory_state is MemoryState.SHARDED_POST_FORWARD:
             self._drop_post_forward()
             self._set_state(MemoryState.SHARDED)
-        elif self.state is not MemoryState.SHARDED:
+        elif self.memory_state is not MemoryState.SHARDED:
             self._free_full(then=MemoryState.SHARDED)
 
     def reshard_post_forward(self) -> None:
@@ -235,11 +221,7 @@ class FSDPUnit(ReplicatedParams):
 
     def _free_full(self, then: MemoryState) -> None:
         self.wait_for_unshard()
-        self.layout.to_sharded()
-        self.layout.free_unsharded()
-        if self.ledger is not None:
-            for i in range(len(self.layout.unsharded_tensors())):
-                self.ledger.free(f"{self.name}:full{i}")
+        self.layout.reshard()
         self._set_state(then)
 
     def _drop_post_forward(self) -> None:
@@ -248,36 +230,31 @@ class FSDPUnit(ReplicatedParams):
             self.ledger.free(f"{self.name}:post_forward")
 
     # ------------------------------------------------------------------ forward
-    def pre_forward(self, args: tuple) -> tuple:
-        if self.root is None:
-            self.lazy_init_as_root()
-        if self.in_backward:                # recomputation (activation checkpointing): its
-            self.unshard()                  # graph is never walked back, nothing to register
+    def pre_forward(self) -> None:
+        """Forward reaches the unit: its full parameters, and the next units' on their way."""
+        self.context.lazy_init(self)        # the first unit to run forward is the root
+        if self.in_backward:                # recomputation (activation checkpointing)
+            self.unshard()
             self.wait_for_unshard()
-            return args
+            return
         self.training_state = TrainingState.FORWARD
-        self.root.record_forward(self)
-        args = hooks.register_post_backward(self, args)
+        self.context.record_forward(self)
         self.unshard()
         self.wait_for_unshard()
         self.prefetch(self._prefetch_targets(forward=True))
-        return args
 
-    def post_forward(self, output):
+    def post_forward(self) -> None:
+        """Forward leaves the unit: its full parameters freed, or kept (whole, or 1/k)."""
         if self.in_backward:                # recomputation: backward needs the parameters now
-            return output
+            return
         if not torch.is_grad_enabled():     # no backward will come
             self.reshard()
         elif self.post_forward_comm is not None:
             self.reshard_post_forward()
         elif self.reshard_after_forward:
             self.reshard()
-        hooks.register_pre_backward(self, output)
         self.training_state = TrainingState.IDLE
-        self._untold: dict = {}                    # facts for the trace's next unit event
-        if self.is_root:
-            self._end_recording()
-        return output
+        self.context.end_forward(self)
 
     # ------------------------------------------------------------------ backward
     def pre_backward(self) -> None:
@@ -285,7 +262,6 @@ class FSDPUnit(ReplicatedParams):
         if self.in_backward:
             return
         self.training_state = TrainingState.PRE_BACKWARD
-        self.root.queue_root_post_backward()
         self.unshard()
         self.wait_for_unshard()
         self.prefetch(self._prefetch_targets(forward=False))
@@ -309,22 +285,21 @@ class FSDPUnit(ReplicatedParams):
             self.reshard()
 
     def finish_backward(self) -> None:
-        """Backward is over (the root asks every unit): the gradients reduced and in place, the
-        parameters resharded, the unit idle until the next forward."""
+        """Backward is over (the root's context asks every unit): the gradients reduced and in
+        place, the parameters resharded, the unit idle until the next forward."""
         self.wait_for_reduce_scatter()
         if self.reshard_after_backward:
             self.reshard()
-        elif self.state is MemoryState.REDUCE_SCATTERING:     # the full parameters stay
+        elif self.memory_state is MemoryState.REDUCE_SCATTERING:     # the full parameters stay
             self._set_state(MemoryState.UNSHARDED)
         self.training_state = TrainingState.IDLE
-        self._untold: dict = {}                    # facts for the trace's next unit event
 
     # ------------------------------------------------------------------ gradient reduction
     def reduce_scatter_grads(self, async_op: bool = False) -> None:
         """Sum the full gradients over ranks; this rank keeps its slice in the shards' ``.grad``
         (replicated parameters: the whole sum, by all-reduce). Waits first for the previous
         unit's reduce-scatter, so at most one is in flight."""
-        for u in (self.root.units if self.root else [self]):
+        for u in self.context.units or [self]:
             u.wait_for_reduce_scatter()
         self._set_state(MemoryState.REDUCE_SCATTERING)
         # FSDP2's rule: reduce in reduce_dtype, else in the compute dtype, else as stored
@@ -390,68 +365,20 @@ class FSDPUnit(ReplicatedParams):
         this unit was given an explicit list. With DeepSpeed's bounds set on the root
         (``set_stage3_limits``, ``limits.py``): as many units as its prefetch bucket holds, and
         any prefetch cut at its cap on live parameters."""
-        root = self.root
+        ctx = self.context
         explicit = self.forward_prefetch if forward else self.backward_prefetch
         if explicit is not None:
-            return limits.under_cap(root, explicit)
-        order = root.forward_order()
+            return limits.under_cap(ctx, explicit)
+        order = ctx.forward_order()
         if not forward:
             order = order[::-1]
-        if self is root:                  # the root runs first in forward and in backward
+        if self.is_root:                  # the root runs first in forward and in backward
             ahead = order
         elif self in order:
             ahead = order[order.index(self) + 1:]
         else:                             # (did not run in the recorded forward)
             return []
-        return limits.window(root, ahead, root.prefetch_depth[0 if forward else 1])
-
-    # ------------------------------------------------------------------ the root's duties
-    def lazy_init_as_root(self) -> None:
-        """The first unit to run forward is the root: it finds the units below it. Unless told
-        otherwise, the root keeps its parameters from forward to backward (backward starts with
-        it at once), every other unit reshards after its forward."""
-        self.units = [m._fsdp_unit for m in self.module.modules() if hasattr(m, "_fsdp_unit")]
-        for u in self.units:
-            if u.root is not None and u.root is not u:
-                raise RuntimeError(f"unit {u.name} already belongs to root {u.root.name}")
-            u.root = self
-        self._untold = {"after_forward": root_rule(self, self.units)}   # the trace hears it next
-
-    def record_forward(self, unit: "FSDPUnit") -> None:
-        """The root notes the order in which its first forward runs the units (as FSDP2 does):
-        prefetch follows it, not the order the modules were declared in."""
-        if unit is self:
-            if self._forward_order is None:
-                self._recording = []
-        elif self._recording is not None and unit not in self._recording:
-            self._recording.append(unit)
-
-    def _end_recording(self) -> None:
-        if self._recording is not None:
-            self._forward_order, self._recording = self._recording, None
-
-    def forward_order(self) -> list["FSDPUnit"]:
-        """The units below the root in the order forward runs them: as recorded in the first
-        forward; until that forward is over, the order of the modules."""
-        if self._forward_order is not None:
-            return self._forward_order
-        return [u for u in self.units if u is not self]
-
-    def queue_root_post_backward(self) -> None:
-        if not self._root_post_backward_queued:
-            self._root_post_backward_queued = True
-            hooks.queue_root_post_backward(self)
-
-    def root_post_backward(self) -> None:
-        """End of backward: units whose post-backward did not run — the root, whose inputs
-        (token ids) carry no gradient; units whose parameters got none — are reduced now; then
-        every unit, the root too, waits for its reduction and reshards."""
-        for u in self.units:
-            if u.training_state is TrainingState.PRE_BACKWARD:
-                u.post_backward()
-        for u in self.units:
-            u.finish_backward()
-        self._root_post_backward_queued = False
+        return limits.window(ctx, ahead, ctx.prefetch_depth[0 if forward else 1])
 
     # ------------------------------------------------------------------ what a checkpoint saves
     def checkpoint_regions(self, h) -> None:
@@ -460,8 +387,8 @@ class FSDPUnit(ReplicatedParams):
         state of the same elements in ``h.optimizer`` — whichever torch optimizer steps the
         shards; parameters the unit keeps whole are replicas. Under hybrid sharding each
         replica group holds a full copy: only the first group saves."""
-        if self.state is not MemoryState.SHARDED:
-            raise RuntimeError(f"FSDP unit {self.name} is {self.state.value}: a checkpoint is taken "
+        if self.memory_state is not MemoryState.SHARDED:
+            raise RuntimeError(f"FSDP unit {self.name} is {self.memory_state.value}: a checkpoint is taken "
                                f"between steps, when every unit holds only its shard")
         lay = self.layout
         h.layout("hsdp" if lay.N != h.world_size else "fsdp" if lay.kind == "per_param" else "fsdp_flat")
@@ -486,7 +413,7 @@ class FSDPUnit(ReplicatedParams):
         after if it was sharded. A dtype: the shards all-gathered in it into fresh tensors — e.g.
         ``torch.float32`` gives the fp32 master weights exactly — and the unit left as it is."""
         if dtype is None:
-            was_sharded = self.state == MemoryState.SHARDED
+            was_sharded = self.memory_state == MemoryState.SHARDED
             self.unshard()
             self.wait_for_unshard()
             values = [v.clone() for v in self.layout.full_values()]

@@ -9,6 +9,10 @@ shard), ``unit.reduce_scatter_grads()`` (sum the full gradients over ranks, keep
 The check runs your step on 1 and 2 real ranks next to minishard's ``course.ch06.manual_step`` on an
 identical model and batch, compares the loss and every gradient shard, counts the collectives,
 and looks at the units when forward reaches the final norm: every block must already be freed.
+minishard's step unshards each block just before that block's own backward, as the hooks do (it
+cuts the graph between blocks to run backward one block at a time); unsharding them all before
+one ``loss.backward()``, as asked here, is simpler and sends the same collectives for the same
+gradients — it only holds every block's full parameters at once in backward.
 """
 from __future__ import annotations
 
@@ -56,14 +60,14 @@ def _task(ctx, spec: dict) -> dict:
     blocks = [b._fsdp_unit for b in net.blocks]
     at_head = {}
     net.ln_f.register_forward_pre_hook(
-        lambda mod, args: at_head.update({u.name: u.state.value for u in blocks}))
+        lambda mod, args: at_head.update({u.name: u.memory_state.value for u in blocks}))
     loss = run_on_rank(spec, net, x, y)
     grads = lambda m: [p.grad for p in m.parameters()]                       # noqa: E731  (shards)
     gaps = [float("inf") if a is None else (a - b).abs().max().item()
             for a, b in zip(grads(net), grads(ref))]
     return {"rank": ctx.rank, "loss": float(loss), "ref_loss": float(ref_loss), "gap": max(gaps),
             "missing": sum(g is None for g in grads(net)), "at_head": at_head,
-            "after": {u.name: u.state.value for u in fsdp.units(net)},
+            "after": {u.name: u.memory_state.value for u in fsdp.units(net)},
             "by_op": {op: v["calls"] for op, v in comm.by_op.items()},
             "ref_by_op": {op: v["calls"] for op, v in ref_comm.by_op.items()}}
 
