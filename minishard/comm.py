@@ -17,17 +17,17 @@ Every call records what it moved, as a ``collective`` event:
 
 gloo has no ring reduce-scatter: its ``reduce_scatter_tensor`` runs a full all-reduce and sends
 2(N-1)/N * S, twice the ring volume. On gloo, minishard's :meth:`Comm.reduce_scatter` sends each
-slice straight to the rank it belongs to and receives the N-1 slices meant for it (N-1
+chunk straight to the rank it belongs to and receives the N-1 chunks meant for it (N-1
 ``isend``/``irecv`` pairs, :class:`PairwiseReduceScatter`; (N-1)/N * S on the wire), then sums
-them locally in rank order — the ring volume, and the same sum on every rank. One slice arrives
-straight into the output, so the receive buffer holds N-2 slices: none on two ranks. (It was
+them locally in rank order — the ring volume, and the same sum on every rank. One chunk arrives
+straight into the output, so the receive buffer holds N-2 chunks: none on two ranks. (It was
 an ``all_to_all`` into a receive buffer as large as the input: as fast on the wire, but that
 fresh buffer cost every ZeRO-2 step its page faults; the figures are in docs/architecture.md,
 "The measurements behind the code".) NCCL gets its native reduce-scatter.
 
 gloo's all-gather is slow: slower than an ``all_to_all`` of the same size, quiet or loaded
 (measured, same section; ``benchmarks/bench_collectives.py``). On gloo, :meth:`Comm.all_gather`
-therefore sends this rank's block straight to every other rank and receives theirs into place
+therefore sends this rank's chunk straight to every other rank and receives theirs into place
 (N-1 ``isend``/``irecv`` pairs, :class:`PairwiseGather`): the same (N-1)/N * S on the wire, no
 buffer beyond the output. NCCL gets its native all-gather.
 """
@@ -149,20 +149,20 @@ class _PointToPoint:
 
 class PairwiseGather(_PointToPoint):
     """An all-gather as N-1 point-to-point exchanges (gloo; see the module docstring): rank r
-    sends its block to r+k and receives r-k's into place, k = 1 .. N-1. Every collective gets
+    sends its chunk to r+k and receives r-k's into place, k = 1 .. N-1. Every collective gets
     its own tag, so that two gathers in flight at once (prefetch) never pair up wrongly: ranks
     issue collectives in the same order, so the k-th gather has the same tag everywhere."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, comm: "Comm", tag: int):
         super().__init__()
         N, r = comm.world_size, comm.rank
-        blocks = output.view(N, -1)
+        chunks = output.view(N, -1)
         for k in range(1, N):
             self._works.append(dist.isend(input, group=comm.group, group_dst=(r + k) % N, tag=tag))
-            self._works.append(dist.irecv(blocks[(r - k) % N], group=comm.group,
+            self._works.append(dist.irecv(chunks[(r - k) % N], group=comm.group,
                                           group_src=(r - k) % N, tag=tag))
-        if blocks[r].data_ptr() != input.data_ptr():
-            blocks[r].copy_(input.view_as(blocks[r]))
+        if chunks[r].data_ptr() != input.data_ptr():
+            chunks[r].copy_(input.view_as(chunks[r]))
 
     def wait(self) -> None:
         self._wait_all()
@@ -170,19 +170,19 @@ class PairwiseGather(_PointToPoint):
 
 class PairwiseReduceScatter(_PointToPoint):
     """A reduce-scatter as N-1 point-to-point exchanges (gloo; see the module docstring): rank r
-    sends block r+k of its input to rank r+k and receives rank r-k's block r, k = 1 .. N-1. The
+    sends chunk r+k of its input to rank r+k and receives rank r-k's chunk r, k = 1 .. N-1. The
     first contribution in rank order (rank 0's; rank 1's on rank 0) arrives straight into
     ``output``, the others into ``scratch`` (:meth:`receive_rows` of them) — on two ranks, no
     receive buffer at all — and ``wait`` adds the rest in rank order, so every rank sums its
-    slice the same way. In place (``output`` is block r of ``input``, as ZeRO-1 calls it) our
-    own block must survive, so every contribution arrives in ``scratch`` and the sum is copied
+    chunk the same way. In place (``output`` is chunk r of ``input``, as ZeRO-1 calls it) our
+    own chunk must survive, so every contribution arrives in ``scratch`` and the sum is copied
     into ``output`` at the end."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, scratch: torch.Tensor | None,
                  comm: "Comm", tag: int):
         super().__init__()
         N, r = comm.world_size, comm.rank
-        self._blocks, self._r, self._output = input.view(N, -1), r, output.view(-1)
+        self._chunks, self._r, self._output = input.view(N, -1), r, output.view(-1)
         self._first = 1 if r == 0 else 0
         straight_in = not self.in_place(output, input, comm)
         rows = iter(scratch if scratch is not None else ())
@@ -192,7 +192,7 @@ class PairwiseReduceScatter(_PointToPoint):
                 self._where[q] = self._output if straight_in and q == self._first else next(rows)
         for k in range(1, N):
             dst, src = (r + k) % N, (r - k) % N
-            self._works.append(dist.isend(self._blocks[dst], group=comm.group, group_dst=dst, tag=tag))
+            self._works.append(dist.isend(self._chunks[dst], group=comm.group, group_dst=dst, tag=tag))
             self._works.append(dist.irecv(self._where[src], group=comm.group, group_src=src, tag=tag))
 
     @staticmethod
@@ -201,16 +201,16 @@ class PairwiseReduceScatter(_PointToPoint):
 
     @classmethod
     def receive_rows(cls, output: torch.Tensor, input: torch.Tensor, comm: "Comm") -> int:
-        """How many slices wait in the receive buffer: N-2, or N-1 in place."""
+        """How many chunks wait in the receive buffer: N-2, or N-1 in place."""
         return comm.world_size - (1 if cls.in_place(output, input, comm) else 2)
 
     def wait(self) -> None:
         if not self._wait_all():
             return
         acc = self._where[self._first]          # the first contribution in rank order
-        for q in range(len(self._blocks)):      # (x1 + x0 on rank 0: two terms commute exactly)
+        for q in range(len(self._chunks)):      # (x1 + x0 on rank 0: two terms commute exactly)
             if q != self._first:
-                acc.add_(self._blocks[q] if q == self._r else self._where[q])
+                acc.add_(self._chunks[q] if q == self._r else self._where[q])
         if acc.data_ptr() != self._output.data_ptr():
             self._output.copy_(acc)
 
@@ -329,7 +329,7 @@ class Comm:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
                        tag: str = "", quantize: quantized.Scheme | None = None) -> Work | None:
-        """``output`` receives slice ``rank`` of the sum over ranks of ``input`` (N slices).
+        """``output`` receives chunk ``rank`` of the sum over ranks of ``input`` (N chunks).
         ``quantize``: each contribution in int8 or int4 through an all-to-all (ZeRO++'s qgZ)."""
         N = self.world_size
         if input.numel() != output.numel() * N:
@@ -344,7 +344,7 @@ class Comm:
         if self.backend == "nccl":
             return self._run(ev, lambda: dist.reduce_scatter_single(
                 output, input, group=self.group, async_op=True), async_op)
-        # gloo: the N-1 slices meant for this rank arrive point to point, one of them straight
+        # gloo: the N-1 chunks meant for this rank arrive point to point, one of them straight
         # into output, the others (N > 2, or in place) into a receive buffer; summed in rank order
         input = input.contiguous()
         rows = PairwiseReduceScatter.receive_rows(output, input, self)
@@ -365,7 +365,7 @@ class Comm:
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
                    tag: str = "") -> Work | None:
-        """Block q of ``input`` (N equal blocks) goes to rank q; ``output``'s block q comes from it."""
+        """Chunk q of ``input`` (N equal chunks) goes to rank q; ``output``'s chunk q comes from it."""
         ev = self._begin("all_to_all", input, input.numel() * input.element_size(), tag)
         return self._run(ev, lambda: dist.all_to_all_single(output, input, group=self.group,
                                                             async_op=True), async_op)
@@ -378,10 +378,11 @@ class Comm:
                                                     async_op=True), async_op)
 
     @torch.no_grad()
-    def replicate_from_rank0(self, tensors, ledger=None) -> None:
-        """Make every rank's ``tensors`` equal rank 0's — how DDP and FSDP start from one model:
-        packed into one flat buffer, so that it is one broadcast rather than one per tensor
-        (entered in ``ledger`` as a communication buffer while it lives)."""
+    def broadcast_from_rank0(self, tensors, ledger=None) -> None:
+        """Make every rank's ``tensors`` equal rank 0's — how DDP, ZeRO and FSDP start from one
+        model: packed into one flat buffer, so that it is one broadcast rather than one per tensor
+        (entered in ``ledger`` as a communication buffer while it lives). Traced with the tag
+        ``replicate``, as traces always were."""
         tensors = list(tensors)
         if self.world_size == 1 or not tensors:
             return
@@ -401,6 +402,7 @@ class Comm:
         if ledger is not None:
             ledger.free("replicate")
 
+
     def gather_object(self, obj, dst: int = 0) -> list | None:
         """Small Python objects (tables, summaries) to rank ``dst``; not traced as training traffic."""
         if self.world_size == 1:
@@ -411,9 +413,9 @@ class Comm:
 
     def split(self, shard_size: int) -> tuple["Comm", "Comm"]:
         """Two communicators for hybrid sharding on a grid of ranks: *shard* groups of
-        ``shard_size`` consecutive ranks (a node: fast links) and *replicate* groups joining the
-        ranks that hold the same shard across nodes. Every rank must call this (it creates
-        process groups, a collective)."""
+        ``shard_size`` consecutive ranks (a node: fast links) and *replica* groups joining the
+        ranks that hold the same shard across nodes (``replicate[...]`` in traces). Every rank
+        must call this (it creates process groups, a collective)."""
         N = self.world_size
         if shard_size < 1 or N % shard_size:
             raise ValueError(f"shard size {shard_size} does not divide the world size {N}")

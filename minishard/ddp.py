@@ -35,7 +35,7 @@ class NaiveDDP(nn.Module):
     def __init__(self, module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedger | None = None):
         super().__init__()
         self.module, self.comm = module, comm if comm is not None else Comm()
-        self.comm.replicate_from_rank0(module.parameters(), ledger)
+        self.comm.broadcast_from_rank0(module.parameters(), ledger)
         if ledger is not None:
             ledger.track_parameters(module)
 
@@ -83,7 +83,7 @@ class DDP(nn.Module):
         super().__init__()
         self.module, self.ledger = module, ledger
         self.comm = comm if comm is not None else Comm()
-        self.comm.replicate_from_rank0(module.parameters(), ledger)
+        self.comm.broadcast_from_rank0(module.parameters(), ledger)
         plan = _buckets.plan_buckets([list(module.parameters())], bucket_cap_mb, first_bucket_mb,
                                      per_parameter=per_parameter)
         self.buckets = [self._allocate_bucket(i, params) for i, (_, params) in enumerate(plan)]

@@ -2,9 +2,10 @@
 
 Every other module asks this registry instead of comparing strategy names: the training loop
 (``build``), the analytic ledger (which ZeRO stage), the planner, the checkpoint (what a save
-under a strategy would hold) and the command line (which names exist). A :class:`Strategy` is
-a small record; :func:`build` turns a freshly made model into a :class:`Built` — the model to
-call, the optimizer to step, the communicators to count, the FSDP units, the offload tier.
+under a strategy would hold, and what a layout is called: :func:`layout_name`) and the command
+line (which names exist). A :class:`Strategy` is a small record; :func:`build` turns a freshly
+made model into a :class:`Built` — the model to call, the optimizer to step, the communicators
+to count, the FSDP units, the offload tier.
 
     ddp   zero1   zero2   fsdp (ZeRO-3, per-parameter, as FSDP2)   fsdp_flat (FSDP1)   hsdp
     single (one process: the reference)   ddp_naive   zero1_allreduce
@@ -53,7 +54,7 @@ class Built:
     strategy: Strategy
     model: nn.Module                   # call it: model(x, y) -> loss
     optimizer: Any                     # step it: .step(), .zero_grad(); may shard its state
-    comms: tuple = ()                  # every process group's Comm (hybrid: shard and replicate)
+    comms: tuple = ()                  # every process group's Comm (hybrid: shard and replica group)
     units: list = field(default_factory=list)   # FSDP units (empty for other strategies)
     tier: Any = None                   # offload tier holding the sharded state, if any
     no_sync: Callable[[], Any] | None = None    # context: accumulate without communicating
@@ -97,6 +98,23 @@ def get(name: str) -> Strategy:
     if s is None:
         raise ValueError(f"unknown strategy {name!r}; expected one of {described()}")
     return s
+
+
+def layout_name(stage: int, world_size: int, *, flat: bool = False, shard_size: int | None = None) -> str:
+    """The name a checkpoint records for how the state is laid out over ``world_size`` ranks: the
+    registry's name of the strategy that lays it out so. Stage 0 is replicas (``single`` alone,
+    ``ddp`` otherwise), 1 and 2 ZeRO's bucket shards, 3 FSDP's shards — of each parameter
+    (``fsdp``) or of a flat buffer (``fsdp_flat``), or ``hsdp`` when they are cut over groups of
+    ``shard_size`` ranks, fewer than the world."""
+    if stage == 0:
+        name = "single" if world_size == 1 else "ddp"
+    elif stage in (1, 2):
+        name = f"zero{stage}"
+    elif shard_size is not None and shard_size != world_size:
+        name = "hsdp"
+    else:
+        name = "fsdp_flat" if flat else "fsdp"
+    return get(name).name
 
 
 def described() -> str:
@@ -164,11 +182,11 @@ class MasterWeights:
     def checkpoint_regions(self, h) -> None:
         """For ``minishard.checkpoint``: replicas of everything; each bf16 weight is saved as its
         fp32 master (the weight is the master's rounded working copy)."""
-        h.strategy = "single" if h.world_size == 1 else "ddp"
+        h.strategy = layout_name(0, h.world_size)
         masters = dict(zip(self.params, self.master))
         for p, fqn in h.names.items():
             h.order.append(fqn)
-            h.replicated(fqn, p, self.optimizer, masters.get(p))
+            h.add_replicated_param(fqn, p, self.optimizer, masters.get(p))
 
 
 # ---------------------------------------------------------------------------- the builders
@@ -236,19 +254,19 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     from .offload import OffloadPolicy, Tier
     opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
     mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed" else None
-    comms, replicate = (comm,), None
+    comms, replica_group = (comm,), None
     if hybrid:
         if comm.world_size % config.shard_size:
             raise ValueError(f"hsdp: world size {comm.world_size} is not a multiple of shard_size "
                              f"{config.shard_size}")
-        comm, replicate = comm.split(config.shard_size)
-        comms = (comm, replicate)
+        comm, replica_group = comm.split(config.shard_size)
+        comms = (comm, replica_group)
     tier = None
     if config.offload is not None:
         state_bytes = 16 * sum(p.numel() for p in net.parameters()) // comm.world_size
         tier = Tier(OffloadPolicy(config.offload, config.offload_dir), comm.rank, needed_bytes=state_bytes)
-    kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier, replicate=replicate, layout=layout,
-              param_persistence_threshold=config.param_persistence_threshold,
+    kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier, replicate=replica_group,
+              layout=layout, param_persistence_threshold=config.param_persistence_threshold,
               quantized_weights=config.quantized_weights, quantized_gradients=config.quantized_gradients)
     fsdp.apply_fsdp(net, wrap=config.wrap, blocks=dict(reshard_after_forward=config.reshard_after_forward),
                     root=dict(reshard_after_forward=True if config.reshard_root else None), **kw)

@@ -1,26 +1,26 @@
 """ZeRO stages 1 and 2: shard the optimizer state, then the gradients.
 
 Under DDP every rank keeps the whole optimizer state and updates every parameter — N times the
-same arithmetic on N copies of the same 12 bytes/param. ZeRO gives each rank one slice:
+same arithmetic on N copies of the same 12 bytes/param. ZeRO gives each rank one shard:
 
 * **Stage 1** shards the optimizer state (fp32 master weights, Adam's m and v). After backward a
-  rank needs the *summed* gradient of its slice only; it updates its slice, then the updated
+  rank needs the *summed* gradient of its shard only; it updates its shard, then the updated
   parameters are all-gathered so every rank has the full model again for the next forward.
   - ``reduce="all_reduce"``: the version most texts tell first — all-reduce the gradients as DDP
     does (2(N-1)/N·Ψ), then all-gather the parameters ((N-1)/N·Ψ): 3(N-1)/N·Ψ in all.
-  - ``reduce="reduce_scatter"``: a rank only needs its slice of the sum, which is exactly what a
+  - ``reduce="reduce_scatter"``: a rank only needs its shard of the sum, which is exactly what a
     reduce-scatter delivers ((N-1)/N·Ψ): 2(N-1)/N·Ψ in all — DDP's volume.
 * **Stage 2** also shards the gradients: as backward fills a bucket, the bucket is
-  reduce-scattered and dropped; each rank keeps only the summed gradient slice it will update.
+  reduce-scattered and dropped; each rank keeps only the summed gradient shard it will update.
 
 Layout. The trainable parameters are packed, bucket by bucket, into one flat buffer that the
 model's parameters alias. Each bucket is padded to a multiple of N and cut into N equal
-*chunks*; rank r owns chunk r of every bucket. One code path serves both stages (the stage is a
-threshold on what is sharded, see ``analytic.SHARDED_FROM_STAGE``) and the inner optimizer is any
-element-wise ``torch.optim`` class, run on the rank's chunks as if they were parameters — one
-inner parameter group per parameter group given (a bucket never mixes groups). The bucket
-mechanics (hooks, launch order, end of backward) are shared with DDP (``minishard.buckets``);
-what is ZeRO's own is the collective and where the reduced slice goes.
+*chunks*; chunk r of every bucket is rank r's *shard* of it. One code path serves both stages
+(the stage is a threshold on what is sharded, see ``analytic.SHARDED_FROM_STAGE``) and the inner
+optimizer is any element-wise ``torch.optim`` class, run on the rank's shards as if they were
+parameters — one inner parameter group per parameter group given (a bucket never mixes groups).
+The bucket mechanics (hooks, launch order, end of backward) are shared with DDP
+(``minishard.buckets``); what is ZeRO's own is the collective and where the reduced shard goes.
 
 ``ZeroOptimizer`` is a ``torch.optim.Optimizer``: its ``param_groups`` hold the model's
 parameters and the hyperparameters, which a learning-rate scheduler may change; they reach the
@@ -40,8 +40,8 @@ from .comm import Comm
 from .clipping import clip_sharded_grad_norm_
 from .ledger import LiveLedger, track_optimizer_state
 
-# Optimizers whose update is element-wise, so running them on flat slices is exact. Their state
-# keys are the ones the sharder knows how to keep per slice.
+# Optimizers whose update is element-wise, so running them on flat shards is exact. Their state
+# keys are the ones the sharder knows how to keep per shard.
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 KNOWN_STATE = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}
 NOT_HYPERPARAMETERS = ("params", "param_names")
@@ -49,11 +49,12 @@ NOT_HYPERPARAMETERS = ("params", "param_names")
 
 @dataclass(eq=False, kw_only=True)
 class ShardedBucket(Bucket):
-    """A contiguous region of the flat buffers: ``N * chunk`` elements, rank r owns chunk r."""
-    start: int                      # offset of the region in the flat buffers
-    numel: int                      # real elements (the rest of the region is padding)
-    chunk: int                      # elements each rank owns
-    reduced: torch.Tensor | None = None  # stage 2: where the reduce-scatter delivers our slice
+    """A bucket laid out in the flat buffers: ``N * shard_numel`` elements, cut into N equal
+    chunks; chunk r is rank r's shard."""
+    start: int                      # offset of the bucket in the flat buffers
+    numel: int                      # real elements (the rest of the bucket is padding)
+    shard_numel: int                # elements of each rank's shard
+    reduced: torch.Tensor | None = None  # stage 2: where the reduce-scatter delivers our shard
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -79,7 +80,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.comm = comm if comm is not None else Comm()
         self.ledger, self.stage, self.reduce = ledger, stage, reduce
-        self.comm.replicate_from_rank0([p for g in self.param_groups for p in g["params"]], ledger)
+        self.comm.broadcast_from_rank0([p for g in self.param_groups for p in g["params"]], ledger)
         self.buckets = self._lay_out(bucket_cap_mb, first_bucket_mb)
         self._allocate_gradients()
         self._build_inner_optimizer(optimizer_class, master_dtype)
@@ -88,22 +89,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if stage == 1:
                 ledger.track("grads", self.flat_grads, "flat_grads")
             else:
-                ledger.track("grads", self.grad_shard, "grad_shard")
+                ledger.track("grads", self.flat_grad_shards, "grad_shard")
             if self.master is not None:
                 ledger.track("master", self.master, "master_shard")
         if stage == 1:
-            # reduce-scattered, .grad holds the sum in this rank's chunk only (all-reduced: all)
+            # reduce-scattered, .grad holds the sum in this rank's shard only (all-reduced: all)
             self.reduction = BucketedReduction(self.buckets, reduce=self._reduce_gradients, ledger=ledger,
                                                partial=reduce == "reduce_scatter")
         else:   # at most two buckets in flight: gradient memory stays at a few buckets
             self.reduction = BucketedReduction(self.buckets, reduce=self._reduce_scatter_bucket,
-                                               land=self._keep_slice, grads_in_buckets=False,
+                                               land=self._keep_shard, grads_in_buckets=False,
                                                max_in_flight=2, ledger=ledger)
 
     # ------------------------------------------------------------------ construction
     def _lay_out(self, cap_mb: float, first_mb: float) -> list[ShardedBucket]:
-        """Buckets of whole parameters, each padded to N equal chunks, packed into one flat
-        buffer that the parameters then alias."""
+        """Buckets of whole parameters, each padded to N equal chunks (the ranks' shards),
+        packed into one flat buffer that the parameters then alias."""
         plan = plan_buckets([g["params"] for g in self.param_groups], cap_mb, first_mb)
         p0 = plan[0][1][0]
         if any(p.dtype != p0.dtype for _, params in plan for p in params):
@@ -111,10 +112,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         N, buckets, start = self.comm.world_size, [], 0
         for i, (group, params) in enumerate(plan):
             numel = sum(p.numel() for p in params)
-            chunk = math.ceil(numel / N)
+            shard_numel = math.ceil(numel / N)
             buckets.append(ShardedBucket(index=i, group=group, params=params, offsets=offsets_of(params),
-                                         size=chunk * N, start=start, numel=numel, chunk=chunk))
-            start += chunk * N
+                                         size=shard_numel * N, start=start, numel=numel,
+                                         shard_numel=shard_numel))
+            start += shard_numel * N
         self.flat_params = torch.zeros(start, dtype=p0.dtype, device=p0.device)
         with torch.no_grad():
             for b in buckets:                      # the model's parameters now alias the buffer
@@ -125,38 +127,40 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return buckets
 
     def _allocate_gradients(self) -> None:
-        """Stage 1: the full flat gradient buffer, each bucket's region of it the bucket's
-        buffer. Stage 2: only our chunks (the buckets' buffers come and go during backward)."""
+        """Stage 1: the full flat gradient buffer, each bucket's stretch of it the bucket's
+        buffer. Stage 2: only our shards (the buckets' buffers come and go during backward)."""
         if self.stage == 1:
             self.flat_grads = torch.zeros_like(self.flat_params)
             for b in self.buckets:
                 b.buffer = self.flat_grads[b.start:b.start + b.size]
-            self.grad_chunks = [self._mine(self.flat_grads, b) for b in self.buckets]
+            self.grad_shards = [self._shard_of(self.flat_grads, b) for b in self.buckets]
         else:
-            self.grad_shard = torch.zeros(sum(b.chunk for b in self.buckets),
-                                          dtype=self.flat_params.dtype, device=self.flat_params.device)
-            self.grad_chunks = list(self.grad_shard.split([b.chunk for b in self.buckets]))
+            sizes = [b.shard_numel for b in self.buckets]
+            self.flat_grad_shards = torch.zeros(sum(sizes), dtype=self.flat_params.dtype,
+                                                device=self.flat_params.device)
+            self.grad_shards = list(self.flat_grad_shards.split(sizes))
 
     def _build_inner_optimizer(self, optimizer_class, master_dtype: torch.dtype | None) -> None:
-        """What the inner optimizer updates: our chunks of the parameters (aliases: updated in
+        """What the inner optimizer updates: our shards of the parameters (aliases: updated in
         place), or an fp32 copy of them; one inner group per parameter group."""
         dtype = self.flat_params.dtype
         self.master_dtype = master_dtype or dtype
-        param_chunks = [self._mine(self.flat_params, b) for b in self.buckets]
+        param_shards = [self._shard_of(self.flat_params, b) for b in self.buckets]
         if not {"foreach", "fused"} & self.defaults.keys():
             # torch's CPU default is the per-tensor loop, made for many small parameters. On a
-            # chunk of millions of elements each of its full-size temporaries is handed back
+            # shard of millions of elements each of its full-size temporaries is handed back
             # to the OS and faults in again every step (measured: docs/architecture.md, "The
             # measurements behind the code"); the multi-tensor path updates in place.
             self.defaults = {**self.defaults, "foreach": True}
         if self.master_dtype == dtype:
             self.master = None
-            self.shards = [nn.Parameter(c) for c in param_chunks]
-            for s, g in zip(self.shards, self.grad_chunks):
+            self.shards = [nn.Parameter(c) for c in param_shards]
+            for s, g in zip(self.shards, self.grad_shards):
                 s.grad = g
         else:
-            self.master = torch.cat(param_chunks).to(self.master_dtype)
-            self.shards = [nn.Parameter(c) for c in self.master.split([b.chunk for b in self.buckets])]
+            self.master = torch.cat(param_shards).to(self.master_dtype)
+            sizes = [b.shard_numel for b in self.buckets]
+            self.shards = [nn.Parameter(c) for c in self.master.split(sizes)]
         groups = [{**_hyperparameters(g), "params": [s for s, b in zip(self.shards, self.buckets) if b.group == i]}
                   for i, g in enumerate(self.param_groups)]
         self.optimizer = optimizer_class(groups, **self.defaults)
@@ -170,10 +174,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                       "pass every parameter group to the constructor")
         super().add_param_group(param_group)
 
-    def _mine(self, flat: torch.Tensor, b: ShardedBucket) -> torch.Tensor:
-        """This rank's chunk of bucket ``b`` in a flat buffer (a view)."""
-        lo = b.start + self.comm.rank * b.chunk
-        return flat[lo:lo + b.chunk]
+    def _shard_of(self, flat: torch.Tensor, b: ShardedBucket) -> torch.Tensor:
+        """This rank's shard of bucket ``b`` in a flat buffer (a view)."""
+        lo = b.start + self.comm.rank * b.shard_numel
+        return flat[lo:lo + b.shard_numel]
 
     # ------------------------------------------------------------------ during backward
     @contextlib.contextmanager
@@ -181,7 +185,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Accumulate full local gradients, reduce once on the last micro-batch. Stage 1 holds
         them anyway. Stage 2 then holds them too — in its buckets, the memory stage 2 exists to
         save (DeepSpeed refuses ``no_sync`` under stage 2); outside this context it
-        reduce-scatters every micro-batch and accumulates the reduced slices: more traffic,
+        reduce-scatters every micro-batch and accumulates the reduced shards: more traffic,
         less memory."""
         prev, self.reduction.sync = self.reduction.sync, False
         try:
@@ -190,25 +194,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reduction.sync = prev
 
     def _reduce_gradients(self, b: ShardedBucket) -> None:
-        """Stage 1: the bucket's region of the full gradient buffer, reduced in place."""
+        """Stage 1: the bucket's gradients, a view of the full gradient buffer, reduced in place."""
         N = self.comm.world_size
-        region = b.buffer
-        region.div_(N)
+        grads = b.buffer
+        grads.div_(N)
         if self.reduce == "all_reduce":
-            b.work = self.comm.all_reduce(region, async_op=True, tag=f"bucket{b.index}")
-        else:   # our chunk of the region receives our slice of the sum
-            b.work = self.comm.reduce_scatter(self.grad_chunks[b.index], region, async_op=True,
+            b.work = self.comm.all_reduce(grads, async_op=True, tag=f"bucket{b.index}")
+        else:   # in place: our shard of the bucket receives our shard of the sum
+            b.work = self.comm.reduce_scatter(self.grad_shards[b.index], grads, async_op=True,
                                               tag=f"bucket{b.index}")
 
     def _reduce_scatter_bucket(self, b: ShardedBucket) -> None:
-        """Stage 2: the bucket's temporary buffer, reduce-scattered into a fresh slice."""
+        """Stage 2: the bucket's temporary buffer, reduce-scattered into a fresh shard."""
         b.buffer.div_(self.comm.world_size)
-        b.reduced = torch.empty(b.chunk, dtype=b.buffer.dtype, device=b.buffer.device)
+        b.reduced = torch.empty(b.shard_numel, dtype=b.buffer.dtype, device=b.buffer.device)
         b.work = self.comm.reduce_scatter(b.reduced, b.buffer, async_op=True, tag=f"bucket{b.index}")
 
-    def _keep_slice(self, b: ShardedBucket) -> None:
-        """Stage 2: accumulate the reduced slice, drop the bucket's buffer."""
-        self.grad_chunks[b.index].add_(b.reduced)
+    def _keep_shard(self, b: ShardedBucket) -> None:
+        """Stage 2: accumulate the reduced shard, drop the bucket's buffer."""
+        self.grad_shards[b.index].add_(b.reduced)
         b.reduced = None
         if self.ledger is not None:
             self.ledger.free(f"grad_bucket:{b.index}")
@@ -216,19 +220,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the step
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the *global* norm (``clipping.py``): this rank's gradient chunks are its shards."""
-        return clip_sharded_grad_norm_(self.grad_chunks, self.comm, max_norm)
+        """Clip by the *global* norm (``clipping.py``) over this rank's gradient shards."""
+        return clip_sharded_grad_norm_(self.grad_shards, self.comm, max_norm)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Update our slice, then all-gather the parameters so every rank has the whole model."""
+        """Update our shard, then all-gather the parameters so every rank has the whole model."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         _copy_hyperparameters(self.param_groups, self.optimizer.param_groups)   # a scheduler's lr
         if self.master is not None:       # mixed precision: the fp32 master sees fp32 gradients
-            for s, g in zip(self.shards, self.grad_chunks):
+            for s, g in zip(self.shards, self.grad_shards):
                 s.grad = g.to(self.master_dtype)
         self.optimizer.step()
         unknown = {k for st in self.optimizer.state.values() for k in st} - KNOWN_STATE
@@ -243,15 +247,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _all_gather_parameters(self) -> None:
         works = []
         for b, s in zip(self.buckets, self.shards):
-            mine = self._mine(self.flat_params, b)
+            shard = self._shard_of(self.flat_params, b)
             if self.master is not None:
-                mine.copy_(s)                   # round the updated master to the working dtype
+                shard.copy_(s)                  # round the updated master to the working dtype
                 s.grad = None
-            # gather into the region, in place: our chunk already sits where it belongs (NCCL
+            # gather into the bucket, in place: our shard already sits where it belongs (NCCL
             # gathers in place; on gloo, Comm sends it from there). All buckets' gathers are
             # started before waiting on any: they travel together.
-            region = self.flat_params[b.start:b.start + b.chunk * self.comm.world_size]
-            works.append(self.comm.all_gather(region, mine, async_op=True, tag=f"params{b.index}"))
+            full = self.flat_params[b.start:b.start + b.shard_numel * self.comm.world_size]
+            works.append(self.comm.all_gather(full, shard, async_op=True, tag=f"params{b.index}"))
         for w in works:
             w.wait()
 
@@ -261,47 +265,47 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stage == 1:
             self.flat_grads.zero_()
         else:
-            self.grad_shard.zero_()
+            self.flat_grad_shards.zero_()
 
     # ------------------------------------------------------------------ sharded state
     def layout(self) -> dict:
         return {"stage": self.stage, "world_size": self.comm.world_size,
-                "buckets": [(b.start, b.numel, b.chunk) for b in self.buckets]}
+                "buckets": [(b.start, b.numel, b.shard_numel) for b in self.buckets]}
 
     def checkpoint_regions(self, h) -> None:
         """What this rank holds, for ``minishard.checkpoint``: the parameters are replicas (the
         flat buffer is whole on every rank); the optimizer state (and, in mixed precision, the
-        fp32 master) of rank r is chunk r of every bucket, which may start or end inside a
+        fp32 master) of rank r is its shard of every bucket, which may start or end inside a
         parameter. Parameters in no bucket (frozen) are plain replicas."""
         r = h.rank
-        h.strategy = f"zero{self.stage}"
+        h.strategy = h.layout_name(self.stage)
         h.order = [h.names[p] for p in h.names]
         for b, shard in zip(self.buckets, self.shards):
-            lo_c, hi_c = r * b.chunk, (r + 1) * b.chunk           # our chunk, in bucket coordinates
+            lo_s, hi_s = r * b.shard_numel, (r + 1) * b.shard_numel   # our shard, in bucket coordinates
             states = h.optimizer_state(self.optimizer, shard, f"ZeRO bucket {b.index}")
             for p, off in zip(b.params, b.offsets):
                 fqn = h.names[p]
                 full = self.flat_params[b.start + off:b.start + off + p.numel()]
-                lo, hi = max(off, lo_c), min(off + p.numel(), hi_c)   # our elements of p (bucket coords)
-                mine = slice(lo - lo_c, max(hi, lo) - lo_c)            # ... in chunk coordinates
-                if self.master is None:                                # the chunk aliases the buffer
+                lo, hi = max(off, lo_s), min(off + p.numel(), hi_s)   # our elements of p (bucket coords)
+                ours = slice(lo - lo_s, max(hi, lo) - lo_s)            # ... in shard coordinates
+                if self.master is None:                                # the shard aliases the buffer
                     h.tensor(f"param/{fqn}", p.shape, p.dtype)
                     h.add(f"param/{fqn}", 0, full, save=False, replica=True)
-                    h.add(f"param/{fqn}", lo - off, shard.detach()[mine], load=False)
-                else:                                                  # fp32 master chunk + bf16 copy
+                    h.add(f"param/{fqn}", lo - off, shard.detach()[ours], load=False)
+                else:                                                  # fp32 master shard + bf16 copy
                     h.tensor(f"param/{fqn}", p.shape, self.master_dtype)
-                    h.add(f"param/{fqn}", lo - off, shard.detach()[mine])
+                    h.add(f"param/{fqn}", lo - off, shard.detach()[ours])
                     h.add(f"param/{fqn}", 0, full, save=False, cast=True)
                 for kind, t in states.items():
                     h.tensor(f"{kind}/{fqn}", p.shape, t.dtype)
-                    h.add(f"{kind}/{fqn}", lo - off, t[mine])
+                    h.add(f"{kind}/{fqn}", lo - off, t[ours])
         bucketed = {p for b in self.buckets for p in b.params}
         for p, fqn in h.names.items():                               # frozen: not ZeRO's
             if p not in bucketed:
-                h.replicated(fqn, p, None)
+                h.add_replicated_param(fqn, p, None)
 
     def state_dict(self) -> dict:
-        """This rank's shard: its optimizer state, its master slice, and the layout they fit."""
+        """This rank's shard: its optimizer state, its master shard, and the layout they fit."""
         _copy_hyperparameters(self.param_groups, self.optimizer.param_groups)
         return {"zero": {**self.layout(), "rank": self.comm.rank},
                 "optimizer": self.optimizer.state_dict(),
@@ -331,12 +335,12 @@ def _check_arguments(stage: int, reduce: str, optimizer_class) -> None:
     if reduce not in ("reduce_scatter", "all_reduce"):
         raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got {reduce!r}")
     if stage == 2 and reduce == "all_reduce":
-        raise ValueError("stage 2 keeps only a gradient slice, so it must reduce-scatter")
+        raise ValueError("stage 2 keeps only a gradient shard, so it must reduce-scatter")
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)):
         raise ValueError(
             f"{getattr(optimizer_class, '__name__', optimizer_class)} is not an element-wise "
             f"optimizer this sharder understands ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); "
-            f"an optimizer with per-tensor state (norms, factored moments) cannot be run on flat slices")
+            f"an optimizer with per-tensor state (norms, factored moments) cannot be run on flat shards")
 
 
 def _hyperparameters(group: dict) -> dict:

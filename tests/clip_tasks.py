@@ -28,9 +28,9 @@ def _after_backward(rank, strategies: list):
 
 
 def _own_share(built) -> float:
-    """The squares of the gradient elements this rank is responsible for (ZeRO: its chunks)."""
-    if hasattr(built.optimizer, "grad_chunks"):
-        return sum(float(g.double().pow(2).sum()) for g in built.optimizer.grad_chunks)
+    """The squares of the gradient elements this rank is responsible for (ZeRO: its shards)."""
+    if hasattr(built.optimizer, "grad_shards"):
+        return sum(float(g.double().pow(2).sum()) for g in built.optimizer.grad_shards)
     return sum(float(p.grad.as_subclass(torch.Tensor).double().pow(2).sum())
                for p in built.model.parameters() if p.grad is not None)
 

@@ -411,7 +411,7 @@ class Packed(torch.nn.Module):
         flat = self.flat.detach()
         for name, shape, view in (("a", (2, 3), flat[:6]), ("b", (4,), flat[6:])):
             holdings.tensor(f"param/{name}", shape, flat.dtype)
-            holdings.replica(f"param/{name}", view)
+            holdings.add_replica(f"param/{name}", view)
 
 
 def test_a_strategy_that_describes_its_own_regions_is_saved_and_loaded_without_an_adapter(tmp_path):

@@ -14,7 +14,8 @@ in the order chapter 9 tells it:
 * :mod:`.saving` — :func:`save`: every rank its own file, atomically.
 * :mod:`.background` — ``save(..., background=True)``: copied to host memory, written while
   training goes on (:class:`PendingSave`, :func:`wait_for_saves`).
-* :mod:`.reads` — which checksum blocks deliver what a rank needs, read verified.
+* :mod:`.reads` — which checksum blocks deliver what a rank needs (:func:`overlap`: what of a
+  saved piece a region needs), read verified.
 * :mod:`.loading` — :func:`load`: under any world size and strategy; read and verify, agree,
   then copy.
 * :mod:`.resharding` — :func:`plan`: the reads of a load on M ranks, from metadata alone.
@@ -27,13 +28,13 @@ from .exporting import export, load_exported
 from .format import (BLOCK_BYTES, CHECKSUM, FORMAT, METADATA, READABLE_VERSIONS, STATE_KINDS, VERSION,
                      CheckpointError, read_metadata)
 from .loading import load
-from .reads import Read, plan_reads, read_full
+from .reads import Read, overlap, plan_reads, read_full
 from .regions import CheckpointRegions, Holdings, Region, ShardedState, describe, local_state
 from .resharding import ReshardPlan, layout, layout_metadata, plan
 from .saving import save
 
 __all__ = ["CheckpointError", "CheckpointRegions", "Holdings", "Region", "ShardedState", "describe",
            "local_state", "save", "PendingSave", "wait_for_saves", "load", "read_metadata", "read_full",
-           "Read", "plan_reads",
+           "Read", "overlap", "plan_reads",
            "ReshardPlan", "plan", "layout", "layout_metadata", "export", "load_exported",
            "FORMAT", "VERSION", "READABLE_VERSIONS", "METADATA", "BLOCK_BYTES", "CHECKSUM", "STATE_KINDS"]

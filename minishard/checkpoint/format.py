@@ -127,7 +127,7 @@ def fsync_dir(d: Path) -> None:
 
 # ====================================================================== a rank's file, the metadata
 
-def file_layout(state: ShardedState) -> tuple[list, list[Region], list[dict], int]:
+def plan_file(state: ShardedState) -> tuple[list, list[Region], list[dict], int]:
     """Rank r's file: its safetensors entries, the regions they hold, one record per piece
     (tensor, key, first element, byte offset in the file), and the file's size."""
     pieces = [g for g in state.regions if g.save]

@@ -1,9 +1,10 @@
 """Loading, under any world size and strategy, in two phases: read and verify, then copy.
 
 A rank needs every element its regions hold (:func:`.regions.describe`), wherever the saving
-ranks put it: it reads only the checksum blocks that overlap them (:func:`.reads.plan_reads`)
-and verifies them. Only when every rank has read everything it needs does any rank copy a value
-into its model — so a load that fails on any rank changes nothing on any rank.
+ranks put it: it reads only the checksum blocks that overlap them (:func:`.reads.overlap`, asked
+by :func:`.reads.plan_reads`) and verifies them. Only when every rank has read everything it
+needs does any rank copy a value into its model — so a load that fails on any rank changes
+nothing on any rank.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.nn as nn
 from ..comm import Comm
 from .agreement import agree
 from .format import METADATA, CheckpointError, dtype_name, read_metadata, resolve
-from .reads import plan_reads, read_verified
+from .reads import overlap, plan_reads, read_verified
 from .regions import Region, ShardedState, describe
 
 
@@ -56,14 +57,16 @@ def load(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm | N
 
 @torch.no_grad()
 def _copy_in(targets: list[Region], staged: list) -> None:
-    """Copy the verified values into the live views (the overlap of each read with each region)."""
+    """Copy the verified values into the live views: of each read, what :func:`.reads.overlap`
+    says each region needs."""
     by_tensor: dict[str, list] = {}
     for rd, v in staged:
         by_tensor.setdefault(rd.tensor, []).append((rd, v))
     for g in targets:
         for rd, v in by_tensor.get(g.name, []):
-            a, b = max(g.start, rd.start), min(g.start + g.numel, rd.start + rd.numel)
-            if a < b:
+            both = overlap((g.start, g.start + g.numel), (rd.start, rd.start + rd.numel))
+            if both is not None:
+                a, b = both
                 g.view[a - g.start:b - g.start].copy_(v[a - rd.start:b - rd.start])
 
 

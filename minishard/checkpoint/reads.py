@@ -1,8 +1,8 @@
 """Reading a checkpoint: which bytes deliver the elements a rank needs, and reading them verified.
 
-A loader reads only the checksum blocks that overlap what it needs (:func:`plan_reads`), checks
-each file's size and each block's checksum (XXH3-64; SHA-256 in a version 1 checkpoint), and
-only then hands the values on (:func:`read_verified`). The same reads serve
+A loader reads only the checksum blocks that :func:`overlap` what it needs (:func:`plan_reads`),
+checks each file's size and each block's checksum (XXH3-64; SHA-256 in a version 1 checkpoint),
+and only then hands the values on (:func:`read_verified`). The same reads serve
 :func:`.loading.load` (this rank's regions), :func:`.resharding.plan` (from metadata alone),
 :func:`read_full` and the export.
 """
@@ -35,6 +35,16 @@ class Read:
     checksums: tuple | None     # expected checksum of each block read (None: an imagined save)
 
 
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    """The elements ``(start, stop)`` two ranges of one tensor's index space share, or None.
+
+    Loading on M ranks what N wrote is this one step, asked of every pair: what of a saved piece
+    a new rank's region needs. The read plan asks it of each piece (:func:`plan_reads`), the load
+    of each verified read (:func:`.loading.load`)."""
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
 def plan_reads(meta: dict, needs: Iterable[tuple[str, int, int]]) -> list[Read]:
     """The reads that deliver the elements ``needs`` = [(tensor, start, numel)]: for each saved
     piece overlapping them, the whole checksum blocks that cover the overlap (so that what is
@@ -52,8 +62,8 @@ def plan_reads(meta: dict, needs: Iterable[tuple[str, int, int]]) -> list[Read]:
         block = meta["block_bytes"] // size
         for p in t["pieces"]:
             ps, pe = p["start"], p["start"] + p["numel"]
-            spans = [((max(a, ps) - ps) // block, (min(b, pe) - ps - 1) // block)
-                     for a, b in wanted[name] if a < pe and ps < b]
+            hits = [o for w in wanted[name] if (o := overlap(w, (ps, pe))) is not None]
+            spans = [((a - ps) // block, (b - ps - 1) // block) for a, b in hits]
             for first, last in _runs(sorted(spans) if len(spans) > 1 else spans):
                 lo, hi = first * block, min((last + 1) * block, p["numel"])
                 sums = tuple(p["checksums"][first:last + 1]) if p.get("checksums") else None

@@ -47,6 +47,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..optim_state import ensure_optimizer_state
+from ..strategies import layout_name
 from .format import STATE_KINDS, CheckpointError
 
 
@@ -85,11 +86,14 @@ class Holdings:
     """What one rank holds, filled in by the describers' ``checkpoint_regions``.
 
     A describer declares each global tensor with :meth:`tensor` and enters what it holds with
-    :meth:`add`, :meth:`replica` or :meth:`replicated`; it reads per-element optimizer state with
-    :meth:`optimizer_state` (so that the checkpoint knows which of the optimizer's parameters were
-    described) and claims the model's parameters it answered for with :meth:`claim`. A describer
-    of everything names the layout (``strategy``, recorded in metadata.json) and may give the
-    model order (``order``); units add their layout's name with :meth:`layout`.
+    :meth:`add` (a region), :meth:`add_replica` (a tensor every rank holds whole) or
+    :meth:`add_replicated_param` (a parameter every rank holds whole, with its optimizer state);
+    it reads per-element optimizer state with :meth:`optimizer_state` (so that the checkpoint
+    knows which of the optimizer's parameters were described) and claims the model's parameters
+    it answered for with :meth:`claim`. A describer of everything names the layout
+    (``strategy``, recorded in metadata.json) and may give the model order (``order``); units
+    add their layout's name with :meth:`layout`. Either asks the registry for the name
+    (:meth:`layout_name`).
     """
 
     def __init__(self, rank: int, world_size: int, model: nn.Module | None = None,
@@ -118,7 +122,7 @@ class Holdings:
         if view.numel():
             self.regions.append(Region(name, start, view, save, load, cast, replica))
 
-    def replica(self, name: str, full: torch.Tensor) -> None:
+    def add_replica(self, name: str, full: torch.Tensor) -> None:
         """Every rank holds the whole tensor: each needs all of it, rank r saves chunk r."""
         n = full.numel()
         c = math.ceil(n / self.world_size)
@@ -126,19 +130,20 @@ class Holdings:
         self.add(name, 0, full, save=False, replica=True)
         self.add(name, lo, full[lo:hi], load=False)
 
-    def replicated(self, fqn: str, p: torch.Tensor, optimizer: torch.optim.Optimizer | None,
-                   master: torch.Tensor | None = None) -> None:
+    def add_replicated_param(self, fqn: str, p: torch.Tensor, optimizer: torch.optim.Optimizer | None,
+                             master: torch.Tensor | None = None) -> None:
         """Parameter ``fqn`` whole on every rank (``p``), with its optimizer state; with an fp32
         ``master`` copy, the master is what is saved and ``p`` its rounded working copy."""
         src = p if master is None else master
         self.claim(p)
         self.tensor(f"param/{fqn}", p.shape, src.dtype)
-        self.replica(f"param/{fqn}", src.detach().reshape(-1))
+        self.add_replica(f"param/{fqn}", src.detach().reshape(-1))
         if master is not None:
             self.add(f"param/{fqn}", 0, p.detach().reshape(-1), save=False, cast=True)
         for kind, t in self.optimizer_state(optimizer, src, fqn).items():
             self.tensor(f"{kind}/{fqn}", p.shape, t.dtype)
-            self.replica(f"{kind}/{fqn}", t)
+            self.add_replica(f"{kind}/{fqn}", t)
+
 
     def claim(self, *params: torch.Tensor) -> None:
         """These parameters of the model are described: they are not replicas."""
@@ -147,6 +152,11 @@ class Holdings:
     def layout(self, name: str) -> None:
         """A unit of the model is laid out as ``name`` (``fsdp``, ``fsdp_flat``, ``hsdp``)."""
         self.layouts.add(name)
+
+    def layout_name(self, stage: int, *, flat: bool = False, shard_size: int | None = None) -> str:
+        """The registry's name for a layout over this world (:func:`minishard.strategies.layout_name`):
+        describers ask here, since importing the registry would import their own builders back."""
+        return layout_name(stage, self.world_size, flat=flat, shard_size=shard_size)
 
     def fqn(self, module: nn.Module, name: str) -> str:
         """The name of parameter ``name`` of ``module`` in the model."""
@@ -201,8 +211,8 @@ def describe(model: nn.Module, optimizer, comm: Comm | None = None) -> ShardedSt
     if whole is None:                                # every parameter no unit took: a replica
         for fqn, p in net.named_parameters():
             if id(p) not in h.claimed:
-                h.replicated(fqn, p, inner)
-        h.strategy = _layout_name(h.layouts, comm.world_size)
+                h.add_replicated_param(fqn, p, inner)
+        h.strategy = _combined_layout(h)
     if not h.strategy:
         raise CheckpointError(f"{type(whole).__name__}.checkpoint_regions named no strategy")
     _refuse_undescribed(inner, h, net)
@@ -233,9 +243,12 @@ def _units(net: nn.Module) -> list:
                                                               CheckpointRegions)]
 
 
-def _layout_name(layouts: set[str], world_size: int) -> str:
+def _combined_layout(h: Holdings) -> str:
+    """The layout of a model whose units named theirs: replicas if none did, ``hsdp`` if one
+    shards in groups, else the one FSDP layout — or ``fsdp_mixed``, a checkpoint-only name."""
+    layouts = h.layouts
     if not layouts:
-        return "single" if world_size == 1 else "ddp"
+        return h.layout_name(0)
     if "hsdp" in layouts:
         return "hsdp"
     return layouts.pop() if len(layouts) == 1 else "fsdp_mixed"

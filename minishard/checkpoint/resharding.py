@@ -4,22 +4,23 @@ Can a checkpoint saved by N ranks under one strategy be loaded by M ranks under 
 32 after losing a node; ZeRO-1 -> FSDP)? Yes, because the checkpoint records *which elements of
 which tensor* each file holds, not "rank r's state". And because a strategy's layout is pure
 arithmetic, what each new rank would hold can be computed on the meta device — no ranks, no
-memory — and so can the reads that would load it (:func:`plan`), and even the metadata a save
-that never ran would write (:func:`layout_metadata`).
+memory — and so can the reads that would load it (:func:`plan`: of each saved piece, the
+:func:`.reads.overlap` with each region the new rank would hold, in whole checksum blocks), and
+even the metadata a save that never ran would write (:func:`layout_metadata`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..comm import Comm
-from .format import BLOCK_BYTES, build_metadata, dtype_name, file_layout
+from .format import BLOCK_BYTES, build_metadata, dtype_name, plan_file
 from .reads import Read, plan_reads
 from .regions import ShardedState, describe
 
 
 class _LayoutComm(Comm):
     """Rank ``rank`` of a world that need not exist: enough to build a strategy's layout on the
-    meta device (replication broadcasts do nothing: meta tensors have no values)."""
+    meta device (the broadcast from rank 0 does nothing: meta tensors have no values)."""
 
     def __init__(self, rank: int, world_size: int):
         super().__init__(None)
@@ -58,7 +59,7 @@ def layout_metadata(strategy: str, world_size: int, model_config, *, optimizer: 
     infos = []
     for r in range(world_size):
         st = layout(strategy, r, world_size, model_config, optimizer=optimizer, **build_options)
-        _, _, records, size = file_layout(st)
+        _, _, records, size = plan_file(st)
         infos.append({"rank": r, "bytes": size, "records": records, "strategy": st.strategy,
                       "model": st.model_config, "optimizer": {"class": type(st.optimizer).__name__,
                                                               "step": step, "param_groups": []},

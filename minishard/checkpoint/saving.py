@@ -32,7 +32,7 @@ from ..comm import Comm
 from .agreement import agree, raise_if_any
 from .background import PendingSave, checkpoint_comm, wait_for_saves
 from .format import (BLOCK_BYTES, CHECKSUM, HASHES, METADATA, CheckpointError, build_metadata,
-                     dtype_name, file_layout, fsync_dir, tensor_bytes, write_safetensors)
+                     dtype_name, fsync_dir, plan_file, tensor_bytes, write_safetensors)
 from .regions import ShardedState, describe
 
 
@@ -95,7 +95,7 @@ def _own_part(model: nn.Module, optimizer, comm: Comm, path: Path, tmp: Path, *,
     own = _OwnPart()
     try:
         state = describe(model, optimizer, comm)
-        own.entries, pieces, records, own.size = file_layout(state)
+        own.entries, pieces, records, own.size = plan_file(state)
         own.info = {"rank": comm.rank, "bytes": own.size, "records": records, "strategy": state.strategy,
                     "model": state.model_config, "optimizer": _optimizer_info(state),
                     "tensors": {n: (list(s), dtype_name(d)) for n, (s, d) in state.tensors.items()},
