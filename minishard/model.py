@@ -46,6 +46,9 @@ class GPTConfig:
             raise ValueError(f"unknown norm {self.norm!r}; expected 'layernorm' or 'rmsnorm'")
 
 
+# Llama's blocks: SwiGLU MLP, RMSNorm, no biases, no learned positions
+LLAMA_BLOCKS = dict(mlp="swiglu", norm="rmsnorm", bias=False, learned_pos=False)
+
 CONFIGS = {
     # the course's reference model: 6,868,992 parameters (docs/reference-figures.md)
     "tiny": GPTConfig(),
@@ -53,18 +56,14 @@ CONFIGS = {
     "gpt2-small": GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layer=12, n_head=12),
     # Llama-3-like shapes (rotary positions are not modelled: they carry no parameters)
     "llama3-8b": GPTConfig(vocab_size=128256, seq_len=8192, d_model=4096, n_layer=32, n_head=32,
-                           n_kv_head=8, ffn_hidden=14336, mlp="swiglu", norm="rmsnorm",
-                           bias=False, learned_pos=False),
+                           n_kv_head=8, ffn_hidden=14336, **LLAMA_BLOCKS),
     # TinyLlama-1.1B's shapes: the >= 1B model of the GPU check (scripts/gpu_check.py)
     "tinyllama-1.1b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_layer=22,
-                                n_head=32, n_kv_head=4, ffn_hidden=5632, mlp="swiglu",
-                                norm="rmsnorm", bias=False, learned_pos=False),
+                                n_head=32, n_kv_head=4, ffn_hidden=5632, **LLAMA_BLOCKS),
     "llama3-70b": GPTConfig(vocab_size=128256, seq_len=8192, d_model=8192, n_layer=80, n_head=64,
-                            n_kv_head=8, ffn_hidden=28672, mlp="swiglu", norm="rmsnorm",
-                            bias=False, learned_pos=False),
+                            n_kv_head=8, ffn_hidden=28672, **LLAMA_BLOCKS),
     "llama3-405b": GPTConfig(vocab_size=128256, seq_len=8192, d_model=16384, n_layer=126,
-                             n_head=128, n_kv_head=8, ffn_hidden=53248, mlp="swiglu",
-                             norm="rmsnorm", bias=False, learned_pos=False),
+                             n_head=128, n_kv_head=8, ffn_hidden=53248, **LLAMA_BLOCKS),
 }
 
 

@@ -37,11 +37,11 @@ def k_groups_of_six(rank, k: int):
     g = torch.Generator().manual_seed(rank.rank)
     x = torch.randint(0, net.cfg.vocab_size, (2, net.cfg.seq_len), generator=g)
     loss = net(x, x)
-    kept = {u.name: u._post_forward_blocks.numel() * u._post_forward_blocks.element_size()
-            for u in fsdp.units(net) if u._post_forward_blocks is not None}
+    kept = {u.name: u._post_forward_chunks.numel() * u._post_forward_chunks.element_size()
+            for u in fsdp.units(net) if u._post_forward_chunks is not None}
     full = {u.name: u.layout.N * u.layout.per_rank * 4 for u in fsdp.units(net) if u.name != "root"}
     net.blocks[0]._fsdp_unit.reshard()
-    after_reshard = net.blocks[0]._fsdp_unit._post_forward_blocks is None
+    after_reshard = net.blocks[0]._fsdp_unit._post_forward_chunks is None
     loss.backward()
     live = [u for u in ("blocks.0", "blocks.1", "blocks.2") if ledger.is_live(f"{u}:post_forward")]
     grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}

@@ -259,7 +259,7 @@ def test_per_param_layout_partition_and_round_trips(data, N, shapes_, mode):
     for i, t in enumerate(full):
         covered = torch.zeros(t.numel(), dtype=torch.int64)
         for r in range(N):
-            shard, start, count, off = L[r].held(i)
+            shard, start, count, off = L[r].shard_of(i)
             assert shard is L[r].sharded[i] and off == 0
             assert shard.shape == L[0].sharded[i].shape and shard.dtype == t.dtype
             assert shard.requires_grad == requires[i]
@@ -307,7 +307,7 @@ def test_per_param_layout_partition_and_round_trips(data, N, shapes_, mode):
             if not requires[i]:
                 assert shard.grad is None
                 continue
-            _, start, count, _ = L[r].held(i)
+            _, start, count, _ = L[r].shard_of(i)
             want = torch.zeros(shard.numel(), dtype=shard.dtype)
             if grads[i] is not None:
                 want[:count] = grads[i].reshape(-1)[start:start + count].to(shard.dtype)
@@ -362,10 +362,10 @@ def test_flat_layout_partition_and_round_trips(N, shapes_, mode):
     covered = [torch.zeros(t.numel(), dtype=torch.int64) for t in full]
     for r in range(N):
         shard = L[r].flat_shard.detach()
-        assert shard.numel() == chunk and L[r].chunk == chunk
+        assert shard.numel() == chunk and L[r].shard_numel == chunk
         in_shard = torch.zeros(chunk, dtype=torch.int64)
         for i, t in enumerate(full):
-            s, start, count, off = L[r].held(i)
+            s, start, count, off = L[r].shard_of(i)
             assert s is L[r].flat_shard and count >= 0
             assert_bits_equal(shard[off:off + count], t.reshape(-1)[start:start + count], (i, r))
             covered[i][start:start + count] += 1
@@ -403,7 +403,7 @@ def test_flat_layout_partition_and_round_trips(N, shapes_, mode):
         L[r].accumulate_reduced(packed.view(N, -1)[r].clone())
         g = L[r].flat_shard.grad
         for i, t in enumerate(full):
-            _, start, count, off = L[r].held(i)
+            _, start, count, off = L[r].shard_of(i)
             assert_bits_equal(g[off:off + count], grads[i].reshape(-1)[start:start + count].to(dtype),
                               f"gradient of parameter {i} on rank {r}")
 

@@ -181,8 +181,8 @@ class _Snapshots:
 def _padding_on(layout, rank: int) -> int:
     """Elements of padding this rank stores for one unit."""
     if layout.kind == "flat":
-        have = max(0, min(layout.numel, (rank + 1) * layout.chunk) - rank * layout.chunk)
-        return layout.chunk - have
+        have = max(0, min(layout.numel, (rank + 1) * layout.shard_numel) - rank * layout.shard_numel)
+        return layout.shard_numel - have
     pad = 0
     for s, c, inner in zip(layout.slots, layout.rows, layout.inner):
         rows0 = s.shape[0] if len(s.shape) else 1

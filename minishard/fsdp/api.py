@@ -100,9 +100,9 @@ def _start_from_rank0(slots: list[ParamSlot], comm: Comm, replicate: Comm | None
     if len(devices) > 1:
         raise ValueError(f"{name}: parameters on mixed devices {sorted(map(str, devices))}")
     params = [s.module._parameters[s.name] for s in slots]
-    comm.replicate_from_rank0(params)
+    comm.broadcast_from_rank0(params)
     if replicate is not None:
-        replicate.replicate_from_rank0(params)
+        replicate.broadcast_from_rank0(params)
 
 
 def _quantize(weights, gradients, lay, name: str) -> tuple:

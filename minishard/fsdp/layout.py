@@ -7,15 +7,16 @@ the :class:`Layout` protocol and never looks inside:
 2. what does this rank contribute to the unit's all-gather, and where does the result go
    (``begin_unshard`` gives the buffer it fills, ``finish_unshard`` takes it when it lands)?
 3. how are the full parameters put in place for compute, and taken away again (``reshard``)?
-4. which gradients go into the reduce-scatter, and where does the reduced slice land?
+4. which gradients go into the reduce-scatter, and where does the reduced shard land?
 
 A layout allocates the full parameters and the gather's buffers, so it enters them in the
 ledger itself (``account``): the unit need not know which of them a layout has.
 
 **Per-parameter sharding** (:class:`PerParamLayout`, PyTorch FSDP2). Each parameter is cut along
-dim 0 into N row blocks of ``ceil(rows / N)`` (the last padded); rank r keeps block r as its own
+dim 0 into N shards of ``ceil(rows / N)`` rows (the last padded); rank r keeps shard r as its own
 ``nn.Parameter`` in the module, so names, shapes per rank and ``requires_grad`` stay per
-parameter. One all-gather per unit still suffices: every rank packs its blocks into one buffer,
+parameter. One all-gather per unit still suffices: every rank packs its shards into its chunk of
+one buffer,
 and the gathered result is copied out into each parameter ("copy-out"); gradients are copied
 into a packed buffer for one reduce-scatter ("copy-in"). Frozen and trainable parameters can
 share a unit; each keeps its own dtype.
@@ -72,7 +73,7 @@ class Layout(Protocol):
     def begin_unshard(self) -> torch.Tensor: ...
     def finish_unshard(self, gathered: torch.Tensor) -> None: ...
     def reshard(self) -> None: ...
-    def pack_blocks(self, ranks: range) -> torch.Tensor: ...
+    def pack_chunks(self, ranks: range) -> torch.Tensor: ...
     def unpack(self, gathered: torch.Tensor) -> list[torch.Tensor]: ...
     def full_values(self) -> list[torch.Tensor]: ...
     def grad_leaves(self) -> list[nn.Parameter]: ...
@@ -80,17 +81,24 @@ class Layout(Protocol):
     def reduce_scatter_output(self, dtype: torch.dtype) -> torch.Tensor: ...
     def accumulate_reduced(self, reduced: torch.Tensor) -> None: ...
     def drop_unsharded_grads(self) -> None: ...
-    def held(self, i: int) -> tuple[torch.Tensor, int, int, int]: ...
+    def shard_of(self, i: int) -> tuple[torch.Tensor, int, int, int]: ...
 
 
 class Accounted:
     """A layout's ledger entries, under its unit's name: the full parameters (``unsharded``,
-    ``{unit}:full{i}``) and a buffer the all-gather fills before they exist (``{unit}:ag``)."""
+    ``{unit}:full{i}``) and a buffer the all-gather fills before they exist (``{unit}:ag``);
+    and the reshard, which both layouts do alike."""
     _ledger = None
     _unit = ""
 
     def account(self, ledger, unit: str) -> None:
         self._ledger, self._unit = ledger, unit
+
+    def reshard(self) -> None:
+        """The module holds the shards again; the full parameters' storage is freed."""
+        self.to_sharded()
+        self.free_unsharded()
+        self._untrack_unsharded()
 
     def _track_unsharded(self) -> None:
         if self._ledger is not None:
@@ -114,16 +122,16 @@ class PerParamLayout(Accounted):
         self.device = slots[0].module._parameters[slots[0].name].device    # where compute runs
         self.sharded: list[nn.Parameter] = []
         self.unsharded: list[nn.Parameter] = []
-        self.rows, self.inner = [], []              # rows per rank block; elements per row
+        self.rows, self.inner = [], []              # rows per shard; elements per row
         for s in slots:
             full = s.module._parameters[s.name].detach()
             rows0 = s.shape[0] if len(s.shape) else 1
             c = math.ceil(rows0 / world_size)
             inner = s.numel // rows0 if rows0 else 0
-            block = torch.zeros((c,) + tuple(s.shape[1:]), dtype=s.dtype, device=full.device)
-            mine = full.reshape(rows0, *s.shape[1:])[rank * c:(rank + 1) * c]
-            block[:mine.shape[0]] = mine             # the last ranks' blocks carry the padding
-            shard = nn.Parameter(block, requires_grad=s.requires_grad)
+            rows = torch.zeros((c,) + tuple(s.shape[1:]), dtype=s.dtype, device=full.device)
+            ours = full.reshape(rows0, *s.shape[1:])[rank * c:(rank + 1) * c]
+            rows[:ours.shape[0]] = ours              # the last ranks' shards carry the padding
+            shard = nn.Parameter(rows, requires_grad=s.requires_grad)
             shard._fsdp_shard = True
             dtype = param_dtype or s.dtype
             unsharded = nn.Parameter(torch.empty(s.shape, dtype=dtype, device=full.device),
@@ -134,15 +142,15 @@ class PerParamLayout(Accounted):
             self.rows.append(c)
             self.inner.append(inner)
             s.module._parameters[s.name] = shard    # what model.parameters() shows now
-        # rank-major packing: [rank 0: block of p0 | block of p1 | ...][rank 1: ...]
+        # rank-major packing, a chunk per rank: [rank 0: shard of p0 | shard of p1 | ...][rank 1: ...]
         self.sizes = [c * i for c, i in zip(self.rows, self.inner)]
         self.per_rank = sum(self.sizes)
         # parameters of several dtypes and no common compute dtype: gather their raw bytes (a
         # cast to one dtype would round the others), reduce their gradients in fp32
         self.mixed = param_dtype is None and len({s.dtype for s in slots}) > 1
         self.bytes_per = [s.dtype.itemsize if self.mixed else 1 for s in slots]
-        # raw bytes: each parameter's block starts 8-byte aligned, so it can be viewed back as
-        # its dtype (a bf16 block of odd length would leave the next fp32 one at byte 6)
+        # raw bytes: each parameter's shard starts 8-byte aligned, so it can be viewed back as
+        # its dtype (a bf16 shard of odd length would leave the next fp32 one at byte 6)
         self.raw_sizes = [-(-n * b // 8) * 8 for n, b in zip(self.sizes, self.bytes_per)]
         self.gather_per_rank = sum(self.raw_sizes) if self.mixed else self.per_rank
         self.reduce_dtype = torch.float32 if self.mixed else slots[0].dtype
@@ -164,19 +172,19 @@ class PerParamLayout(Accounted):
     # ---- 2. the all-gather
     def all_gather_input(self, device: torch.device, dtype: torch.dtype | None = None,
                          into: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's blocks, packed on the compute device and cast to the compute dtype (or to
+        """This rank's shards, packed on the compute device and cast to the compute dtype (or to
         ``dtype``: a gather for reading, see ``unpack``). ``into``: pack them there — this
-        rank's block of the all-gather's output, so the gather itself copies nothing locally."""
+        rank's chunk of the all-gather's output, so the gather itself copies nothing locally."""
         if self.mixed and dtype is None:
-            blocks = []
+            shards = []
             for p, raw in zip(self.sharded, self.raw_sizes):
-                blocks.append(p.detach().reshape(-1).view(torch.uint8).to(device))
-                if raw > blocks[-1].numel():
-                    blocks.append(torch.zeros(raw - blocks[-1].numel(), dtype=torch.uint8, device=device))
+                shards.append(p.detach().reshape(-1).view(torch.uint8).to(device))
+                if raw > shards[-1].numel():
+                    shards.append(torch.zeros(raw - shards[-1].numel(), dtype=torch.uint8, device=device))
         else:   # copy to the device first, cast there: what crosses is the shard as stored
-            blocks = [p.detach().reshape(-1).to(device).to(dtype or self.gather_dtype)
+            shards = [p.detach().reshape(-1).to(device).to(dtype or self.gather_dtype)
                       for p in self.sharded]
-        return torch.cat(blocks) if into is None else torch.cat(blocks, out=into)
+        return torch.cat(shards) if into is None else torch.cat(shards, out=into)
 
     def all_gather_output(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         if dtype is not None:
@@ -194,7 +202,7 @@ class PerParamLayout(Accounted):
         return out
 
     def finish_unshard(self, gathered: torch.Tensor) -> None:
-        """The gathered blocks copied out into the full parameters, which the module computes
+        """The gathered shards copied out into the full parameters, which the module computes
         with from now on."""
         self.alloc_unsharded()
         self._track_unsharded()
@@ -203,18 +211,12 @@ class PerParamLayout(Accounted):
             self._ledger.free(f"{self._unit}:ag")
         self.to_unsharded()
 
-    def reshard(self) -> None:
-        """The module holds the shards again; the full parameters' storage is freed."""
-        self.to_sharded()
-        self.free_unsharded()
-        self._untrack_unsharded()
-
     def alloc_unsharded(self) -> None:
         for p in self.unsharded:
             _set_storage(p, p.numel() * p.element_size())
 
     def copy_out(self, gathered: torch.Tensor) -> None:
-        """Rank q's block of parameter p goes to rows [q*c, (q+1)*c) of the full parameter."""
+        """Rank q's shard of parameter p goes to rows [q*c, (q+1)*c) of the full parameter."""
         if self.mixed or not all(self.inner):
             self._unpack_into(gathered, self.unsharded, raw=self.mixed)
         else:
@@ -222,8 +224,8 @@ class PerParamLayout(Accounted):
 
     def _split_into(self, gathered: torch.Tensor, into: list[torch.Tensor]) -> None:
         """The copy-out as one operation for the whole unit (FSDP2 does the same): seen as N rows
-        of ``per_rank``, the gather's column block i holds parameter i's rank blocks in order,
-        which *is* parameter i when its rows divide by N. The others (the last blocks carry
+        of ``per_rank``, the gather's column span i holds parameter i's shards in rank order,
+        which *is* parameter i when its rows divide by N. The others (the last shards carry
         padding) land in a scratch first and their real rows are copied on."""
         outs, ragged = [], []
         for p, c, inner in zip(into, self.rows, self.inner):
@@ -247,7 +249,7 @@ class PerParamLayout(Accounted):
         return out
 
     def _unpack_into(self, gathered: torch.Tensor, into: list[torch.Tensor], raw: bool) -> None:
-        """``raw``: the gather moved raw bytes (mixed dtypes), each block is viewed back."""
+        """``raw``: the gather moved raw bytes (mixed dtypes), each shard is viewed back."""
         by_rank = gathered.view(self.N, self.gather_per_rank if raw else self.per_rank)
         offset = 0
         for p, c, inner, size, b in zip(into, self.rows, self.inner, self.raw_sizes if raw else self.sizes,
@@ -257,14 +259,14 @@ class PerParamLayout(Accounted):
                 for q in range(self.N):
                     lo, hi = q * c, min((q + 1) * c, rows.shape[0])
                     if hi > lo:
-                        block = by_rank[q, offset:offset + (hi - lo) * max(inner, 1) * b]
+                        shard = by_rank[q, offset:offset + (hi - lo) * max(inner, 1) * b]
                         if raw:
-                            block = block.view(p.dtype)       # the raw bytes, as they were
-                        rows[lo:hi].copy_(block.view(hi - lo, -1))
+                            shard = shard.view(p.dtype)       # the raw bytes, as they were
+                        rows[lo:hi].copy_(shard.view(hi - lo, -1))
             offset += size
 
-    def pack_blocks(self, ranks: range) -> torch.Tensor:
-        """The blocks of ``ranks``, packed from the full parameters exactly as the all-gather
+    def pack_chunks(self, ranks: range) -> torch.Tensor:
+        """The chunks of ``ranks``, packed from the full parameters exactly as the all-gather
         laid them out (``reshard_after_forward=k`` keeps them for backward's gather). The
         padding rows are zeros: the copy-out never reads them."""
         out = torch.zeros(len(ranks), self.gather_per_rank, dtype=self.gather_dtype, device=self.device)
@@ -275,9 +277,9 @@ class PerParamLayout(Accounted):
             for k, q in enumerate(ranks):
                 lo, hi = q * c, min((q + 1) * c, rows.shape[0])
                 if hi > lo:
-                    block = rows[lo:hi].reshape(-1)
-                    block = block.view(torch.uint8) if self.mixed else block
-                    out[k, offset:offset + block.numel()].copy_(block)
+                    shard = rows[lo:hi].reshape(-1)
+                    shard = shard.view(torch.uint8) if self.mixed else shard
+                    out[k, offset:offset + shard.numel()].copy_(shard)
             offset += size
         return out.view(-1)
 
@@ -304,8 +306,8 @@ class PerParamLayout(Accounted):
         gradients contribute zeros."""
         grads = [p.grad for p in self.unsharded]
         if all(g is not None for g in grads) and all(self.inner) and not self.mixed:
-            # one operation, as FSDP2's chunk_cat: each gradient cut into N row blocks of c rows
-            # (the last padded with zeros), the blocks laid rank-major, cast on the way
+            # one operation, as FSDP2's chunk_cat: each gradient cut into N shards of c rows
+            # (the last padded with zeros), laid rank-major, cast on the way
             packed = torch.empty(self.N, self.per_rank, dtype=dtype, device=self.device)
             torch._chunk_cat([g.reshape(-1, inner) for g, inner in zip(grads, self.inner)], dim=0,
                              num_chunks=self.N, out=packed)
@@ -326,7 +328,7 @@ class PerParamLayout(Accounted):
         return torch.empty(self.per_rank, dtype=dtype, device=self.device)
 
     def accumulate_reduced(self, reduced: torch.Tensor) -> None:
-        """Add the reduced slice into each sharded parameter's ``.grad``."""
+        """Add the reduced shard into each sharded parameter's ``.grad``."""
         for p, part in zip(self.sharded, reduced.split(self.sizes)):
             if p.requires_grad:
                 g = part.view(p.shape).to(device=p.device, dtype=p.dtype)
@@ -339,7 +341,7 @@ class PerParamLayout(Accounted):
         for p in self.unsharded:
             p.grad = None
 
-    def held(self, i: int) -> tuple[torch.Tensor, int, int, int]:
+    def shard_of(self, i: int) -> tuple[torch.Tensor, int, int, int]:
         """Parameter ``i`` on this rank: the shard tensor holding it, the first element held (in
         the parameter's own index space), how many, and where they begin in the shard — rows
         ``[r*c, (r+1)*c)`` of dim 0 (a checkpoint saves and loads exactly these)."""
@@ -374,17 +376,17 @@ class FlatLayout(Accounted):
         self.slots, self.rank, self.N, self.param_dtype = slots, rank, world_size, param_dtype
         self.offsets = [sum(s.numel for s in slots[:k]) for k in range(len(slots))]
         self.numel = sum(s.numel for s in slots)
-        self.chunk = math.ceil(self.numel / world_size)
-        self.per_rank = self.chunk
+        self.shard_numel = math.ceil(self.numel / world_size)
+        self.per_rank = self.shard_numel
         device = self.device = slots[0].module._parameters[slots[0].name].device
-        full = torch.zeros(self.chunk * world_size, dtype=slots[0].dtype, device=device)
+        full = torch.zeros(self.shard_numel * world_size, dtype=slots[0].dtype, device=device)
         for s, off in zip(slots, self.offsets):
             full[off:off + s.numel].copy_(s.module._parameters[s.name].detach().reshape(-1))
-        self.flat_shard = nn.Parameter(full[rank * self.chunk:(rank + 1) * self.chunk].clone(),
+        self.flat_shard = nn.Parameter(full[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone(),
                                        requires_grad=slots[0].requires_grad)
         self.flat_shard._fsdp_shard = True
         self.reduce_dtype = slots[0].dtype
-        self.flat_full = nn.Parameter(torch.empty(self.chunk * world_size,
+        self.flat_full = nn.Parameter(torch.empty(self.shard_numel * world_size,
                                                   dtype=param_dtype or slots[0].dtype, device=device),
                                       requires_grad=slots[0].requires_grad)
         _set_storage(self.flat_full, 0)
@@ -414,7 +416,7 @@ class FlatLayout(Accounted):
 
     def all_gather_output(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         if dtype is not None:                     # a gather for reading, into a fresh buffer
-            return torch.empty(self.chunk * self.N, dtype=dtype, device=self.device)
+            return torch.empty(self.shard_numel * self.N, dtype=dtype, device=self.device)
         return self.flat_full                     # gathered in place: no copy-out
 
     def unpack(self, gathered: torch.Tensor) -> list[torch.Tensor]:
@@ -431,17 +433,12 @@ class FlatLayout(Accounted):
     def finish_unshard(self, gathered: torch.Tensor) -> None:
         self.to_unsharded()
 
-    def reshard(self) -> None:
-        self.to_sharded()
-        self.free_unsharded()
-        self._untrack_unsharded()
-
     def alloc_unsharded(self) -> None:
         _set_storage(self.flat_full, self.flat_full.numel() * self.flat_full.element_size())
 
-    def pack_blocks(self, ranks: range) -> torch.Tensor:
+    def pack_chunks(self, ranks: range) -> torch.Tensor:
         """The chunks of ``ranks`` of the full flat buffer (a copy: the buffer is freed next)."""
-        return self.flat_full.detach()[ranks.start * self.chunk:ranks.stop * self.chunk].clone()
+        return self.flat_full.detach()[ranks.start * self.shard_numel:ranks.stop * self.shard_numel].clone()
 
     def free_unsharded(self) -> None:
         _set_storage(self.flat_full, 0)
@@ -460,11 +457,11 @@ class FlatLayout(Accounted):
     def reduce_scatter_input(self, dtype: torch.dtype) -> torch.Tensor:
         g = self.flat_full.grad
         if g is None:
-            return torch.zeros(self.chunk * self.N, dtype=dtype, device=self.device)
+            return torch.zeros(self.shard_numel * self.N, dtype=dtype, device=self.device)
         return g.to(dtype) if g.dtype != dtype else g
 
     def reduce_scatter_output(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(self.chunk, dtype=dtype, device=self.device)
+        return torch.empty(self.shard_numel, dtype=dtype, device=self.device)
 
     def accumulate_reduced(self, reduced: torch.Tensor) -> None:
         g = reduced.to(device=self.flat_shard.device, dtype=self.flat_shard.dtype)
@@ -476,12 +473,12 @@ class FlatLayout(Accounted):
     def drop_unsharded_grads(self) -> None:
         self.flat_full.grad = None
 
-    def held(self, i: int) -> tuple[torch.Tensor, int, int, int]:
+    def shard_of(self, i: int) -> tuple[torch.Tensor, int, int, int]:
         """Parameter ``i`` on this rank: the flat shard, the first element of the parameter held,
         how many, and where they begin in the shard — chunk r of the unit's flat buffer cut at
         the parameter's boundaries (a checkpoint saves and loads exactly these)."""
-        s, off, lo_c = self.slots[i], self.offsets[i], self.rank * self.chunk
-        lo, hi = max(off, lo_c), min(off + s.numel, lo_c + self.chunk)
+        s, off, lo_c = self.slots[i], self.offsets[i], self.rank * self.shard_numel
+        lo, hi = max(off, lo_c), min(off + s.numel, lo_c + self.shard_numel)
         return self.flat_shard, lo - off, max(hi - lo, 0), lo - lo_c
 
     def full_values(self) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ class MemoryState(enum.Enum):
     """The full parameters, which the module computes with, next to the shard."""
     REDUCE_SCATTERING = "reduce_scattering"
     """The full parameters still, and the unit's full gradients packed into a reduce-scatter in
-    flight; the shard's ``.grad`` receives this rank's summed slice when it lands."""
+    flight; the shard's ``.grad`` receives this rank's summed shard when it lands."""
 
 
 @dataclass
@@ -45,7 +45,7 @@ class AllGatherState:
 
 @dataclass
 class ReduceScatterState:
-    """A reduce-scatter in flight: its work, the slice it fills, and the packed full gradients it
+    """A reduce-scatter in flight: its work, the shard it fills, and the packed full gradients it
     reads (alive until it lands)."""
     work: object
     output: torch.Tensor

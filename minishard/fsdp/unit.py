@@ -6,7 +6,7 @@
       reshard_after_forward=k    keep 1/k of them for backward      UNSHARDED -> SHARDED_POST_FORWARD
     pre_backward                 backward reaches the unit: unshard again (inside the k ranks), prefetch
     post_backward                its gradients are in: reduce_scatter_grads, reshard
-    reduce_scatter_grads         sum the full gradients, keep the slice  -> REDUCE_SCATTERING
+    reduce_scatter_grads         sum the full gradients, keep the shard  -> REDUCE_SCATTERING
     finish_backward              the root's context, at the end of backward: wait, reshard, IDLE
 
 Hooks call these (``hooks.py``), and nothing here calls a hook; with ``manual=True`` a notebook
@@ -57,7 +57,7 @@ class FSDPUnit(ReplicatedParams):
         # forward and gather them in backward over ``post_forward_comm``, k consecutive ranks
         self.reshard_after_forward = reshard_after_forward
         self.post_forward_comm: Comm | None = None
-        self._post_forward_blocks: torch.Tensor | None = None
+        self._post_forward_chunks: torch.Tensor | None = None
         self.mp_policy = mp_policy
         self.memory_state = MemoryState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -150,11 +150,11 @@ class FSDPUnit(ReplicatedParams):
             if post_forward:                # inside the k ranks, from the part kept after forward
                 g = self.post_forward_comm
                 inp = out.view(g.world_size, -1)[g.rank]
-                inp.copy_(self._post_forward_blocks)
+                inp.copy_(self._post_forward_chunks)
                 self._drop_post_forward()
                 work = g.all_gather(out, inp, async_op=True, tag=self.name, quantize=self.quantize[0])
             else:
-                # our shards go straight to our block of the output: the gather sends them from
+                # our shards go straight to our chunk of the output: the gather sends them from
                 # there and copies nothing more (as NCCL's in-place all-gather)
                 inp = self._fetch_shards(into=out.view(self.comm.world_size, -1)[self.comm.rank])
                 work = self.comm.all_gather(out, inp, async_op=True, tag=self.name,
@@ -213,10 +213,10 @@ class FSDPUnit(ReplicatedParams):
         rest. Backward then gathers over k ranks, on a node's fast links, not over all N."""
         self.wait_for_unshard()
         g = self.post_forward_comm
-        per = self.comm.world_size // g.world_size          # shard blocks each of the k keeps
-        self._post_forward_blocks = self.layout.pack_blocks(range(g.rank * per, (g.rank + 1) * per))
+        per = self.comm.world_size // g.world_size          # chunks each of the k keeps
+        self._post_forward_chunks = self.layout.pack_chunks(range(g.rank * per, (g.rank + 1) * per))
         if self.ledger is not None:
-            self.ledger.track("unsharded", self._post_forward_blocks, f"{self.name}:post_forward")
+            self.ledger.track("unsharded", self._post_forward_chunks, f"{self.name}:post_forward")
         self._free_full(then=MemoryState.SHARDED_POST_FORWARD)
 
     def _free_full(self, then: MemoryState) -> None:
@@ -225,7 +225,7 @@ class FSDPUnit(ReplicatedParams):
         self._set_state(then)
 
     def _drop_post_forward(self) -> None:
-        self._post_forward_blocks = None
+        self._post_forward_chunks = None
         if self.ledger is not None:
             self.ledger.free(f"{self.name}:post_forward")
 
@@ -296,7 +296,7 @@ class FSDPUnit(ReplicatedParams):
 
     # ------------------------------------------------------------------ gradient reduction
     def reduce_scatter_grads(self, async_op: bool = False) -> None:
-        """Sum the full gradients over ranks; this rank keeps its slice in the shards' ``.grad``
+        """Sum the full gradients over ranks; this rank keeps its shard in the shards' ``.grad``
         (replicated parameters: the whole sum, by all-reduce). Waits first for the previous
         unit's reduce-scatter, so at most one is in flight."""
         for u in self.context.units or [self]:
@@ -329,7 +329,7 @@ class FSDPUnit(ReplicatedParams):
         work, out = self._reduce_scatter.work, self._reduce_scatter.output
         if work is not None:
             self._wait(work, "wait_reduce_scatter")
-        if self.replicate is not None:      # hybrid: sum the slice with its replicas' (slow link)
+        if self.replicate is not None:      # hybrid: sum the shard with its replicas' (slow link)
             self.replicate.all_reduce(out, tag=self.name)
         t0 = time.perf_counter()
         if self.tier is not None:           # zero_grad(set_to_none=True) dropped them: the
@@ -337,7 +337,7 @@ class FSDPUnit(ReplicatedParams):
                 if t.requires_grad and t.grad is None:
                     t.grad = local(self.tier.zeros_like(t))
         self.layout.accumulate_reduced(out)
-        if self.tier is not None:           # the reduced slice goes to the tier
+        if self.tier is not None:           # the reduced shard goes to the tier
             self.transfers.add("d2h", out.numel() * out.element_size(), time.perf_counter() - t0,
                                self.comm.tracer, self.name)
         if self.ledger is not None:
@@ -391,19 +391,19 @@ class FSDPUnit(ReplicatedParams):
             raise RuntimeError(f"FSDP unit {self.name} is {self.memory_state.value}: a checkpoint is taken "
                                f"between steps, when every unit holds only its shard")
         lay = self.layout
-        h.layout("hsdp" if lay.N != h.world_size else "fsdp" if lay.kind == "per_param" else "fsdp_flat")
+        h.layout(h.layout_name(3, flat=lay.kind != "per_param", shard_size=lay.N))
         saves = h.rank // lay.N == 0                # the first replica group writes
         h.claim(*lay.shard_tensors())
         for i, s in enumerate(lay.slots):
             name = h.fqn(s.module, s.name)
-            local, start, n, first = lay.held(i)
+            local, start, n, first = lay.shard_of(i)
             h.tensor(f"param/{name}", s.shape, local.dtype)
             h.add(f"param/{name}", start, local.detach().reshape(-1)[first:first + n], save=saves)
             for kind, t in h.optimizer_state(h.optimizer, local, name).items():
                 h.tensor(f"{kind}/{name}", s.shape, t.dtype)
                 h.add(f"{kind}/{name}", start, t[first:first + n], save=saves)
         for s, p in zip(self.replicated_slots, self.replicated):
-            h.replicated(h.fqn(s.module, s.name), p, h.optimizer)
+            h.add_replicated_param(h.fqn(s.module, s.name), p, h.optimizer)
 
     # ------------------------------------------------------------------ reading the parameters
     @torch.no_grad()

@@ -85,3 +85,11 @@ def out_dir(name: str) -> str:
     d = os.path.join(tempfile.gettempdir(), "watch_spike", name)
     os.makedirs(d, exist_ok=True)
     return d
+
+
+def warmed(rank, world, kind):
+    """The model and optimizer of ``kind`` after two steps: what the experiments then measure."""
+    model, opt = build(kind, "nano")
+    for s in range(2):
+        train_step(model, opt, *data("nano", s, rank, world))
+    return model, opt

@@ -13,13 +13,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import build, data, spawn, train_step
+from common import data, spawn, train_step, warmed
 
 
 def run(rank, world, kind):
-    model, opt = build(kind, "nano")
-    for s in range(2):
-        train_step(model, opt, *data("nano", s, rank, world))
+    model, opt = warmed(rank, world, kind)
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
