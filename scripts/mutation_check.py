@@ -253,6 +253,35 @@ BUGS = [
     Bug("props buckets: every bucket keeps the first bucket's limit", "minishard/buckets.py",
         "size[g], limit[g] = 0, cap_mb * 2**20", "size[g] = 0",
         "tests/test_properties.py -k plan_buckets"),
+    # found by an outside review of issue 29's FSDP rewrite (each survived the suite then)
+    Bug("fsdp: the end of backward is queued again only if a unit was left in pre-backward",
+        "minishard/fsdp/root.py",
+        "                u.post_backward()\n        for u in self.units:\n            u.finish_backward()\n"
+        "        self._post_backward_queued = False",
+        "                u.post_backward()\n                self._post_backward_queued = False\n"
+        "        for u in self.units:\n            u.finish_backward()",
+        "tests/test_fsdp_lifecycle.py -k root_whose_input"),
+    Bug("fsdp: backward never prefetches the unit forward ran first", "minishard/fsdp/unit.py",
+        "            order = order[::-1]", "            order = order[:0:-1]",
+        "tests/test_prefetch.py -k own_depth"),
+    Bug("fsdp: backward prefetches by the forward depth", "minishard/fsdp/unit.py",
+        "ctx.prefetch_depth[0 if forward else 1])", "ctx.prefetch_depth[0])",
+        "tests/test_prefetch.py -k own_depth"),
+    Bug("fsdp: a unit reduce-scattering is not counted as live", "minishard/fsdp/limits.py",
+        "if u.memory_state is not MemoryState.SHARDED)",
+        "if u.memory_state in (MemoryState.UNSHARDING, MemoryState.UNSHARDED))",
+        "tests/test_zero3_bounds.py -k live"),
+    Bug("fsdp: the reduce-scatter's buffer entered in elements, not bytes", "minishard/fsdp/unit.py",
+        'self.ledger.alloc("comm_buffers", inp.numel() * inp.element_size(), f"{self.name}:rs")',
+        'self.ledger.alloc("comm_buffers", inp.numel(), f"{self.name}:rs")',
+        "tests/test_fsdp_lifecycle.py -k ledger"),
+    Bug("fsdp: a recomputation registers a second post-backward node", "minishard/fsdp/hooks.py",
+        "    if not unit.in_backward:", "    if not unit.in_backward or torch.is_grad_enabled():",
+        "tests/test_fsdp_lifecycle.py -k recomputation"),
+    Bug("checkpoint: a flat hybrid layout recorded as FSDP's", "minishard/strategies.py",
+        "    elif shard_size is not None and shard_size != world_size:",
+        "    elif shard_size is not None and shard_size < world_size and not flat:",
+        "tests/test_fsdp_lifecycle.py -k registry_name"),
 ]
 
 

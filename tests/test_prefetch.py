@@ -83,10 +83,7 @@ def test_aggressive_prefetch_runs_out_of_a_memory_budget_that_depth_1_fits(pools
 
 
 def test_bad_prefetch_depth_is_named():
-    net = GPT("nano")
-    for b in net.blocks:
-        fsdp.fully_shard(b, comm=Comm())
-    fsdp.fully_shard(net, comm=Comm())
+    net = fsdp.apply_fsdp(GPT("nano"), comm=Comm())
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prefetch depth must be a non-negative integer"):
             fsdp.set_prefetch(net, forward=bad)
@@ -126,6 +123,38 @@ def test_prefetch_follows_the_order_forward_ran_the_units_in():
     gathers = [e["name"] for e in tracer.events if e["kind"] == "unit" and e.get("step") == 1
                and e["state"] == "unsharding"]
     assert gathers == ["root", "b2", "b0", "b1", "b1", "b0", "b2"]
+
+
+def _units_ahead(events: list[dict], order: list[str], done: str) -> list[int]:
+    """For each unit after the first of a pass (its units in ``order``), how many units before
+    it had not yet finished (their ``done`` state) when its all-gather started: how far ahead
+    it was prefetched (0: gathered when it was needed)."""
+    at = {(e["name"], e["state"]): i for i, e in enumerate(events)}
+    return [sum(at[(v, done)] > at[(u, "unsharding")] for v in order[1:j])
+            for j, u in enumerate(order) if j >= 1]
+
+
+@pytest.mark.parametrize("forward,backward", [(1, 1), (0, 2), (2, 0)])
+def test_each_pass_prefetches_by_its_own_depth_in_the_recorded_order(forward, backward):
+    """Forward runs the units 2, 0, 1 after the root, backward 1, 0, 2: with depth d each unit is
+    gathered d units ahead (as far as there are units before it), in each pass by its own depth
+    — the unit forward ran first included, backward's last."""
+    from minishard.trace import Tracer
+    tracer = Tracer()
+    net = _OutOfOrder()
+    for i, b in enumerate(net.blocks):
+        fsdp.fully_shard(b, comm=Comm(tracer), name=f"b{i}")
+    fsdp.fully_shard(net, comm=Comm(tracer), name="root")
+    fsdp.set_prefetch(net, forward, backward)
+    for step in range(2):
+        tracer.step = step
+        net(torch.ones(2, 8)).backward()
+    step1 = [e for e in tracer.events if e["kind"] == "unit" and e.get("step") == 1]
+    middle = next(i for i, e in enumerate(step1) if e["name"] == "b1" and e["state"] == "sharded")
+    fwd, bwd = step1[:middle + 1], step1[middle + 1:]
+    assert _units_ahead(fwd, ["root", "b2", "b0", "b1"], "sharded") == [min(forward, j) for j in range(3)]
+    assert _units_ahead(bwd, ["root", "b1", "b0", "b2"], "reduce_scattering") == \
+        [min(backward, j) for j in range(3)]
 
 
 def test_the_gpts_recorded_order_is_its_module_order():

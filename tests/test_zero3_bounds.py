@@ -118,3 +118,18 @@ def test_the_bounds_are_counted_in_elements_and_refused_when_wrong():
     _sharded(32, offload=tier)          # nothing that small: nothing persistent, nothing refused
     with pytest.raises(ValueError, match="param_persistence_threshold with param_dtype"):
         _sharded(256, mp_policy=fsdp.MixedPrecisionPolicy(torch.bfloat16))
+
+
+def test_every_unit_not_back_to_its_shard_counts_as_live():
+    """The cap counts a unit's elements whole from the moment its gather starts until it is back
+    to its shard: unsharding, unsharded, reduce-scattering (its parameters still whole) — and,
+    after a forward that kept 1/k of them, still: backward gathers it again."""
+    from types import SimpleNamespace
+
+    from minishard.fsdp.limits import live_elements
+    from minishard.fsdp.state import MemoryState
+    units = [SimpleNamespace(layout=SimpleNamespace(slots=[SimpleNamespace(numel=10 ** i)]),
+                             memory_state=state) for i, state in enumerate(MemoryState)]
+    everything = sum(10 ** i for i in range(len(units)))
+    sharded = 10 ** list(MemoryState).index(MemoryState.SHARDED)
+    assert live_elements(SimpleNamespace(units=units)) == everything - sharded
