@@ -48,7 +48,7 @@ class Advice:
     seq_len: int | None = None
     prefetch: int = 1
     recompute: bool = True
-    offload: bool = False
+    offload: str | None = None           # the tier, as costmodel.plan names it: "host" or None
     hybrid: bool = False
     mfu: float = 0.4
     wrap: str = "block"
@@ -146,7 +146,7 @@ class Advice:
                 f"which splits each layer's activations.")
 
     def _hint_offload(self, p: Plan) -> str | None:
-        alt = None if self.offload else self._gain(self.strategy, offload=True)
+        alt = None if self.offload else self._gain(self.strategy, offload="host")
         if alt is None or not alt.fits:
             return None
         return (f"CPU offload fits ({_gib(alt.total_memory)}{_tight(alt)}) but adds "
@@ -174,7 +174,7 @@ class Advice:
         return None
 
     def _hint_no_offload(self, p: Plan) -> str | None:
-        alt = self._gain(self.strategy, offload=False) if self.offload else None
+        alt = self._gain(self.strategy, offload=None) if self.offload else None
         if alt is None or not alt.fits:
             return None
         return (f"Offload is not needed: without it {_gib(alt.total_memory)} fit{_tight(alt)} and the "

@@ -190,14 +190,15 @@ class _Sizes:
 def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
          micro_batch: int = 1, seq_len: int | None = None, precision: str | None = None,
          optimizer: str = "adamw", prefetch: int = 1, recompute: bool = False,
-         offload: bool = False, hybrid: bool = False, mfu: float = 0.4, bucket_cap_mb: float = 25.0,
+         offload: str | None = None, hybrid: bool = False, mfu: float = 0.4, bucket_cap_mb: float = 25.0,
          flash_attention: bool = True, overlap: bool = True, wrap: str = "block",
          reshard_after_forward: int | None = None) -> Plan:
     """Per-GPU memory by ledger category and step time for one configuration.
 
     ``strategy``: ddp, zero1, zero2, zero3/fsdp. ``hybrid``: shard inside a node, replicate across
-    nodes (HSDP). ``offload``: the sharded state lives in host memory (its bytes leave
-    the device; PCIe traffic is added to the exposed time). ``overlap=False``: communication
+    nodes (HSDP). ``offload``: the tier the sharded state lives in, named as a run names it
+    (``TrainConfig.offload``): ``"host"`` (its bytes leave the device; PCIe traffic is added to
+    the exposed time) or None; the disk tier is not modelled. ``overlap=False``: communication
     cannot hide behind compute (e.g. CPU ranks with every core busy computing). ``wrap``: FSDP's
     units, one per transformer block plus the root (``"block"``) or one for the whole model
     (``"model"``, see :func:`_one_unit`). ``reshard_after_forward=k`` (ZeRO-3): blocks keep 1/k
@@ -210,12 +211,7 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
     reduced in bf16, as DeepSpeed does by default)."""
     cfg = config(model) if isinstance(model, str) else model
     T = seq_len or cfg.seq_len
-    if not isinstance(micro_batch, int) or micro_batch < 1 or T < 1:
-        raise ValueError(f"micro_batch and seq_len must be positive (got {micro_batch}, {T})")
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu is a fraction of peak FLOP/s in (0, 1], got {mfu}")
-    if wrap not in ("block", "model"):
-        raise ValueError(f"wrap is 'block' or 'model', got {wrap!r}")
+    _check_job(micro_batch, T, mfu, wrap, offload)
     stage = strategies.get(strategy).stage            # (fsdp and zero3 are one: stage 3)
     strategy = strategies.STAGES[stage]
     if precision is None:
@@ -288,7 +284,7 @@ def activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes
 
 
 def memory_per_gpu(s: _Sizes, stage: int, precision: str, optimizer: str, acts: int, *,
-                   prefetch: int, offload: bool, bucket_cap_mb: float,
+                   prefetch: int, offload: str | None, bucket_cap_mb: float,
                    post_forward: int | None = None) -> tuple[dict[str, float], list[str]]:
     """Bytes on one GPU by ledger category at the step's peak, and notes on how it was read:
     the training state (:func:`~minishard.analytic.estimate`, less what is offloaded), what the
@@ -370,6 +366,23 @@ def cross_node_seconds(s: _Sizes, cluster: Cluster, grad_bytes: int) -> float:
     return ring_time("all_reduce", grad_bytes * s.n_params / s.shard_n, cluster.nodes, cluster.inter)
 
 
+def _check_job(micro_batch: int, seq_len: int, mfu: float, wrap: str, offload) -> None:
+    """A clear error for a job the planner cannot read. It asks which offload tier as a run
+    does (``TrainConfig.offload``), and models host memory over PCIe alone."""
+    if not isinstance(micro_batch, int) or micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch and seq_len must be positive (got {micro_batch}, {seq_len})")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu is a fraction of peak FLOP/s in (0, 1], got {mfu}")
+    if wrap not in ("block", "model"):
+        raise ValueError(f"wrap is 'block' or 'model', got {wrap!r}")
+    if offload == "disk":
+        raise ValueError("offload='disk': the planner models host memory over PCIe only (memory-"
+                         "mapped files on NVMe are not modelled); plan with offload='host' or None")
+    if offload not in (None, "host"):
+        raise ValueError(f"offload names the tier the sharded state lives in: 'host' or None, "
+                         f"got {offload!r}")
+
+
 def offload_transfers(s: _Sizes) -> tuple[float, float]:
     """(bytes crossing PCIe per step, the seconds they and the CPU optimizer add). What the
     engine moves (tests/test_offload.py): every unshard fetches the fp32 shard — each block
@@ -417,77 +430,3 @@ def choose(model: str | GPTConfig, cluster: Cluster, **kw) -> list[Plan]:
     """Every strategy for one model and cluster, fitting ones first, fastest first."""
     plans = [plan(model, cluster, s, **kw) for s in strategies.STAGES]
     return sorted(plans, key=lambda p: (not p.fits, p.step_s))
-
-
-# --------------------------------------------------------------------------- DeepSpeed's estimator
-
-@dataclass(frozen=True)
-class EstimatorRow:
-    """One line of DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` table, in bytes."""
-    options: str
-    per_cpu: float            # host memory of one node (all its ranks)
-    per_gpu: float
-    terms: dict[str, float]   # where per_gpu comes from, by ledger category
-
-
-def largest_layer_params(model) -> int:
-    """DeepSpeed's "largest layer": the most parameters any one module holds directly (not its
-    children's) — the unit ZeRO-3 gathers when every module is its own unit."""
-    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-
-
-def deepspeed_estimate(n_params: int, largest_layer: int, stage: int, gpus_per_node: int = 1,
-                       nodes: int = 1, buffer_factor: float = 1.5) -> list[EstimatorRow]:
-    """DeepSpeed's published memory-estimator table, rebuilt from the ledger's categories.
-
-    The GPU column is :func:`minishard.analytic.estimate` for fp16/bf16 mixed precision with fp32
-    gradients (DeepSpeed's fused Adam updates fp32 gradients), plus the terms DeepSpeed's
-    accounting adds on purpose:
-
-    * ZeRO-2: the whole model's 16-bit gradients (2 bytes/param, unsharded) — the estimator
-      counts them as resident because backward writes them before the bucketed reduce-scatter
-      frees them; minishard's ZeRO-2 (chapter 04) holds only the in-flight buckets instead.
-    * ZeRO-3: the largest layer gathered — its 16-bit parameters and 16-bit gradients
-      (4 bytes/param), i.e. FSDP with every module its own unit and no prefetch.
-
-    Offloading moves ledger categories to host memory: the optimizer option takes gradients,
-    master weights and Adam moments; the parameter option (ZeRO-3) also the 16-bit shards. The
-    CPU column is one node's ranks' offloaded state, or — without ``zero.Init`` — every rank
-    building the full model in fp32 first, whichever is larger, times a ``buffer_factor`` of
-    1.5 that DeepSpeed adds "to be conservative". (DeepSpeed's ZeRO-2 CPU formula does not
-    divide the offloaded state by the number of nodes; this one does, so the two agree on one
-    node — where DeepSpeed's examples live — and this one is smaller on several.)
-    """
-    if stage not in (2, 3):
-        raise ValueError(f"DeepSpeed's estimator covers ZeRO stages 2 and 3, not {stage!r}")
-    if n_params < 1 or largest_layer < 1 or largest_layer > n_params:
-        raise ValueError(f"need 1 <= largest_layer ({largest_layer}) <= n_params ({n_params})")
-    if gpus_per_node < 1 or nodes < 1:
-        raise ValueError(f"gpus_per_node and nodes must be >= 1 (got {gpus_per_node}, {nodes})")
-    N, n = gpus_per_node * nodes, gpus_per_node
-    est = estimate(n_params=n_params, world_size=N, strategy=f"zero{stage}",
-                   precision="bf16_mixed_fp32_grads").per_rank    # 2 + 4 + 4 + 4 + 4 bytes
-    optimizer_side = ("grads", "master", "exp_avg", "exp_avg_sq")
-    gathered = {"largest layer gathered (16-bit params + grads)": 4 * largest_layer}
-    fp32_init = 4 * n_params * n                # no zero.Init: each rank builds the fp32 model
-
-    def row(options: str, offloaded: tuple[str, ...], init: float,
-            extra: dict[str, float]) -> EstimatorRow:
-        gpu = {k: v for k, v in est.items() if k not in offloaded} | extra
-        host = n * sum(v for k, v in est.items() if k in offloaded)
-        return EstimatorRow(options, max(init, host) * buffer_factor, sum(gpu.values()), gpu)
-
-    if stage == 2:
-        # offloaded, the 16-bit gradients stream to the host bucket by bucket and are not counted
-        return [row("offload_optimizer=cpu", optimizer_side, fp32_init, {}),
-                row("offload_optimizer=none", (), fp32_init,
-                    {"whole-model 16-bit grads": 2 * n_params})]
-    rows = []
-    for opts, off in (("offload_param=cpu , offload_optimizer=cpu ", optimizer_side + ("params",)),
-                      ("offload_param=none, offload_optimizer=cpu ", optimizer_side),
-                      ("offload_param=none, offload_optimizer=none", ())):
-        for zero_init in (1, 0):
-            # with zero.Init each rank materialises at most one layer in fp32 before sharding it
-            init = 4 * largest_layer * n if zero_init else fp32_init
-            rows.append(row(f"{opts}, zero_init={zero_init}", off, init, gathered))
-    return rows

@@ -39,9 +39,11 @@ class OffloadError(RuntimeError):
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Where the sharded state — parameters, gradients, optimizer moments, always together —
-    lives. (Activations and gathered parameters are needed on the device at once: to save
-    activation memory, recompute activations instead.)"""
+    """Which tier the sharded state — parameters, gradients, optimizer moments, always
+    together — lives in: what ``fully_shard(offload_policy=...)`` takes, as FSDP2's does
+    (its ``CPUOffloadPolicy`` is ``OffloadPolicy("host")`` here). Each unit then makes its own
+    :class:`Tier` from it. (Activations and gathered parameters are needed on the device at
+    once: to save activation memory, recompute activations instead.)"""
     tier: str = "host"
     directory: str | None = None                 # for tier="disk"
     pin_memory: bool | None = None               # default: when CUDA is available
@@ -54,16 +56,18 @@ class OffloadPolicy:
 
 
 class Tier:
-    """Allocates tensors in one tier and counts what crosses to and from the device."""
+    """One unit's place in a tier: allocates its tensors there (for the disk tier, in a folder
+    of its own, ``rank{r}-{unit}-...``, so that units never share a file)."""
 
-    def __init__(self, policy: OffloadPolicy, rank: int = 0, needed_bytes: int = 0):
+    def __init__(self, policy: OffloadPolicy, rank: int = 0, needed_bytes: int = 0, unit: str = "unit"):
         self.policy = policy
         self.name = policy.tier
         self.pin = torch.cuda.is_available() if policy.pin_memory is None else policy.pin_memory
         self.directory: Path | None = None
         self._files = 0
         if policy.tier == "disk":
-            self.directory = _prepare_directory(Path(policy.directory), rank, needed_bytes)
+            check_room(policy, needed_bytes)
+            self.directory = Path(tempfile.mkdtemp(prefix=f"rank{rank}-{unit}-", dir=policy.directory))
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         if self.name == "host":
@@ -92,9 +96,15 @@ class Tier:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _prepare_directory(directory: Path, rank: int, needed_bytes: int) -> Path:
-    """A fresh per-rank folder for the memory-mapped files, or a clear error — before any file
-    is written, so a failure leaves nothing half-made."""
+def check_room(policy: OffloadPolicy, needed_bytes: int) -> None:
+    """The disk tier's folder exists, is writable and has ``needed_bytes`` free — or a clear
+    error before any file is written, so a failure leaves nothing half-made. (A memory-mapped
+    file is sparse: a full disk would only show when a page is written, as a crash.) A
+    strategy asks it once for the whole state before any unit is made; each unit asks again
+    for its own part."""
+    if policy.tier != "disk":
+        return
+    directory = Path(policy.directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -105,7 +115,6 @@ def _prepare_directory(directory: Path, rank: int, needed_bytes: int) -> Path:
     if needed_bytes > free:
         raise OffloadError(f"offload directory {directory} has {free / 2**20:.1f} MiB free; the "
                            f"offloaded state needs {needed_bytes / 2**20:.1f} MiB")
-    return Path(tempfile.mkdtemp(prefix=f"rank{rank}-", dir=directory))
 
 
 @dataclass

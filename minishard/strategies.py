@@ -56,7 +56,6 @@ class Built:
     optimizer: Any                     # step it: .step(), .zero_grad(); may shard its state
     comms: tuple = ()                  # every process group's Comm (hybrid: shard and replica group)
     units: list = field(default_factory=list)   # FSDP units (empty for other strategies)
-    tier: Any = None                   # offload tier holding the sharded state, if any
     no_sync: Callable[[], Any] | None = None    # context: accumulate without communicating
     sync_gradients: Callable[[], None] | None = None   # explicit sync after backward (naive DDP)
     gather: Callable[[], dict] | None = None    # the full parameters, by name
@@ -251,7 +250,7 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     """ZeRO-3 / FSDP: every block a unit, the root takes the rest; hybrid shards inside groups
     of ``shard_size`` ranks and replicates across them."""
     from . import fsdp
-    from .offload import OffloadPolicy, Tier
+    from .offload import OffloadPolicy, check_room
     opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
     mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed" else None
     comms, replica_group = (comm,), None
@@ -261,11 +260,11 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
                              f"{config.shard_size}")
         comm, replica_group = comm.split(config.shard_size)
         comms = (comm, replica_group)
-    tier = None
-    if config.offload is not None:
-        state_bytes = 16 * sum(p.numel() for p in net.parameters()) // comm.world_size
-        tier = Tier(OffloadPolicy(config.offload, config.offload_dir), comm.rank, needed_bytes=state_bytes)
-    kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload=tier, replicate=replica_group,
+    offload = None
+    if config.offload is not None:      # room for the whole state first: no unit half-made
+        offload = OffloadPolicy(config.offload, config.offload_dir)
+        check_room(offload, 16 * sum(p.numel() for p in net.parameters()) // comm.world_size)
+    kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload_policy=offload, replicate=replica_group,
               layout=layout, param_persistence_threshold=config.param_persistence_threshold,
               quantized_weights=config.quantized_weights, quantized_gradients=config.quantized_gradients)
     fsdp.apply_fsdp(net, wrap=config.wrap, blocks=dict(reshard_after_forward=config.reshard_after_forward),
@@ -274,15 +273,14 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     fsdp.set_stage3_limits(net, config.prefetch_bucket_size, config.max_live_parameters)
     # the step on the shards (with offload: the moments are made in the tier, the step runs there)
     opt = fsdp.ShardedOptimizer(net, opt_class([p for p in net.parameters() if p.requires_grad],
-                                               **opt_kwargs), tier)
+                                               **opt_kwargs))
     from .ledger import track_optimizer_state
     no_sync = {"no_sync": lambda: fsdp.no_sync(net),
                "gathered": lambda: fsdp.keep_gathered(net)}.get(config.accumulation)
-    device = tier.name if tier is not None else None
-    return Built(strategy, net, opt, comms, units=fsdp.units(net), tier=tier, no_sync=no_sync,
+    return Built(strategy, net, opt, comms, units=fsdp.units(net), no_sync=no_sync,
                  gather=lambda: fsdp.full_parameters(net),
                  clip=lambda c: fsdp.clip_grad_norm_(net, c),
-                 new_state=lambda led: track_optimizer_state(led, opt.optimizer, net, device=device))
+                 new_state=lambda led: track_optimizer_state(led, opt.optimizer, net, device=config.offload))
 
 
 def _torch_fsdp(strategy, net, config, comm, ledger) -> Built:

@@ -162,8 +162,8 @@ def _outputs(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: B
         out["optimizer_state"] = built.optimizer.state_dict()
     if ledger is not None:
         out["ledger"]["by_device"] = ledger.by_device()
-    if built.tier is not None:
-        built.tier.cleanup()
+    for unit in built.units:            # the disk tier's files go with the run
+        unit.release_tier()
     return out
 
 
@@ -272,7 +272,7 @@ def _ledger_report(ledger: LiveLedger, config: TrainConfig, cfg, strategy, world
            "category_peaks": {c: b for (c, d), b in ledger.category_peaks.items() if d == ledger.device},
            "phase_peaks": ledger.phase_peaks, "final": ledger.current(), "estimate": est.per_rank,
            "formula": formula, "shard_group": est.shard_group}
-    if built.tier is not None:
+    if config.offload is not None:
         out["transfer_formula"] = _transfer_formula(built, config)
     if config.track_activations and (config.recompute or config.loss_chunk_tokens):
         out["unseen"] = _recomputed_bytes(cfg, config)

@@ -318,14 +318,14 @@ assert HBM["H100 SXM HBM3"] / PCIE["PCIe 5.0 x16"] > 10            # more than a
 # %%
 # NBVAL_CHECK_OUTPUT
 node = Cluster(DEVICES["h100-80gb"], gpus_per_node=8)
-for off in (False, True):
+for off in (None, "host"):                      # the tier, named as TrainConfig names it
     p = plan("llama3-70b", node, "fsdp", recompute=True, offload=off)
     state = sum(v for c, v in p.memory.items() if c in STATE + ("master",))
     total = glue(f"plan-{'offload' if off else 'no-offload'}-gib", p.total_memory / 2**30, "{:.1f}")
     state = glue("plan-no-offload-state-gib", state / 2**30, "{:.1f}") if not off else f"{state / 2**30:.1f}"
-    print(f"offload={off!s:<5}: {total:>6} GiB per GPU -> {'fits' if p.fits else 'does not fit'}"
+    print(f"offload={off!r:<6}: {total:>6} GiB per GPU -> {'fits' if p.fits else 'does not fit'}"
           f"   (state on the device: {state} GiB)")
-    assert p.fits == off
+    assert p.fits == (off == "host")
 psi70 = GPT("llama3-70b", device="meta").num_params()
 F = 0.4 * DEVICES["h100-80gb"].flops            # achieved FLOP/s: 40% of the dense bf16 peak
 T = 8192                                        # tokens per GPU per step

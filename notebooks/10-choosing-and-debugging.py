@@ -217,7 +217,7 @@ assert [s for s, p in p70.items() if p.fits] == ["fsdp"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.costmodel import deepspeed_estimate
+from minishard.deepspeed_estimator import deepspeed_estimate
 
 published = {   # DeepSpeed docs, "Memory Requirements": (per CPU GB, per GPU GB), GB = 2**30 bytes
     (2, "offload_optimizer=cpu"): (127.45, 5.31), (2, "offload_optimizer=none"): (127.45, 15.93),
@@ -604,7 +604,7 @@ print(f"per step: host -> device {moved['h2d_bytes']:,} bytes, device -> host {m
 print(f"between steps the device holds {sum(dev.get('device', {}).values()) / MiB:.1f} MiB of state, "
       f"the host {sum(dev['host'].values()) / MiB:.1f} MiB (16Ψ/2)")
 eight = Cluster(DEVICES["h100-80gb"], 8)
-on, off8 = (plan("llama3-8b", eight, "fsdp", seq_len=8192, recompute=True, offload=o) for o in (False, True))
+on, off8 = (plan("llama3-8b", eight, "fsdp", seq_len=8192, recompute=True, offload=o) for o in (None, "host"))
 print(f"Llama-3-8B, 8 H100s: {off8.total_memory / GiB:.1f} GiB per GPU instead of {on.total_memory / GiB:.1f}, "
       f"{glue('offload-step-s', off8.step_s, '{:.2f}')} s per step instead of "
       f"{glue('no-offload-step-s', on.step_s, '{:.2f}')} s ({off8.notes[-1]})")

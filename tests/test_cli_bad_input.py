@@ -155,6 +155,7 @@ CASES = [
     (["plan", "--seq-len", "0"], 2, ["--seq-len"]),
     (["plan", "--micro-batch", "0"], 2, ["--micro-batch"]),
     (["plan", "--mfu", "1.5"], 2, ["--mfu"]),
+    (["plan", "--offload", "disk"], 2, ["--offload disk", "host memory over PCIe only"]),
     (["ledger", "--strategy", "zero9"], 2, ["unknown strategy 'zero9'"]),
     (["plan", "--device-memory", "-3"], 2, ["--device-memory"]),
     (["plan", "--nodes", "0"], 2, ["--nodes"]),

@@ -1,9 +1,11 @@
 """The planner reuses the live ledger's formulas and reproduces published figures."""
+import re
 from dataclasses import replace
 
 import pytest
 
-from minishard.costmodel import DEVICES, LINKS, Cluster, choose, deepspeed_estimate, plan, ring_time
+from minishard.costmodel import DEVICES, LINKS, Cluster, choose, plan, ring_time
+from minishard.deepspeed_estimator import deepspeed_estimate
 from minishard.model import GPTConfig
 
 H100 = Cluster(DEVICES["h100-80gb"], gpus_per_node=8)
@@ -111,9 +113,18 @@ def test_planner_memory_matches_measured_runs_within_2_percent(pools, N):
 def test_planner_offload_traffic_is_what_the_engine_moves():
     """Per step, tiny GPT on 2 ranks: each block's fp32 shard fetched twice, the root's once,
     every gradient slice returned once: 23,215,104 + 13,737,984 bytes, as chapter 08 measures."""
-    p = plan("tiny", Cluster(DEVICES["h100-80gb"], gpus_per_node=2), "fsdp", offload=True,
+    p = plan("tiny", Cluster(DEVICES["h100-80gb"], gpus_per_node=2), "fsdp", offload="host",
              precision="fp32", flash_attention=False)
     assert p.transfer_bytes == 23_215_104 + 13_737_984
+
+
+@pytest.mark.parametrize("bad,words", [(True, "'host' or None, got True"), (1, "got 1"),
+                                       ("disk", "offload='disk': the planner models host memory")])
+def test_the_planner_asks_which_tier_as_a_run_does(bad, words):
+    """``offload`` names the tier everywhere (``TrainConfig.offload``, the planner): the old
+    yes/no and the tier it does not model are refused by name."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        plan("tiny", Cluster(DEVICES["h100-80gb"], gpus_per_node=2), "fsdp", offload=bad)
 
 
 # DeepSpeed docs, "Memory Requirements" (docs/code-docs/source/memory.rst, deepspeed.readthedocs.io
@@ -159,7 +170,7 @@ def test_deepspeed_gpu_column_is_the_ledger_plus_named_terms():
 
 
 def test_deepspeed_largest_layer_of_a_model():
-    from minishard.costmodel import largest_layer_params
+    from minishard.deepspeed_estimator import largest_layer_params
     from minishard.model import GPT, config
     cfg = config("tiny")
     assert largest_layer_params(GPT(cfg, device="meta")) == cfg.vocab_size * cfg.d_model
@@ -253,7 +264,7 @@ def test_reshard_after_forward_k_terms_to_the_formula():
     for prefetch in (0, 1, 2):
         for acts, inside in ((10**13, False), (0, True)):
             args = (s, 3, "bf16_fsdp", "adamw", acts)
-            kw = dict(prefetch=prefetch, offload=False, bucket_cap_mb=25.0)
+            kw = dict(prefetch=prefetch, offload=None, bucket_cap_mb=25.0)
             (base, n0), (k8, n8) = (memory_per_gpu(*args, **kw, post_forward=k) for k in (None, 8))
             assert ("peak inside backward" in n0) == ("peak inside backward" in n8) == inside
             held = s.n_layer - prefetch - (1 if inside else 0)

@@ -62,20 +62,23 @@ def test_transfer_bytes_equal_the_state_sizes(pools, N, strategy):
 def where_the_state_lives(rank, layout: str, directory: str) -> dict:
     """Rank task: FSDP with the disk tier, two SGD-momentum steps (``zero_grad()`` dropping the
     gradients in between, torch's default); for every shard, its gradient
-    and its momentum, the file its memory is mapped from (None: not in the tier)."""
+    and its momentum, the file its memory is mapped from (None: not in the tier); each unit's
+    folder; what of the rank's folders is left after the units released their tiers."""
+    import os
+
     import torch
     from minishard import fsdp
     from minishard.comm import Comm
     from minishard.model import batch, config
-    from minishard.offload import OffloadPolicy, Tier
+    from minishard.offload import OffloadPolicy
     cfg = config("nano")
     comm = Comm(rank.tracer)
-    tier = Tier(OffloadPolicy("disk", directory), rank.rank)
     net = GPT(cfg, seed=0)
-    fsdp.apply_fsdp(net, comm=comm, layout=layout, offload=tier)
-    opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), tier)
+    fsdp.apply_fsdp(net, comm=comm, layout=layout, offload_policy=OffloadPolicy("disk", directory))
+    opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
     files = lambda t: t.untyped_storage().filename   # noqa: E731
-    out = {"tier": str(tier.directory)}
+    out = {"tier": os.path.join(directory, f"rank{rank.rank}-"),
+           "folders": {u.name: str(u.tier.directory) for u in fsdp.units(net)}}
     for step in range(2):
         if step:
             opt.zero_grad()             # torch's default: set_to_none=True
@@ -86,15 +89,24 @@ def where_the_state_lives(rank, layout: str, directory: str) -> dict:
         out[f"local{step}"] = all(type(p.grad).__name__ == "LocalGradient" for p in net.parameters())
     out["params"] = [files(p) for p in net.parameters()]
     out["momentum"] = [files(opt.state[p]["momentum_buffer"]) for p in net.parameters()]
-    tier.cleanup()
+    for u in fsdp.units(net):
+        out.setdefault("by_unit", {})[u.name] = {files(t) for t in u.offloaded()}
+        u.release_tier()
+    out["left"] = [f for f in os.listdir(directory) if f.startswith(f"rank{rank.rank}-")]
     return out
 
 
 @pytest.mark.parametrize("layout", ["per_param", "flat"])
 def test_the_disk_tier_holds_every_shard_its_gradient_and_its_moments(pools, layout, tmp_path):
     """Nothing of the sharded state is left on the device: each tensor's memory is a file of
-    the rank's tier directory."""
+    the rank's tier directory, in a folder of the unit's own; the folders go when the units
+    release their tiers."""
     for r in pools(2).run(where_the_state_lives, layout, str(tmp_path)):
+        assert len(set(r["folders"].values())) == len(r["folders"]) == 4      # 3 blocks + root
+        for name, folder in r["folders"].items():
+            assert os.path.basename(folder).startswith(f"{os.path.basename(r['tier'])}{name}-")
+            assert all(os.path.dirname(f) == folder for f in r["by_unit"][name])
+        assert r["left"] == []
         # the shard's gradient refuses a norm of its own (minishard.local_grad), before and
         # after zero_grad() dropped it
         assert r["local0"] and r["local1"]
@@ -124,3 +136,24 @@ def test_bad_offload_requests_are_named(tmp_path):
     with pytest.raises(OffloadError, match="MiB free"):
         Tier(OffloadPolicy("disk", str(tmp_path / "big")), needed_bytes=free * 2)
     assert not any((tmp_path / "big").iterdir())      # nothing half-written
+
+
+def test_a_run_checks_room_for_the_whole_state_before_any_unit_is_made(tmp_path, monkeypatch):
+    """Each unit checks room for its own part; a run first checks room for all of it, so that a
+    disk with room for every unit alone but not for them together refuses before writing a
+    file (a memory-mapped file is sparse: a full disk would show only later, as a crash)."""
+    import shutil
+    from collections import namedtuple
+
+    from minishard.comm import Comm
+    from minishard.strategies import build
+    net = GPT("nano")
+    whole = 16 * sum(p.numel() for p in net.parameters())
+    largest = 16 * max(sum(p.numel() for p in b.parameters()) for b in net.blocks)
+    assert largest * 2 < whole
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * whole, 0, whole // 2))
+    with pytest.raises(OffloadError, match="MiB free; the offloaded state needs"):
+        build(net, TrainConfig(strategy="fsdp", model="nano", offload="disk", offload_dir=str(tmp_path)), Comm())
+    assert list(tmp_path.iterdir()) == []              # no unit's folder, no file
+    assert not any(hasattr(m, "_fsdp_unit") for m in net.modules())

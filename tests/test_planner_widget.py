@@ -24,7 +24,7 @@ def pw():
 def _reset(pw):
     pw.set(model="llama3-8b", device="h100-80gb", gpus_per_node=8, nodes=1, intra="nvlink4",
            inter="ib-ndr-400", strategy="ddp", wrap="block", prefetch=1, recompute=True,
-           offload=False, hybrid=False, micro_batch=1, seq_len=8192, mfu=0.4)
+           offload=None, hybrid=False, micro_batch=1, seq_len=8192, mfu=0.4)
 
 
 def _bar(pw, name):
@@ -130,8 +130,8 @@ def test_whole_model_unit_keeps_the_planners_hybrid_and_offload_terms():
     c = Cluster(DEVICES["h100-80gb"], 8, nodes=2, inter=LINKS["ethernet-100g"])
     kw = dict(micro_batch=1, seq_len=4096, recompute=True, hybrid=True)
     on_device = plan("llama3-8b", c, "fsdp", wrap="model", **kw)
-    one = plan("llama3-8b", c, "fsdp", wrap="model", offload=True, **kw)
-    offload_s = plan("llama3-8b", c, "fsdp", offload=True, **kw).exposed_comm_s \
+    one = plan("llama3-8b", c, "fsdp", wrap="model", offload="host", **kw)
+    offload_s = plan("llama3-8b", c, "fsdp", offload="host", **kw).exposed_comm_s \
         - plan("llama3-8b", c, "fsdp", **kw).exposed_comm_s          # per block: the same PCIe time
     assert one.exposed_comm_s > one.comm_s            # the offload time is exposed, not communication
     assert one.exposed_comm_s - on_device.exposed_comm_s == pytest.approx(offload_s)
@@ -141,9 +141,10 @@ def test_whole_model_unit_keeps_the_planners_hybrid_and_offload_terms():
 
 
 def test_the_widget_draws_the_planners_whole_model_unit(pw):
-    pw.set(strategy="fsdp", wrap="model", nodes=2, hybrid=True, offload=True)
+    pw.set(strategy="fsdp", wrap="model", nodes=2, hybrid=True, offload="host")
+    assert pw.offload == "host" and pw._controls["offload"].value is True      # a checkbox
     want = plan("llama3-8b", pw.cluster, "fsdp", wrap="model", micro_batch=1, seq_len=8192,
-                recompute=True, hybrid=True, offload=True)
+                recompute=True, hybrid=True, offload="host")
     assert pw.plan == want
     for cat, b in want.memory.items():
         assert _bar(pw, cat).y[3] == pytest.approx(b / GiB)
@@ -268,3 +269,15 @@ def test_a_suggestion_above_90_percent_of_the_device_carries_the_same_warning(pw
     pw.recompute = False                          # now that plan is the current one: same warning
     assert pw.plan.total_memory > 0.9 * pw.plan.device_memory
     assert any("CUDA context" in h and "NCCL" in h for h in pw.hints)
+
+
+def test_the_offload_hints_go_both_ways(pw):
+    """A job that fits only with its state in host memory is told offload fits, at a PCIe
+    price; a job that fits without it is told offload is not needed."""
+    pw.set(model="llama3-70b", strategy="fsdp", seq_len=4096)
+    assert not pw.plan.fits
+    assert pw.hints == [h for h in pw.hints if h.startswith("CPU offload fits")] != []
+    pw.set(offload="host")
+    assert pw.plan.fits and not any("offload" in h.lower() for h in pw.hints)
+    pw.set(model="llama3-8b", seq_len=8192)
+    assert any(h.startswith("Offload is not needed: without it") for h in pw.hints)

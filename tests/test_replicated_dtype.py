@@ -8,7 +8,7 @@ import torch
 
 from minishard import fsdp
 from minishard.model import GPT
-from minishard.offload import OffloadPolicy, Tier
+from minishard.offload import OffloadPolicy
 
 from parity import assert_parity
 import replicated_tasks as T
@@ -132,7 +132,7 @@ def test_what_cannot_keep_its_own_dtype_is_refused():
         fsdp.fully_shard(GPT("nano").blocks[0], param_persistence_threshold=256, mp_policy=bf16)
     with pytest.raises(ValueError, match="replicate_params with offload"):
         fsdp.fully_shard(GPT("nano").ln_f, replicate_params=("weight", "bias"), mp_policy=bf16,
-                         offload=Tier(OffloadPolicy("host"), 0, needed_bytes=0))
+                         offload_policy=OffloadPolicy("host"))
     with pytest.raises(ValueError, match="has no parameters of its own"):
         fsdp.fully_shard(torch.nn.ReLU())
 

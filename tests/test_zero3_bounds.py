@@ -9,7 +9,7 @@ from minishard import fsdp
 from minishard.comm import Comm
 from minishard.course.ch07 import stage3_train
 from minishard.model import GPT
-from minishard.offload import OffloadPolicy, Tier
+from minishard.offload import OffloadPolicy
 from minishard.train import TrainConfig
 
 from parity import assert_parity, reference
@@ -112,10 +112,10 @@ def test_the_bounds_are_counted_in_elements_and_refused_when_wrong():
             fsdp.set_stage3_limits(net, max_live_parameters=bad)
     whole = _sharded(16384)            # every parameter of a block that small: nothing to gather
     assert all(not u.layout.shard_tensors() and len(u.replicated) == 12 for u in fsdp.units(whole))
-    tier = Tier(OffloadPolicy("host"), 0, needed_bytes=0)
+    host = OffloadPolicy("host")
     with pytest.raises(ValueError, match="param_persistence_threshold with offload"):
-        _sharded(256, offload=tier)
-    _sharded(32, offload=tier)          # nothing that small: nothing persistent, nothing refused
+        _sharded(256, offload_policy=host)
+    _sharded(32, offload_policy=host)          # nothing that small: nothing persistent, nothing refused
     with pytest.raises(ValueError, match="param_persistence_threshold with param_dtype"):
         _sharded(256, mp_policy=fsdp.MixedPrecisionPolicy(torch.bfloat16))
 

@@ -71,7 +71,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                    help="activation recomputation")
     g.add_argument("--hybrid", action="store_true", help="ZeRO-3 sharded inside a node, replicated across")
-    g.add_argument("--offload", action="store_true", help="the sharded state in host memory")
+    g.add_argument("--offload", choices=("host", "disk"), default=None,
+                   help="the tier the sharded state lives in, as demo's --offload names it: host "
+                        "(over PCIe; disk is not modelled and is refused)")
     g.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak FLOP/s")
 
 
@@ -208,6 +210,9 @@ def plan(args) -> int:
         raise ValueError(f"--micro-batch must be >= 1 sequence, got {args.micro_batch}")
     if not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu is a fraction of peak FLOP/s in (0, 1], got {args.mfu}")
+    if args.offload == "disk":
+        raise ValueError("--offload disk: the planner models host memory over PCIe only "
+                         "(memory-mapped files on NVMe are not modelled); plan with --offload host")
     n_params = GPT(cfg, device="meta").num_params()
     job = dict(micro_batch=args.micro_batch, seq_len=seq_len, precision=args.precision,
                prefetch=args.prefetch, recompute=args.recompute, hybrid=args.hybrid,

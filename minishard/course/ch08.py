@@ -23,7 +23,8 @@ def transfer_table(events: list[dict], rank: int = 0, step: int | None = None) -
 def disk_tier_files(rank, directory: str, model: str = "tiny", micro_batch: int = 2) -> dict:
     """Build FSDP (flat layout) with the sharded state in memory-mapped files under
     ``directory``, train one step, and list what the tier holds on disk before cleaning up:
-    ``{"files": n, "bytes": total, "sizes": sorted sizes}`` for this rank."""
+    ``{"files": n, "bytes": total, "sizes": sorted sizes, "units": folders (one per unit)}``
+    for this rank."""
     import os
 
     from ..train import TrainConfig, build
@@ -34,8 +35,9 @@ def disk_tier_files(rank, directory: str, model: str = "tiny", micro_batch: int 
     x, y = batch(cfg, 0, micro_batch, rank.rank, rank.world_size)
     built.model(x, y).backward()
     built.optimizer.step()
-    tier_dir = built.tier.directory
-    sizes = sorted(os.path.getsize(tier_dir / f) for f in os.listdir(tier_dir))
-    built.tier.cleanup()
-    return {"files": len(sizes), "bytes": sum(sizes), "sizes": sizes,
-            "left_behind": os.path.exists(tier_dir)}
+    folders = [u.tier.directory for u in built.units]        # one per unit
+    sizes = sorted(os.path.getsize(d / f) for d in folders for f in os.listdir(d))
+    for u in built.units:
+        u.release_tier()
+    return {"files": len(sizes), "bytes": sum(sizes), "sizes": sizes, "units": len(folders),
+            "left_behind": any(os.path.exists(d) for d in folders)}

@@ -10,7 +10,7 @@ from .. import quantized
 from ..clipping import clip_sharded_grad_norm_
 from ..comm import Comm
 from ..ledger import LiveLedger
-from ..offload import Tier
+from ..offload import OffloadPolicy, Tier
 from . import hooks
 from .layout import FlatLayout, PerParamLayout
 from .slots import ParamSlot, collect_slots
@@ -23,7 +23,8 @@ from .unit import FSDPUnit
 def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedger | None = None,
                 reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, layout: str = "per_param",
-                manual: bool = False, name: str | None = None, offload: Tier | None = None,
+                manual: bool = False, name: str | None = None,
+                offload_policy: OffloadPolicy | None = None,
                 replicate: Comm | None = None, replicate_params: tuple[str, ...] = (),
                 param_persistence_threshold: int | None = None, quantized_weights: bool | int = False,
                 quantized_gradients: bool | int = False) -> nn.Module:
@@ -37,10 +38,11 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     backward gathers inside groups of k consecutive ranks (a node) — FSDP2's rule: 1 is False,
     the group's size is True.
     ``manual=True`` registers no hooks: call ``unshard``/``reshard``/``reduce_scatter_grads``
-    yourself. ``offload``: an ``offload.Tier`` that keeps the shards, their gradients and (see
-    ``ShardedOptimizer``) the optimizer state. ``replicate``: hybrid sharding (HSDP) — ``comm``
-    is the shard group (a node), ``replicate`` joins the ranks holding the same shard on other
-    nodes (see ``Comm.split``). ``replicate_params``: names of parameters or submodules of
+    yourself. ``offload_policy``: FSDP2's knob — an ``offload.OffloadPolicy`` naming the tier
+    (host memory, or memory-mapped files) that keeps the unit's shards, their gradients and (see
+    ``ShardedOptimizer``) the optimizer state; the unit makes its own ``offload.Tier`` there.
+    ``replicate``: hybrid sharding (HSDP) — ``comm`` is the shard group (a node), ``replicate``
+    joins the ranks holding the same shard on other nodes (see ``Comm.split``). ``replicate_params``: names of parameters or submodules of
     ``module`` (``("ln1", "ln2")``) kept whole on every rank: never sharded, their gradients
     all-reduced — for small tensors where a gather costs more than it saves. They keep their
     dtype: fp32 norms in a bf16 unit compute in fp32 and all-reduce fp32 gradients; a unit may
@@ -63,12 +65,13 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     slots = collect_slots(module, taken)
     whole, sharded, boundaries = _split_replicated(
         slots, replicate_params, persistent_names(slots, param_persistence_threshold, name), name,
-        mp_policy, offload)
+        mp_policy, offload_policy)
     _start_from_rank0(slots, comm, replicate, name)
     originals = {id(s.module._parameters[s.name]) for s in sharded}
     lay = _layout(layout, sharded, whole, comm, mp_policy, module)
     unit = (FSDPUnit if sharded else ReplicatedOnlyUnit)(module, name, lay, comm, ledger,
-        reshard_after_forward, mp_policy, offload, replicate, whole, originals)
+        reshard_after_forward, mp_policy, _tier(offload_policy, comm.rank, name, lay), replicate,
+        whole, originals)
     unit.post_forward_comm = post_forward if sharded else None     # nothing gathered, none kept
     unit.quantize = _quantize(quantized_weights, quantized_gradients, lay, name)
     module._fsdp_unit = unit
@@ -140,8 +143,16 @@ def _units_inside(module: nn.Module) -> list[FSDPUnit]:
     return inside
 
 
+def _tier(policy: OffloadPolicy | None, rank: int, unit: str, layout) -> Tier | None:
+    """The unit's own place in its offload tier, with room for its fp32 shards, their
+    gradients and Adam's two moments."""
+    if policy is None:
+        return None
+    return Tier(policy, rank, unit=unit, needed_bytes=16 * sum(t.numel() for t in layout.shard_tensors()))
+
+
 def _split_replicated(slots: list[ParamSlot], asked: tuple[str, ...] | str, persistent: tuple[str, ...],
-                      unit: str, mp_policy: MixedPrecisionPolicy, offload: Tier | None):
+                      unit: str, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy | None):
     """(the slots kept whole, the slots to shard, the modules computing in their replicated
     parameters' dtype): those ``replicate_params`` names (``asked``) and those under the
     persistence threshold (``persistent``)."""
@@ -159,11 +170,11 @@ def _split_replicated(slots: list[ParamSlot], asked: tuple[str, ...] | str, pers
         raise ValueError(f"replicate_params: {unit} has no parameter or submodule {missing} "
                          f"(its parameters: {[s.fqn for s in slots][:6]}...)")
     whole = [s for s in slots if any(match(s, n) for n in names)]
-    if offload is not None:
+    if offload_policy is not None:
         # the tier holds the shards, their gradients and moments, and the step runs there; a
         # parameter kept whole would stay on the device with its gradient and moments, outside
         # what the tier accounts for, and the step would straddle both
-        raise ValueError(f"{knob} with offload: the tier holds the sharded state, a parameter kept "
+        raise ValueError(f"{knob} with offload_policy: the tier holds the sharded state, a parameter kept "
                          f"whole would stay on the device; shard it instead")
     boundaries = dtype_boundaries(whole, mp_policy.param_dtype, unit, knob)
     for s in whole:

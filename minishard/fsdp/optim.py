@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..offload import Tier
 from ..optim_state import ensure_optimizer_state
 from .api import units
 from .state import MemoryState
@@ -22,19 +21,21 @@ class ShardedOptimizer:
     whole, with all-reduced gradients. The step communicates nothing: the next forward's
     all-gathers carry the updated shards to every rank.
 
-    With an offload ``tier`` the shards, their gradients and the moments all live in the tier
-    (the moments are created there now), so the step runs there — on the CPU for host memory,
+    With offload (``fully_shard(offload_policy=...)``) a unit's shards, their gradients and the
+    moments all live in its tier (the moments are created there now), so the step runs there — on the CPU for host memory,
     over memory-mapped files for the disk tier — and nothing crosses for it.
 
     A checkpoint asks the units, not this wrapper, what the rank holds (``FSDPUnit.checkpoint_regions``):
     a plain torch optimizer over ``model.parameters()`` is checkpointed the same way."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tier: Tier | None = None):
-        self.optimizer, self.tier = optimizer, tier
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
         self.units = units(model)
         self.param_groups = optimizer.param_groups
-        if tier is not None:
-            ensure_optimizer_state(optimizer, tier.zeros_like)
+        tiers = {t: tier for u in self.units for t, tier in u.offloaded().items()}
+        if tiers:
+            ensure_optimizer_state(optimizer, lambda p: tiers[p].zeros_like(p) if p in tiers
+                                   else torch.zeros_like(p))
 
     @property
     def state(self):

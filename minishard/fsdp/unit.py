@@ -108,6 +108,16 @@ class FSDPUnit(ReplicatedParams):
             if p.grad is not None:
                 self.ledger.track("grads", p.grad, f"{self.name}:replicated_grad{i}")
 
+    def offloaded(self) -> dict[torch.Tensor, Tier]:
+        """The shards this unit keeps in an offload tier, each with its tier (empty without
+        offload): the optimizer creates their moments beside them."""
+        return {t: self.tier for t in self.layout.shard_tensors()} if self.tier is not None else {}
+
+    def release_tier(self) -> None:
+        """Remove what the disk tier wrote for this unit (its folder of memory-mapped files)."""
+        if self.tier is not None:
+            self.tier.cleanup()
+
     @property
     def is_root(self) -> bool:
         return self.context.root is self

@@ -57,6 +57,13 @@ def cached_plan(model: str, cluster: Cluster, strategy: str, **job) -> Plan:
     return plan(model, cluster, strategy, **job)
 
 
+def _host(offload: str | None) -> bool:
+    """The offload checkbox's value for a tier the planner models."""
+    if offload not in (None, "host"):
+        raise ValueError(f"offload: the planner models 'host' or None, got {offload!r}")
+    return offload == "host"
+
+
 def _planner(model, cluster, strategy, **job) -> Plan:
     return cached_plan(model, cluster, strategy, **job)       # (looked up at call time: tests swap it)
 
@@ -73,7 +80,10 @@ class PlannerWidget:
     wrap = control("wrap", "FSDP units: 'block' (one per transformer block) or 'model' (one)")
     prefetch = control("prefetch", "FSDP prefetch depth: blocks gathered ahead of the one computing")
     recompute = control("recompute", "activation recomputation (keep only each block's input)")
-    offload = control("offload", "the sharded state lives in host memory (PCIe traffic per step)")
+    offload = property(lambda self: "host" if self._controls["offload"].value else None,
+                       lambda self, v: setattr(self._controls["offload"], "value", _host(v)),
+                       doc="the tier the sharded state lives in, as the planner names it: 'host' "
+                           "(PCIe traffic per step; the control is a checkbox) or None")
     hybrid = control("hybrid", "shard inside a node, replicate across nodes (HSDP)")
     micro_batch = control("micro_batch", "sequences per GPU per forward")
     seq_len = control("seq_len", "tokens per sequence")
@@ -82,14 +92,14 @@ class PlannerWidget:
     def __init__(self, model: str = "llama3-8b", *, device: str = "h100-80gb", gpus_per_node: int = 8,
                  nodes: int = 1, intra: str = "nvlink4", inter: str = "ib-ndr-400",
                  strategy: str = "fsdp", wrap: str = "block", prefetch: int = 1,
-                 recompute: bool = True, offload: bool = False, hybrid: bool = False,
+                 recompute: bool = True, offload: str | None = None, hybrid: bool = False,
                  micro_batch: int = 1, seq_len: int = 8192, mfu: float = 0.4):
         self._updating = False
         self.redraws = 0                               # how many times update() drew (tests)
         self._controls = self._make_controls(
             model=model, device=device, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra,
             inter=inter, strategy=self._strategy_name(strategy), wrap=wrap, prefetch=prefetch,
-            recompute=recompute, offload=offload, hybrid=hybrid, micro_batch=micro_batch,
+            recompute=recompute, offload=_host(offload), hybrid=hybrid, micro_batch=micro_batch,
             seq_len=seq_len, mfu=mfu)
         self.figure = self._make_figure()
         self.verdict_html = W.HTML()
@@ -131,7 +141,7 @@ class PlannerWidget:
                                     style={**style, "button_width": "70px"}),
             "prefetch": widget(W.IntSlider, "prefetch", "prefetch", min=0, max=4),
             "recompute": check("recompute", "recompute activations"),
-            "offload": check("offload", "CPU offload"),
+            "offload": check("offload", "offload to host memory"),
             "hybrid": check("hybrid", "hybrid sharding (HSDP)"),
             "micro_batch": widget(W.IntSlider, "micro_batch", "micro-batch", min=1, max=32),
             "seq_len": widget(W.IntSlider, "seq_len", "seq len", min=128, max=131072, step=128),
