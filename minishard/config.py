@@ -41,6 +41,11 @@ def python_spelling(name: str, value: Any = ...) -> str:
     return name if value is ... else f"{name}={value!r}"
 
 
+def _minishard_fsdp(s) -> bool:
+    """minishard's own FSDP units (fsdp, fsdp_flat, hsdp), not PyTorch's ``fully_shard``."""
+    return s.stage == 3 and s.instrumented
+
+
 # Which strategies read each knob: a knob set away from its default under a strategy that never
 # reads it would change nothing, silently. ``TrainConfig.unused()`` lists them; the command line
 # refuses every one. ``TrainConfig`` itself refuses ``offload`` and the ZeRO-3 bounds; the others
@@ -51,16 +56,16 @@ KNOBS: dict[str, tuple[Callable[[Any], bool], str]] = {       # knob: (reads it?
     "bucket_cap_mb": (lambda s: s.buckets, "the strategies that reduce gradients in buckets"),
     "wrap": (lambda s: s.stage == 3, "FSDP"),
     "reshard_after_forward": (lambda s: s.stage == 3, "FSDP"),
-    "reshard_root": (lambda s: s.offloads, "minishard's FSDP"),
+    "reshard_root": (_minishard_fsdp, "minishard's FSDP"),
     "prefetch": (lambda s: s.stage == 3, "FSDP"),
-    "accumulation": (lambda s: s.offloads or s.name in ("zero2", "torch_fsdp"), "FSDP and ZeRO-2"),
-    "quantized_weights": (lambda s: s.offloads, "minishard's FSDP"),
-    "quantized_gradients": (lambda s: s.offloads, "minishard's FSDP"),
+    "accumulation": (lambda s: _minishard_fsdp(s) or s.name in ("zero2", "torch_fsdp"), "FSDP and ZeRO-2"),
+    "quantized_weights": (_minishard_fsdp, "minishard's FSDP"),
+    "quantized_gradients": (_minishard_fsdp, "minishard's FSDP"),
     "shard_size": (lambda s: s.hybrid, "hybrid sharding"),
     "offload": (lambda s: s.offloads, "an FSDP strategy"),
-    "prefetch_bucket_size": (lambda s: s.offloads, "an FSDP strategy"),
-    "max_live_parameters": (lambda s: s.offloads, "an FSDP strategy"),
-    "param_persistence_threshold": (lambda s: s.offloads, "an FSDP strategy"),
+    "prefetch_bucket_size": (_minishard_fsdp, "an FSDP strategy"),
+    "max_live_parameters": (_minishard_fsdp, "an FSDP strategy"),
+    "param_persistence_threshold": (_minishard_fsdp, "an FSDP strategy"),
 }
 
 
