@@ -59,9 +59,15 @@ demo: setup
 # output when the tests are done; both must pass): one after the other they leave a third of two
 # cores idle. The notebooks run once, under the second kernel path: their stored outputs come from
 # this CPU's own kernels (scripts/execute_notebooks.py), so every run compares two kernel paths.
+# The notebooks take about 3 minutes less than the tests, so the static site's tests
+# (AFTER_NOTEBOOKS, about 2 minutes) run after them, in their lane: the two lanes end together.
+AFTER_NOTEBOOKS = tests/test_site.py
 test: setup browser-deps
-	$(BIN)/python scripts/alongside.py artifacts/test-notebooks.log "$(NB_SECOND)" \
-	  $(BIN)/python -m pytest -q tests
+	$(BIN)/python scripts/alongside.py artifacts/test-notebooks.log "$(NB_THEN_SITE)" \
+	  $(BIN)/python -m pytest -q tests --ignore=$(AFTER_NOTEBOOKS)
+
+# both run, whatever the first did; the status is the first failure's
+NB_THEN_SITE = $(NB_SECOND); nb=$$?; $(BIN)/python -m pytest -q -p no:cacheprovider $(AFTER_NOTEBOOKS) || exit 1; exit $$nb
 
 NB_SECOND = env $(SECOND_KERNEL_PATH) $(BIN)/python -m pytest -q -p no:cacheprovider notebooks $(PYTEST_NB)
 

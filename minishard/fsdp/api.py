@@ -42,11 +42,12 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     (host memory, or memory-mapped files) that keeps the unit's shards, their gradients and (see
     ``ShardedOptimizer``) the optimizer state; the unit makes its own ``offload.Tier`` there.
     ``replicate``: hybrid sharding (HSDP) — ``comm`` is the shard group (a node), ``replicate``
-    joins the ranks holding the same shard on other nodes (see ``Comm.split``). ``replicate_params``: names of parameters or submodules of
-    ``module`` (``("ln1", "ln2")``) kept whole on every rank: never sharded, their gradients
-    all-reduced — for small tensors where a gather costs more than it saves. They keep their
-    dtype: fp32 norms in a bf16 unit compute in fp32 and all-reduce fp32 gradients; a unit may
-    keep every parameter whole, and gathers nothing (``replicated.py``).
+    joins the ranks holding the same shard on other nodes (see ``Comm.split``).
+    ``replicate_params``: names of parameters or submodules of ``module`` (``("ln1", "ln2")``)
+    kept whole on every rank: never sharded, their gradients all-reduced — for small tensors
+    where a gather costs more than it saves. They keep their dtype: fp32 norms in a bf16 unit
+    compute in fp32 and all-reduce fp32 gradients; a unit may keep every parameter whole, and
+    gathers nothing (``replicated.py``).
     ``param_persistence_threshold``: DeepSpeed's ``stage3_param_persistence_threshold``, in
     elements — every parameter of at most that many elements joins ``replicate_params``.
     ``quantized_weights`` / ``quantized_gradients``: ZeRO++'s qwZ and qgZ — the all-gathers, and

@@ -22,8 +22,9 @@ class ShardedOptimizer:
     all-gathers carry the updated shards to every rank.
 
     With offload (``fully_shard(offload_policy=...)``) a unit's shards, their gradients and the
-    moments all live in its tier (the moments are created there now), so the step runs there — on the CPU for host memory,
-    over memory-mapped files for the disk tier — and nothing crosses for it.
+    moments all live in its tier (the moments are created there now), so the step runs there —
+    on the CPU for host memory, over memory-mapped files for the disk tier — and nothing
+    crosses for it.
 
     A checkpoint asks the units, not this wrapper, what the rank holds (``FSDPUnit.checkpoint_regions``):
     a plain torch optimizer over ``model.parameters()`` is checkpointed the same way."""
