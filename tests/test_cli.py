@@ -166,6 +166,23 @@ def test_plan_gives_the_widgets_advice(strategy, nodes, inter, capsys):
     assert advice == pw.hints and advice and all(advice)
 
 
+def test_plan_offload_host_plans_the_state_in_host_memory(capsys):
+    """``plan --offload host`` asks the planner what the widget's offload box asks: the same
+    plan (the state off the device, its PCIe bytes counted) and the same advice."""
+    pytest.importorskip("ipywidgets")
+    from minishard.viz.planner import PlannerWidget
+    argv = ["plan", "--model", "llama3-70b", "--seq-len", "4096", "--json"]
+    plans = {}
+    for extra in ([], ["--offload", "host"]):
+        assert main([*argv, *extra]) == 0
+        plans[bool(extra)] = json.loads(capsys.readouterr().out)["plans"]["fsdp"]
+    on, off = plans[False], plans[True]
+    assert on["transfer_bytes"] == 0 < off["transfer_bytes"]
+    assert off["total_memory"] < on["total_memory"] and off["fits"] and not on["fits"]
+    pw = PlannerWidget(model="llama3-70b", strategy="fsdp", seq_len=4096, offload="host")
+    assert off["advice"] == pw.hints and off["total_memory"] == pw.plan.total_memory
+
+
 QWEN2 = ROOT / "configs" / "qwen2-7b.json"
 
 

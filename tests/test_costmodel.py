@@ -119,6 +119,7 @@ def test_planner_offload_traffic_is_what_the_engine_moves():
 
 
 @pytest.mark.parametrize("bad,words", [(True, "'host' or None, got True"), (1, "got 1"),
+                                       (False, "got False"), (0, "got 0"),
                                        ("disk", "offload='disk': the planner models host memory")])
 def test_the_planner_asks_which_tier_as_a_run_does(bad, words):
     """``offload`` names the tier everywhere (``TrainConfig.offload``, the planner): the old

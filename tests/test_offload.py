@@ -157,3 +157,62 @@ def test_a_run_checks_room_for_the_whole_state_before_any_unit_is_made(tmp_path,
         build(net, TrainConfig(strategy="fsdp", model="nano", offload="disk", offload_dir=str(tmp_path)), Comm())
     assert list(tmp_path.iterdir()) == []              # no unit's folder, no file
     assert not any(hasattr(m, "_fsdp_unit") for m in net.modules())
+
+
+def build_with_free_space(rank, directory: str, free: int) -> str:
+    """Rank task: a disk-offload FSDP build of nano with ``free`` bytes said to be free; what it
+    says ("built", or the error)."""
+    import shutil
+    from collections import namedtuple
+
+    from minishard.comm import Comm
+    from minishard.strategies import build
+    usage, real = namedtuple("usage", "total used free"), shutil.disk_usage
+    shutil.disk_usage = lambda _: usage(10 * free, 0, free)
+    try:                        # (a warm rank process runs other tasks after this one)
+        built = build(GPT("nano"), TrainConfig(strategy="fsdp", model="nano", offload="disk",
+                                               offload_dir=directory), Comm())
+    except OffloadError as e:
+        return str(e)
+    finally:
+        shutil.disk_usage = real
+    for unit in built.units:
+        unit.release_tier()
+    return "built"
+
+
+def test_each_rank_checks_room_for_its_own_share_of_the_state(pools, tmp_path):
+    """On N ranks a rank's tier holds 16Ψ/N bytes (and a little padding): room for that is
+    enough, room for less is refused."""
+    whole = 16 * GPT("nano", device="meta").num_params()
+    assert pools(2).run(build_with_free_space, str(tmp_path), int(0.6 * whole)) == ["built"] * 2
+    refused = pools(2).run(build_with_free_space, str(tmp_path), int(0.4 * whole))
+    assert all("MiB free; the offloaded state needs" in r for r in refused), refused
+
+
+def test_each_unit_checks_room_for_its_shards_their_gradients_and_two_moments(tmp_path, monkeypatch):
+    """A unit made by hand (``fully_shard``) asks room for 16 bytes an element of its shard:
+    the fp32 shard, its gradient, Adam's two moments — 4 bytes an element is not enough."""
+    import shutil
+    from collections import namedtuple
+
+    from minishard import fsdp
+    block = GPT("nano").blocks[0]
+    numel = sum(p.numel() for p in block.parameters())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(100 * numel, 0, 8 * numel))
+    with pytest.raises(OffloadError, match="MiB free; the offloaded state needs"):
+        fsdp.fully_shard(block, offload_policy=OffloadPolicy("disk", str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_chapters_disk_listing_counts_every_units_folder(pools, tmp_path):
+    """Chapter 08's ``disk_tier_files``: one file per shard tensor — every unit's parameter
+    shard, its gradient shard, its two moments — in a folder per unit, 16Ψ/N bytes in all, and
+    nothing left once the run is over."""
+    from minishard.course.ch08 import disk_tier_files
+    from minishard.model import config
+    L, psi = config("nano").n_layer, GPT("nano", device="meta").num_params()
+    for r in pools(2).run(disk_tier_files, str(tmp_path), model="nano"):
+        assert r["units"] == L + 1 and r["files"] == 4 * (L + 1)
+        assert r["bytes"] == 16 * psi // 2 and not r["left_behind"]

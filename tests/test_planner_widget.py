@@ -281,3 +281,14 @@ def test_the_offload_hints_go_both_ways(pw):
     assert pw.plan.fits and not any("offload" in h.lower() for h in pw.hints)
     pw.set(model="llama3-8b", seq_len=8192)
     assert any(h.startswith("Offload is not needed: without it") for h in pw.hints)
+
+
+@pytest.mark.parametrize("bad", ["disk", True, False])
+def test_the_widget_refuses_a_tier_the_planner_does_not_model(pw, bad):
+    """The offload box is 'host' or None, like the planner: the disk tier (not modelled) and the
+    old yes/no are refused by name, not planned as no offload."""
+    with pytest.raises(ValueError, match=f"got {bad!r}"):
+        pw.offload = bad
+    with pytest.raises(ValueError, match=f"got {bad!r}"):
+        PlannerWidget(offload=bad)
+    assert pw.offload is None

@@ -60,18 +60,21 @@ def test_hybrid_shards_and_recomputation_are_in_the_formula(pools):
     assert "--recompute" in text
 
 
-def test_offload_puts_the_state_beside_the_device_and_counts_its_transfers(pools):
-    config = TrainConfig(strategy="fsdp", offload="host", accum=2, **NANO)
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_offload_puts_the_state_beside_the_device_and_counts_its_transfers(pools, tier, tmp_path):
+    where = dict(offload_dir=str(tmp_path)) if tier == "disk" else {}
+    config = TrainConfig(strategy="fsdp", offload=tier, accum=2, **where, **NANO)
     results = pools(3).run(train, config)
     for r in results:
         led = r["ledger"]
         assert not state(led["formula"]["device"]) and not state(led["by_device"].get("device", {}))
-        assert led["formula"]["host"] == led["by_device"]["host"]
+        assert set(led["by_device"]) <= {"device", tier}        # the state is where the run said
+        assert led["formula"][tier] == led["by_device"][tier]
         assert led["transfer_formula"] == {k: r["transfer"][-1][k] for k in ("h2d_bytes", "d2h_bytes")}
     assert_named(results, "fsdp")
     text = report(results, args_for(config))
-    assert re.search(r"^rank .* peak MiB formula MiB  host MiB formula MiB", text, re.M)
-    assert "host = formula" in text and "transfers per step = formula" in text
+    assert re.search(rf"^rank .* peak MiB formula MiB  {tier} MiB formula MiB", text, re.M)
+    assert f"{tier} = formula" in text and "transfers per step = formula" in text
 
 
 def test_zero_padding_is_in_the_formula_and_each_note_is_said_once(pools):
@@ -173,6 +176,26 @@ def test_every_knob_is_accepted_by_every_strategy_that_reads_it():
                 assert TrainConfig(strategy=s.name, **{name: values[name]}).unused() == [], (name, s.name)
                 accepted += 1
     assert accepted >= len(KNOBS)
+
+
+def test_the_knobs_only_minishards_fsdp_reads_are_refused_or_named_for_every_other_strategy():
+    """Written out by hand, not read from ``KNOBS`` (a test reading the table could never
+    disagree with it): under any other strategy, PyTorch's FSDP2 included, each of these knobs
+    is refused or listed as unused — never silently ignored."""
+    from minishard import strategies
+    from minishard.config import ConfigError
+    ours = {"fsdp", "fsdp_flat", "hsdp"}
+    knobs = {"reshard_root": True, "quantized_weights": True, "quantized_gradients": True,
+             "offload": "host", "prefetch_bucket_size": 10**6, "max_live_parameters": 10**6,
+             "param_persistence_threshold": 100}
+    for name, value in knobs.items():
+        for s in strategies.STRATEGIES:
+            try:
+                unused = TrainConfig(strategy=s, **{name: value}).unused()
+            except ConfigError as e:
+                assert s not in ours and name in str(e), (name, s, str(e))
+                continue
+            assert (unused == []) == (s in ours), (name, s, unused)
 
 
 def test_the_resume_line_says_a_change_of_strategy_on_as_many_ranks():
