@@ -63,10 +63,11 @@ demo: setup
 # (AFTER_NOTEBOOKS, about 2 minutes) run after them, in their lane: the two lanes end together.
 AFTER_NOTEBOOKS = tests/test_site.py
 test: setup browser-deps
-	$(BIN)/python scripts/alongside.py artifacts/test-notebooks.log "$(NB_THEN_SITE)" \
+	$(BIN)/python scripts/alongside.py artifacts/test-notebooks.log '$(NB_THEN_SITE)' \
 	  $(BIN)/python -m pytest -q tests --ignore=$(AFTER_NOTEBOOKS)
 
-# both run, whatever the first did; the status is the first failure's
+# both run, whatever the first did; the status is the first failure's (single-quoted above, so
+# that the shell alongside.py starts reads $$? and $$nb, not make's shell)
 NB_THEN_SITE = $(NB_SECOND); nb=$$?; $(BIN)/python -m pytest -q -p no:cacheprovider $(AFTER_NOTEBOOKS) || exit 1; exit $$nb
 
 NB_SECOND = env $(SECOND_KERNEL_PATH) $(BIN)/python -m pytest -q -p no:cacheprovider notebooks $(PYTEST_NB)

@@ -25,3 +25,28 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci and "make test" in readme
+
+
+def test_make_test_fails_when_either_part_of_its_second_lane_fails(tmp_path):
+    """The lane beside the tests runs the notebooks, then the static site's tests: both run
+    whatever the first did, and ``make test``'s command fails if either failed (a status lost
+    between make's shell and the lane's would pass a failing notebook). The command as make
+    runs it, with a stand-in python for everything but scripts/alongside.py."""
+    import subprocess
+    import sys
+    out = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    line = next(x for x in out.replace("\\\n", " ").splitlines() if "scripts/alongside.py" in x)
+    assert "notebooks" in line and "tests/test_site.py" in line
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    for notebooks, site in ((1, 0), (0, 1), (1, 1), (0, 0)):
+        python.write_text(
+            f'#!/bin/sh\ncase "$1" in scripts/alongside.py) shift; exec {sys.executable} '
+            f'{ROOT}/scripts/alongside.py "$@";; esac\n'
+            f'case "$*" in *"-q tests "*) exit 0;; *notebooks*) echo nb >> ran; exit {notebooks};; '
+            f'*test_site*) echo site >> ran; exit {site};; esac\nexit 3\n')
+        python.chmod(0o755)
+        (tmp_path / "ran").unlink(missing_ok=True)
+        status = subprocess.run(["sh", "-c", line], cwd=tmp_path, capture_output=True, timeout=60).returncode
+        assert (status != 0) == bool(notebooks or site), (notebooks, site, status)
+        assert (tmp_path / "ran").read_text().split() == ["nb", "site"]
