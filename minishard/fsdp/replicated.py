@@ -69,7 +69,9 @@ def dtype_boundaries(whole: list[ParamSlot], param_dtype: torch.dtype | None, un
 
 class NoShards(Accounted):
     """The layout of a unit whose every parameter is replicated: nothing sharded, gathered or
-    reduce-scattered. Answers the layout's questions (``layout.Layout``) with nothing."""
+    reduce-scattered. Answers with nothing the questions such a unit still asks of a layout
+    (``layout.Layout``); the gather's and the reduce-scatter's (``begin_unshard``,
+    ``reduce_scatter_input``, ...) are never asked — ``NothingToShard`` overrides both steps."""
     mixed = False
 
     def __init__(self, kind: str, rank: int, world_size: int, device: torch.device,
