@@ -13,19 +13,7 @@ from minishard.model import GPT, batch, config
 from minishard.strategies import layout_name
 from minishard.trace import Tracer
 
-
-class _Chain(torch.nn.Module):
-    """Three blocks and a head: small enough for a step in milliseconds."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x).sum()
+from chain import Chain
 
 
 def _at_rest(net) -> set:
@@ -36,7 +24,7 @@ def test_a_root_whose_input_needs_a_gradient_ends_every_backward():
     """Here the root's own post-backward runs from its identity node (its input carries a
     gradient), so the end of backward finds no unit left to reduce: it must still end, and be
     queued again, every step — each unit back to IDLE and SHARDED after each backward."""
-    net = fsdp.apply_fsdp(_Chain(), comm=Comm())
+    net = fsdp.apply_fsdp(Chain(), comm=Comm())
     for _ in range(3):
         x = torch.ones(2, 8, requires_grad=True)
         net(x).backward()

@@ -12,6 +12,7 @@ from minishard.model import GPT, config
 from minishard.course.ch07 import gathered_peaks
 from minishard.train import TrainConfig, train
 
+from chain import Chain
 from parity import assert_parity, reference
 import rank_tasks
 
@@ -91,27 +92,13 @@ def test_bad_prefetch_depth_is_named():
         train(None, TrainConfig(strategy="fsdp", model="nano", steps=1, micro_batch=1, device_budget=10_000))
 
 
-class _OutOfOrder(torch.nn.Module):
-    """Three blocks declared 0, 1, 2 that forward runs as 2, 0, 1."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x):
-        for i in (2, 0, 1):
-            x = torch.tanh(self.blocks[i](x))
-        return self.head(x).sum()
-
-
 def test_prefetch_follows_the_order_forward_ran_the_units_in():
     """As FSDP2: the root records the order of its first forward and prefetches by it, not by
     the order the modules were declared in. Depth 1, second step: each unit is gathered just
     before it runs — in forward 2, 0, 1; in backward 1, 0, 2."""
     from minishard.trace import Tracer
     tracer = Tracer()
-    net = _OutOfOrder()
+    net = Chain(order=(2, 0, 1))
     for i, b in enumerate(net.blocks):
         fsdp.fully_shard(b, comm=Comm(tracer), name=f"b{i}")
     fsdp.fully_shard(net, comm=Comm(tracer), name="root")
@@ -141,7 +128,7 @@ def test_each_pass_prefetches_by_its_own_depth_in_the_recorded_order(forward, ba
     — the unit forward ran first included, backward's last."""
     from minishard.trace import Tracer
     tracer = Tracer()
-    net = _OutOfOrder()
+    net = Chain(order=(2, 0, 1))
     for i, b in enumerate(net.blocks):
         fsdp.fully_shard(b, comm=Comm(tracer), name=f"b{i}")
     fsdp.fully_shard(net, comm=Comm(tracer), name="root")
