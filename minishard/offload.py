@@ -96,6 +96,12 @@ class Tier:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def state_bytes(numel: int) -> int:
+    """What the tier holds for ``numel`` elements of shard: the fp32 shard, its gradient and
+    Adam's two moments, 4 bytes each (the room a run and each unit ask for)."""
+    return 16 * numel
+
+
 def check_room(policy: OffloadPolicy, needed_bytes: int) -> None:
     """The disk tier's folder exists, is writable and has ``needed_bytes`` free — or a clear
     error before any file is written, so a failure leaves nothing half-made. (A memory-mapped

@@ -5,7 +5,7 @@ Every other module asks this registry instead of comparing strategy names: the t
 under a strategy would hold, and what a layout is called: :func:`layout_name`) and the command
 line (which names exist). A :class:`Strategy` is a small record; :func:`build` turns a freshly
 made model into a :class:`Built` — the model to call, the optimizer to step, the communicators
-to count, the FSDP units, the offload tier.
+to count, the FSDP units (each with its offload tier, if any).
 
     ddp   zero1   zero2   fsdp (ZeRO-3, per-parameter, as FSDP2)   fsdp_flat (FSDP1)   hsdp
     single (one process: the reference)   ddp_naive   zero1_allreduce
@@ -250,7 +250,7 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     """ZeRO-3 / FSDP: every block a unit, the root takes the rest; hybrid shards inside groups
     of ``shard_size`` ranks and replicates across them."""
     from . import fsdp
-    from .offload import OffloadPolicy, check_room
+    from .offload import OffloadPolicy, check_room, state_bytes
     opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
     mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed" else None
     comms, replica_group = (comm,), None
@@ -263,7 +263,7 @@ def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=Fal
     offload = None
     if config.offload is not None:      # room for the whole state first: no unit half-made
         offload = OffloadPolicy(config.offload, config.offload_dir)
-        check_room(offload, 16 * sum(p.numel() for p in net.parameters()) // comm.world_size)
+        check_room(offload, state_bytes(sum(p.numel() for p in net.parameters()) // comm.world_size))
     kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload_policy=offload, replicate=replica_group,
               layout=layout, param_persistence_threshold=config.param_persistence_threshold,
               quantized_weights=config.quantized_weights, quantized_gradients=config.quantized_gradients)

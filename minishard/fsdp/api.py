@@ -10,7 +10,7 @@ from .. import quantized
 from ..clipping import clip_sharded_grad_norm_
 from ..comm import Comm
 from ..ledger import LiveLedger
-from ..offload import OffloadPolicy, Tier
+from ..offload import OffloadPolicy, Tier, state_bytes
 from . import hooks
 from .layout import FlatLayout, PerParamLayout
 from .slots import ParamSlot, collect_slots
@@ -145,11 +145,11 @@ def _units_inside(module: nn.Module) -> list[FSDPUnit]:
 
 
 def _tier(policy: OffloadPolicy | None, rank: int, unit: str, layout) -> Tier | None:
-    """The unit's own place in its offload tier, with room for its fp32 shards, their
-    gradients and Adam's two moments."""
+    """The unit's own place in its offload tier, with room for its shards' state."""
     if policy is None:
         return None
-    return Tier(policy, rank, unit=unit, needed_bytes=16 * sum(t.numel() for t in layout.shard_tensors()))
+    shards = sum(t.numel() for t in layout.shard_tensors())
+    return Tier(policy, rank, unit=unit, needed_bytes=state_bytes(shards))
 
 
 def _split_replicated(slots: list[ParamSlot], asked: tuple[str, ...] | str, persistent: tuple[str, ...],
