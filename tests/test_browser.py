@@ -3,14 +3,22 @@
 nbval proves that every cell computes what it claims; this proves that what a reader *sees*
 works: that the widgets' front ends load, that the player draws, and that its buttons answer.
 
-* Chapters 00–02 are **run** in the browser ("Run All Cells", a real kernel, real ranks). Then,
-  in the page: the plotly charts exist; clicking a player's "step ▶" button changes its memory
-  bars; stepping through a collective advances the ring animation (chapter 02), and the offline
-  player next to it (``replay_html``, its output's script run by Lab) steps too; moving the
-  slider of a kernel-free ``static_player_figure`` moves its figure (chapter 00).
-* Every other chapter is **opened** with its stored outputs (executing them all would take many
-  minutes on two cores; nbval executes them anyway): every stored plotly output renders as a
-  chart, and a static player's slider moves its figure.
+* A **tour** notebook is run in the browser ("Run All Cells", a real kernel, real ranks): every
+  kind of widget the chapters build, from a small real run — a player fed live while 2 ranks
+  train (chapter 00), a 4-rank player stopped inside a bucket's all-reduce, its offline player
+  (``replay_html``, chapter 02), a kernel-free ``static_player_figure`` (chapter 00), the
+  ledger calculator (chapter 01) and a ``PlayerPair`` (chapters 02 and 06). Then, in the page:
+  the plotly charts exist and none is drawn empty; clicking a player's "step ▶" button changes
+  its memory bars; stepping through the all-reduce advances the ring animation; the offline
+  player steps; the static player's slider moves its figure; the calculator answers its
+  dropdown. (The chapters 00–02 themselves were run here once; they build these same widgets
+  from larger runs, which nbval executes anyway: the tour proves the same front ends in a fifth
+  of the time.)
+* Chapters are **opened** with their stored outputs: every stored plotly output renders as a
+  chart, and a static player's slider moves its figure — in Lab for chapter 00 (its static
+  player) and chapter 05 (the most charts); every chapter's stored figures are drawn from the
+  same JSON by the same plotly.js on the static site (``tests/test_site.py``), so Lab's
+  renderer is the one part these add, and two chapters prove it.
 
 Lab runs on 127.0.0.1, port 0, with a token, in its own process group, runtime, settings and
 workspace directories, on a *copy* of the notebooks (Lab must not autosave kernel output over
@@ -36,8 +44,7 @@ import pytest
 from headless import ROOT, chromium, require_browser, screenshot_path
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
-RUN_IN_BROWSER = ("00", "01", "02")               # executed in the browser; the rest: stored outputs
-RUN_TIMEOUT_S = 240                                # a chapter runs in ~20-40 s; a hang must not eat the CI budget
+RUN_TIMEOUT_S = 240                                # the tour runs in ~15 s; a hang must not eat the CI budget
 STEP = "step ▶"
 
 # Lab settings for a test run: no autosave, every cell in the DOM (no windowing), no news.
@@ -242,34 +249,54 @@ def stored_plotly_outputs(nb_path: Path) -> int:
 
 
 # ------------------------------------------------------------------ the tests
-@pytest.mark.parametrize("nb", [p for p in NOTEBOOKS if p.name[:2] in RUN_IN_BROWSER], ids=lambda p: p.stem)
-def test_chapter_runs_in_the_browser_and_its_player_answers(lab, browser, nb):
+# Every kind of widget the chapters build, from small real runs on warm ranks.
+TOUR = [
+    '''from IPython.display import display
+from minishard import Ranks
+from minishard.train import TrainConfig, train
+from minishard.viz import (LedgerCalculator, Player, PlayerPair, replay_html,
+                           static_player_figure)
+R2, R4 = Ranks(2), Ranks(4)''',
+    # chapter 00: a player that fills up while the ranks train
+    '''live = Player(title="live: 2 ranks, DDP, nano model, 2 steps")
+display(live.widget)
+R2.run(train, TrainConfig(strategy="ddp", steps=2, model="nano"), on_event=live.feed)
+live.flush()
+two = R2.last_events''',
+    # chapter 02: a 4-rank player stopped inside a bucket's all-reduce, on the ring
+    '''R4.run(train, TrainConfig(strategy="ddp", steps=2, model="nano", bucket_cap_mb=0.25))
+p4 = Player(R4.last_events, title="DDP, 4 ranks: one bucket's all-reduce on the ring")
+p4.jump(next(i for i, e in enumerate(p4.replay.events)
+             if e["kind"] == "collective" and e["op"] == "all_reduce" and e.get("step") == 1))
+display(p4.widget)                           # (the ring's round follows the events' times)''',
+    '''replay_html(p4.replay, title="DDP, 4 ranks (offline player)", start=p4.index)''',
+    '''static_player_figure(two, max_frames=60).show()''',
+    # chapter 01: the ledger calculator
+    '''calc = LedgerCalculator(model="llama3-8b", world_size=8, strategy="ddp", device_gb=80)
+calc.widget''',
+    # chapters 02 and 06: two runs side by side under one slider
+    '''pair = PlayerPair(two, two, titles=("left", "right"))
+display(pair.widget)
+R2.close(); R4.close()''',
+]
+
+
+def test_every_kind_of_widget_runs_in_the_browser_and_answers(lab, browser):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in TOUR])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / "notebooks" / "tour.ipynb")
     page = browser.new_page()
     try:
-        open_notebook(page, lab, nb.name)
+        open_notebook(page, lab, "tour.ipynb")
         seconds = run_all(page)
-        print(f"{nb.name}: all cells ran in the browser in {seconds:.0f} s")
-        page.screenshot(path=screenshot_path(f"{nb.stem}-top.png"))
-        assert not errors_on(page), f"{nb.name}: a cell failed in the browser:\n" + "\n".join(errors_on(page))
+        print(f"the tour ran in the browser in {seconds:.0f} s")
+        page.screenshot(path=screenshot_path("tour-top.png"))
+        assert not errors_on(page), "a cell failed in the browser:\n" + "\n".join(errors_on(page))
         assert page.locator(".jp-OutputArea .js-plotly-plot").count() >= 2, "no plotly chart rendered"
         assert page.locator(".jp-OutputArea .js-plotly-plot .bars, .jp-OutputArea .js-plotly-plot .trace").count()
 
         found = players(page)
-        if nb.name.startswith("01"):
-            assert not found            # chapter 01 has the ledger calculator, not a player
-            box = page.locator(".jp-OutputArea .widget-vbox:has(select)").filter(
-                has=page.locator(".js-plotly-plot")).first
-            box.scroll_into_view_if_needed()
-            calc = box.locator(".js-plotly-plot").first
-            before = signature(calc)
-            model = box.locator(".widget-dropdown:has(label:text-is('model')) select")
-            model.select_option("llama3-8b")                   # the calculator answers the browser
-            page.wait_for_function(f"([el, old]) => ({SIGNATURE_JS})(el).bars !== old",
-                                   arg=[calc.element_handle(), before["bars"]], timeout=30_000)
-            print(f"calculator: {before['title']!r} -> {signature(calc)['title']!r}")
-            box.screenshot(path=screenshot_path(f"{nb.stem}-calculator.png"))
-            return
-        assert found, f"{nb.name}: no player widget (no '{STEP}' button) in the outputs"
+        assert len(found) >= 3, f"{len(found)} player widgets ('{STEP}' buttons) in the outputs, not 3"
         responded, empty = [], []
         for i, (box, memory, ring) in enumerate(found):
             box.scroll_into_view_if_needed()
@@ -277,7 +304,7 @@ def test_chapter_runs_in_the_browser_and_its_player_answers(lab, browser, nb):
                 # the figure never got its state: what plotly's own FigureWidget did on a busy
                 # machine (see minishard/viz/live_figure.py); LiveFigure must never
                 empty.append(i)
-                box.screenshot(path=screenshot_path(f"{nb.stem}-player{i}-EMPTY.png"))
+                box.screenshot(path=screenshot_path(f"tour-player{i}-EMPTY.png"))
                 print(f"player {i}: its memory figure is EMPTY in the browser")
                 continue
             before, after, clicks = step_until_changed(box, memory, "bars", clicks=40)
@@ -287,43 +314,55 @@ def test_chapter_runs_in_the_browser_and_its_player_answers(lab, browser, nb):
                 responded.append(i)
                 print(f"player {i}: memory bars changed after {clicks} click(s): "
                       f"{before['title']!r} -> {after['title']!r}")
-                box.screenshot(path=screenshot_path(f"{nb.stem}-player{i}.png"))
-        assert responded, f"{nb.name}: clicking '{STEP}' never changed a player's memory bars"
-        assert not empty, (f"{nb.name}: the memory figure of player(s) {empty} is drawn empty in "
-                           f"the browser although the kernel's figure has bars — see "
-                           f"artifacts/browser/{nb.stem}-player*-EMPTY.png")
+                box.screenshot(path=screenshot_path(f"tour-player{i}.png"))
+        assert responded, f"clicking '{STEP}' never changed a player's memory bars"
+        assert not empty, (f"the memory figure of player(s) {empty} is drawn empty in the browser "
+                           f"although the kernel's figure has bars — see artifacts/browser/tour-player*-EMPTY.png")
 
-        if nb.name.startswith("02"):
-            # the 4-rank player stands inside a bucket's all-reduce: step through its rounds
-            # (the chapter's other players have 2 ranks: its bars, one per rank, say which)
-            box, memory, ring = next(p for p in found if len(json.loads(signature(p[1])["bars"])[0]) == 4)
-            box.scroll_into_view_if_needed()
-            before, after, clicks = step_until_changed(box, ring, "marks", clicks=60)
-            print(f"ring: {before['title']!r} -> {after['title']!r} after {clicks} click(s)")
-            assert after["marks"] != before["marks"], "the collective animation did not advance"
-            assert "all_reduce" in before["title"] + after["title"]
-            box.screenshot(path=screenshot_path(f"{nb.stem}-ring.png"))
-            # the offline player next to it (replay_html): its output's script ran in Lab too
-            replay = page.locator(".jp-OutputArea .msr").first
-            replay.scroll_into_view_if_needed(timeout=30_000)
-            at = int(replay.get_attribute("data-event"))
-            assert "all_reduce" in replay.locator(".msr-ringtitle").inner_text()   # it opens there
-            replay.locator(".msr-forward").click()
-            assert int(replay.get_attribute("data-event")) == at + 1
-            replay.screenshot(path=screenshot_path(f"{nb.stem}-offline-player.png"))
+        # the 4-rank player stands inside a bucket's all-reduce: step through its rounds (the
+        # other players have 2 ranks: its bars, one per rank, say which)
+        box, memory, ring = next(p for p in found if len(json.loads(signature(p[1])["bars"])[0]) == 4)
+        box.scroll_into_view_if_needed()
+        before, after, clicks = step_until_changed(box, ring, "marks", clicks=60)
+        print(f"ring: {before['title']!r} -> {after['title']!r} after {clicks} click(s)")
+        assert after["marks"] != before["marks"], "the collective animation did not advance"
+        assert "all_reduce" in before["title"] + after["title"]
+        box.screenshot(path=screenshot_path("tour-ring.png"))
+        # the offline player next to it (replay_html): its output's script ran in Lab too
+        replay = page.locator(".jp-OutputArea .msr").first
+        replay.scroll_into_view_if_needed(timeout=30_000)
+        at = int(replay.get_attribute("data-event"))
+        assert "all_reduce" in replay.locator(".msr-ringtitle").inner_text()   # it opens there
+        replay.locator(".msr-forward").click()
+        assert int(replay.get_attribute("data-event")) == at + 1
+        replay.screenshot(path=screenshot_path("tour-offline-player.png"))
 
-        if nb.name.startswith("00"):
-            fig, before, after = move_static_slider(page)
-            print(f"static player: {before['title']!r} -> {after['title']!r}")
-            assert after["bars"] != before["bars"]
-            fig.screenshot(path=screenshot_path(f"{nb.stem}-static-player.png"))
+        fig, before, after = move_static_slider(page)
+        print(f"static player: {before['title']!r} -> {after['title']!r}")
+        assert after["bars"] != before["bars"]
+        fig.screenshot(path=screenshot_path("tour-static-player.png"))
+
+        box = page.locator(".jp-OutputArea .widget-vbox").filter(
+            has=page.locator(".widget-dropdown:has(label:text-is('model'))")).filter(
+            has=page.locator(".js-plotly-plot")).last
+        box.scroll_into_view_if_needed()
+        calc = box.locator(".js-plotly-plot").first
+        before = signature(calc)
+        model = box.locator(".widget-dropdown:has(label:text-is('model')) select")
+        model.select_option("gpt2-small")                 # the calculator answers the browser
+        page.wait_for_function(f"([el, old]) => ({SIGNATURE_JS})(el).bars !== old",
+                               arg=[calc.element_handle(), before["bars"]], timeout=30_000)
+        print(f"calculator: {before['title']!r} -> {signature(calc)['title']!r}")
+        box.screenshot(path=screenshot_path("tour-calculator.png"))
     finally:
         page.close()
         lab.shutdown_kernels()
 
 
-@pytest.mark.parametrize("nb", [p for p in NOTEBOOKS if p.name[:2] not in RUN_IN_BROWSER],
-                         ids=lambda p: p.stem)
+STORED_IN_LAB = ("00", "05")     # a static player; the most stored charts
+
+
+@pytest.mark.parametrize("nb", [p for p in NOTEBOOKS if p.name[:2] in STORED_IN_LAB], ids=lambda p: p.stem)
 def test_chapter_stored_outputs_render(lab, browser, nb):
     want = stored_plotly_outputs(nb)
     page = browser.new_page()
