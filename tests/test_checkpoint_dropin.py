@@ -44,12 +44,17 @@ def _check_saved_and_reloaded(results: list[list[dict]], cases: list, N: int) ->
         assert len(set(lrs)) == len(lrs) and lrs[0] != (1e-2 if case[3] == "adamw" else 0.1), (what, lrs)
 
 
+# On 2 ranks the fp32 cases: bf16 differs from fp32 in what each rank holds (a master beside the
+# weights), not in how many ranks hold it, and the 3 ranks (which divide no tensor) see both.
+FP32_CASES = [c for c in CASES if c[2] == "fp32"]
+
+
 @pytest.fixture(scope="module")
 def saved(pools, tmp_path_factory):
-    """Every case saved and reloaded on 2 and 3 ranks (hybrid sharding on 4): the roots, and
-    what each rank found."""
+    """Every case saved and reloaded on 3 ranks, the fp32 ones on 2 (hybrid sharding on 4): the
+    roots, and what each rank found."""
     roots, results = {}, {}
-    for N, cases in ((2, CASES), (3, CASES), (4, HYBRID)):
+    for N, cases in ((2, FP32_CASES), (3, CASES), (4, HYBRID)):
         roots[N] = tmp_path_factory.mktemp(f"dropin{N}")
         results[N] = (pools(N).run(dropin_tasks.save_and_reload, str(roots[N]), cases), cases)
     return roots, results
@@ -63,7 +68,7 @@ def test_a_round_trip_on_the_same_ranks_changes_no_tensor_for_any_strategy_and_o
 
 @pytest.mark.parametrize("N, M", [(2, 3), (3, 2), (4, 2)])
 def test_n_to_m_loads_the_checkpoints_model(pools, saved, N, M):
-    cases = [c for c in (HYBRID if N == 4 else CASES) if c not in REFUSED]
+    cases = [c for c in saved[1][N][1] if c not in REFUSED]
     results = pools(M).run(dropin_tasks.load_elsewhere, str(saved[0][N]), cases)
     for k, case in enumerate(cases):
         for r in (res[k] for res in results):

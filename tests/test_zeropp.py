@@ -79,9 +79,10 @@ def test_the_bytes_on_the_wire_are_the_formula(pools, N):
             assert 0 <= r["wchar"][0] - r["wire"][0] < 16384, (r["rank"], r["wchar"], r["wire"])
 
 
-@pytest.mark.parametrize("N", [2, 3])
+@pytest.mark.parametrize("N", [3])
 def test_what_the_rounding_costs_over_twenty_steps(pools, N):
-    """Measured on 2 and 3 ranks, nano, AdamW, 20 steps: int8 either way, and int4 gradients
+    """Measured on 3 ranks (chapter 05's notebook asserts the same relations on 2, and ``make
+    test`` runs it), nano, AdamW, 20 steps: int8 either way, and int4 gradients
     under int8 weights (DeepSpeed's recipe), keep the loss within 0.5 % of the unquantized run at
     every step and the model within a third of how far training moved it (int8: 0.06–0.15,
     int4 gradients 0.26–0.29). int4 *weights* are another matter: 15 levels a block round a
