@@ -92,10 +92,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, pools=None) -> int:
+    """Run one command; its exit status. ``pools`` (a :class:`minishard.launch.Pools`) lends
+    ``demo --world-size N`` warm ranks instead of starting N processes for this one run: a
+    notebook or a test session runs many commands on the same ranks."""
     args = parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        return _dispatch(args, pools)
     except KeyboardInterrupt:
         demo.say_once(f"minishard {args.cmd}: interrupted", file=sys.stderr)
         return 130
@@ -138,9 +141,9 @@ def _leave(status: int, wait: bool) -> int:
     return status
 
 
-def _dispatch(args) -> int:
+def _dispatch(args, pools=None) -> int:
     if args.cmd == "demo":
-        return demo.run(args)
+        return demo.run(args, pools)
     if args.cmd == "ledger":
         return plan.ledger(args)
     if args.cmd == "plan":

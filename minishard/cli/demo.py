@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shutil
 import sys
@@ -97,6 +98,8 @@ def config_of(args) -> "TrainConfig":
     """The run's TrainConfig; every bad value is refused here, before any rank starts, named by
     its flag (``--prefetch -1``, not ``prefetch=-1``), and so is a flag the strategy never reads."""
     from ..config import ConfigError, TrainConfig
+    if args.device_budget is not None and not (math.isfinite(args.device_budget) and args.device_budget > 0):
+        raise ValueError(f"--device-budget {args.device_budget}: must be a positive, finite number of MiB")
     try:
         config = TrainConfig(
             strategy=args.strategy, steps=args.steps, model=args.model, micro_batch=args.micro_batch,
@@ -138,18 +141,20 @@ def check(args, config, world_size: int) -> None:
     if world_size < 1:
         raise ValueError(f"--world-size {world_size}: a run needs at least one rank; use --world-size 1 or more")
     strategy = strategies.get(config.strategy)
-    if args.timeout is not None and not args.timeout > 0:
-        raise ValueError(f"--timeout {args.timeout}: a collective's timeout must be a positive "
-                         f"number of seconds")
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout {args.timeout}: a collective's timeout must be a positive, "
+                         f"finite number of seconds")
     if config.fault is not None and config.fault_rank >= world_size:
         raise ValueError(f"--fault-rank {config.fault_rank}: no such rank in a world of {world_size} "
                          f"(ranks 0 to {world_size - 1})")
     if strategy.single_process and world_size > 1:
         raise ValueError(f"--strategy {args.strategy} trains one process, not {world_size}; use "
                          f"--world-size 1, or a strategy that spreads the work (ddp, zero1, fsdp, ...)")
+    world = f"the world size {world_size}" + (f" (--world-size {world_size})" if args.world_size else "")
     if strategy.hybrid and world_size % config.shard_size:
-        raise ValueError(f"--shard-size {config.shard_size} does not divide the world size "
-                         f"{world_size} (hsdp); use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+        raise ValueError(f"--shard-size {config.shard_size} does not divide {world}: --strategy "
+                         f"{args.strategy} shards in groups of --shard-size ranks; use --shard-size "
+                         f"one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
     k = config.reshard_after_forward
     if not isinstance(k, bool) and strategy.stage == 3:
         group = config.shard_size if strategy.hybrid else world_size
@@ -214,7 +219,9 @@ def _check_resume(args, config, checkpoint, model_config) -> None:
                          + (f"--optimizer {theirs[0]}" if theirs else "the optimizer that saved it"))
 
 
-def run(args) -> int:
+def run(args, pools=None) -> int:
+    """``pools``: warm ranks to run on (``cli.main``'s), unless a run asks for its own collective
+    timeout (a pool's is fixed when it starts)."""
     config = config_of(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:       # under torchrun
         world_size = int(os.environ["WORLD_SIZE"])
@@ -233,9 +240,12 @@ def run(args) -> int:
     else:
         world_size = 1 if args.world_size is None else args.world_size
         check(args, config, world_size)
+        from contextlib import nullcontext
+
         from ..launch import Ranks
         from ..train import train
-        with Ranks(world_size, **_timeout(args)) as ranks:
+        lent = pools is not None and args.timeout is None
+        with nullcontext(pools(world_size)) if lent else Ranks(world_size, **_timeout(args)) as ranks:
             results = ranks.run(train, config, on_step=None if (args.quiet or args.json) else progress)
             events = ranks.last_events
         _finish(args, results, events)
