@@ -9,6 +9,8 @@ words in its flags). ``unused()`` names the knobs set for a strategy that never 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import sys
 import types
 from dataclasses import dataclass, field
@@ -26,15 +28,29 @@ class ConfigError(ValueError):
     """A value ``TrainConfig`` refuses. The message is a template whose ``{field}`` names a
     field with its value: ``str(e)`` spells it as Python does (``prefetch=-1``), ``worded(spell)``
     as another interface does (the command line: ``--prefetch -1``), so that each names the
-    input the way its user typed it. A field given as ``...`` is named without a value;
-    ``python`` replaces the Python wording where it reads better on its own."""
+    input the way its user typed it. ``{field:name}`` names the field without its value (what
+    to set, in the advice), and so does a field given as ``...``; ``python`` replaces the Python
+    wording where it reads better on its own."""
 
     def __init__(self, template: str, *, python: str | None = None, **fields: Any):
         self.template, self.fields = template, fields
         super().__init__(python or self.worded(python_spelling))
 
     def worded(self, spell: Callable[[str, Any], str]) -> str:
-        return self.template.format(**{k: spell(k, v) for k, v in self.fields.items()})
+        return self.template.format(**{k: _Spelled(spell, k, v) for k, v in self.fields.items()})
+
+
+class _Spelled:
+    """A field as ``str.format`` places it: ``{field}`` with its value, ``{field:name}`` without."""
+
+    def __init__(self, spell: Callable[[str, Any], str], name: str, value: Any):
+        self.spell, self.name, self.value = spell, name, value
+
+    def __format__(self, spec: str) -> str:
+        if spec not in ("", "name"):
+            raise ValueError(f"ConfigError template: {{{self.name}:{spec}}}; use {{{self.name}}} or "
+                             f"{{{self.name}:name}}")
+        return self.spell(self.name, ... if spec == "name" else self.value)
 
 
 def python_spelling(name: str, value: Any = ...) -> str:
@@ -152,18 +168,24 @@ class TrainConfig:
                 raise ConfigError("{%s}: a number of elements (an integer >= 0) or None" % name,
                                   **{name: value})
         _one_of("model", self.model, tuple(CONFIGS))
+        self.model_config()                     # (a bad model_overrides, refused here)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("wrap", self.wrap, WRAPS)
         _one_of("offload", self.offload, OFFLOADS)
         self._check_sharding(strategy)
+        # (infinity too: an infinite learning rate or bucket is no setting, and a size or a norm
+        # of it cannot be rounded to bytes or compared)
         for name in ("lr", "bucket_cap_mb"):
-            if not getattr(self, name) > 0:
-                raise ConfigError("{%s}: must be positive" % name, **{name: getattr(self, name)})
-        if self.clip is not None and not self.clip > 0:
-            raise ConfigError("{clip}: must be a positive gradient norm (or no clipping)", clip=self.clip)
-        if self.device_budget is not None and not self.device_budget > 0:
-            raise ConfigError("{device_budget}: must be a positive size", device_budget=self.device_budget)
+            if not _finite_positive(getattr(self, name)):
+                raise ConfigError("{%s}: must be a positive, finite number" % name,
+                                  **{name: getattr(self, name)})
+        if self.clip is not None and not _finite_positive(self.clip):
+            raise ConfigError("{clip}: must be a positive, finite gradient norm (or no clipping)",
+                              clip=self.clip)
+        if self.device_budget is not None and not _finite_positive(self.device_budget):
+            raise ConfigError("{device_budget}: must be a positive, finite size",
+                              device_budget=self.device_budget)
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
             raise ConfigError("{loss_chunk_tokens}: must be >= 1 token", loss_chunk_tokens=self.loss_chunk_tokens)
         if self.offload == "disk" and not self.offload_dir:
@@ -194,9 +216,10 @@ class TrainConfig:
         for name in ("quantized_weights", "quantized_gradients"):
             try:
                 scheme_of(getattr(self, name), name)
-            except ValueError:
-                raise ConfigError("{%s}: False, True (int8), 8 or 4 (the bits an element)" % name,
-                                  **{name: getattr(self, name)}) from None
+            except ValueError as e:
+                raise ConfigError("{%(q)s}: ZeRO++ quantizes to 8 or 4 bits an element; give "
+                                  "{%(q)s:name} (int8), {%(q)s:name} 8 or {%(q)s:name} 4" % {"q": name},
+                                  python=str(e), **{name: getattr(self, name)}) from None
         if self.accumulation == "gathered" and strategy.name == "zero2":
             raise ConfigError("{accumulation} gathered keeps FSDP's parameters gathered between "
                               "micro-batches; ZeRO-2 holds them whole on every rank already (use "
@@ -225,10 +248,20 @@ class TrainConfig:
 
     def refuse_unused(self, only: tuple[str, ...] | None = None) -> None:
         """Raise ``ConfigError`` for the first knob of ``unused()`` (or of ``only``): the command
-        line calls it, so that no flag is silently ignored."""
+        line calls it, so that no flag is silently ignored. Without ``only``, also for two settings
+        a run never reads that only the command line refuses: an ``offload_dir`` with no disk
+        offload, and an ``accumulation`` mode at ``accum`` 1."""
         if only is None and self.offload_dir is not None and self.offload != "disk":
             raise ConfigError("{offload_dir} is not used by {offload}: only offload to disk keeps "
                               "files; drop it", offload_dir=self.offload_dir, offload=self.offload)
+        # The command line's refusal only: TrainConfig accepts a mode at accum 1, where every mode
+        # runs the same, so that a Python sweep over accum can share one accumulation between its
+        # runs (and the knob table of tests/test_run_report.py sets it at the default accum).
+        if only is None and self.accumulation is not None and self.accum == 1:
+            raise ConfigError("{accumulation} applies only with more than one micro-batch a step (it "
+                              "chooses what is held between them), not with {accum}: give {accum:name} "
+                              "2 or more, or drop {accumulation:name}",
+                              accumulation=self.accumulation, accum=self.accum)
         from . import strategies
         for name in self.unused():
             if only is None or name in only:
@@ -238,9 +271,33 @@ class TrainConfig:
                                   "one of those strategies" % (name, who, those),
                                   **{name: getattr(self, name)}, strategy=self.strategy)
 
+    def model_config(self):
+        """The ``GPTConfig`` this run trains: ``model`` with ``model_overrides``."""
+        from .model import GPTConfig
+        from .model import config as model_config
+        overrides = self.model_overrides
+        if not isinstance(overrides, dict):
+            raise ConfigError("{model_overrides}: a dict of model config fields, e.g. {{'n_layer': 2}}",
+                              model_overrides=overrides)
+        fields = [f.name for f in dataclasses.fields(GPTConfig)]
+        unknown = [k for k in overrides if k not in fields]
+        if unknown:
+            raise ConfigError("{model_overrides}: %s is not a field of a model config; its fields: %s"
+                              % (unknown[0], ", ".join(fields)), model_overrides=overrides)
+        try:
+            return model_config(self.model, **overrides)
+        except ValueError as e:
+            raise ConfigError("{model_overrides}: %s" % str(e).replace("{", "{{").replace("}", "}}"),
+                              model_overrides=overrides) from None
+
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _finite_positive(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
+        and value > 0
 
 
 def _one_of(name: str, value, allowed: tuple) -> None:
@@ -253,7 +310,6 @@ def _one_of(name: str, value, allowed: tuple) -> None:
 def _check_fault(config, strategy) -> None:
     """Refuse a planted fault (``faults.py``) this strategy or model cannot have, naming why."""
     from .faults import FAULTS
-    from .model import CONFIGS
     fault = config.fault
     if fault is None:
         return
@@ -273,9 +329,10 @@ def _check_fault(config, strategy) -> None:
     if fault == "reorder" and (strategy.stage != 3 or config.wrap != "block"):
         raise ConfigError("{fault} swaps two blocks' all-gathers: it needs an FSDP strategy with "
                           "one unit per block ({wrap})", fault=fault, wrap="block")
-    if fault == "reorder" and CONFIGS[config.model].n_layer < 2:
-        raise ConfigError("{fault} swaps blocks.0 and blocks.1: {model} has one block", fault=fault,
-                          model=config.model)
+    if fault == "reorder" and config.model_config().n_layer < 2:
+        raise ConfigError("{fault} swaps blocks.0 and blocks.1: {model}%s has one block"
+                          % (" with its model_overrides" if config.model_overrides else ""),
+                          fault=fault, model=config.model)
     if fault == "local-clip":
         if config.clip is None:
             raise ConfigError("{fault} plants a wrong gradient clip: set {clip}", fault=fault, clip=...)

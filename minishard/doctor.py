@@ -33,7 +33,7 @@ from . import causes, torch_flight
 from .causes import Finding
 from .flight import FORMAT_VERSION
 from .playback import fmt_bytes
-from .trace import TraceFormatError
+from .trace import TraceFormatError, not_utf8, numbered_lines
 
 DUMP = re.compile(r"flight_rank(\d+)\.json")
 TRACE = re.compile(r"rank(\d+)\.jsonl")
@@ -68,8 +68,13 @@ class Report:
 
 def read_dump(path: Path) -> dict:
     """One rank's dump, checked: a file this minishard cannot read is named with its line."""
+    raw = path.read_bytes()
     try:
-        body = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line, where = not_utf8(e, raw)
+        raise TraceFormatError(f"{path}:{line}: not UTF-8 text ({where}): a damaged dump, or not a "
+                               f"flight-recorder dump") from None
     except json.JSONDecodeError as e:
         raise TraceFormatError(f"{path}:{e.lineno}: not JSON ({e.msg} at column {e.colno}): a dump "
                                f"cut short, or not a flight-recorder dump") from None
@@ -354,15 +359,17 @@ def missing_dumps(report: Report) -> Finding | None:
 def trace_end(path: Path) -> str:
     """Where a rank's trace stops (read as far as it goes: a rank that died cuts it short)."""
     last, step, n = None, None, 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError:
-                return f"its trace {path.name} is cut at line {n}" + _after(last, step)
-            step = ev.get("step", step) if isinstance(ev, dict) else step
-            if isinstance(ev, dict) and ev.get("kind") == "collective":
-                last = ev
+    for n, line in numbered_lines(path):
+        try:
+            ev = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return (f"its trace {path.name} is damaged at line {n} ({not_utf8(e, line)[1]} is not "
+                    f"UTF-8)" + _after(last, step))
+        except json.JSONDecodeError:
+            return f"its trace {path.name} is cut at line {n}" + _after(last, step)
+        step = ev.get("step", step) if isinstance(ev, dict) else step
+        if isinstance(ev, dict) and ev.get("kind") == "collective":
+            last = ev
     return f"its trace {path.name} ends at line {n}" + _after(last, step)
 
 

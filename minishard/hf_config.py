@@ -45,6 +45,34 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return hf
 
 
+def _check_sizes(hf: dict, kind: str, required: tuple[str, ...]) -> None:
+    """Refuse, by the config's own field names, a size that builds no model (or another model
+    than the file describes): each an integer >= 1, the heads dividing the width."""
+    optional = ("n_inner",) if kind == "gpt2" else ("num_key_value_heads", "max_position_embeddings",
+                                                      "head_dim")
+    for name in required + optional:
+        value = hf.get(name)
+        if name in optional and value is None:          # (absent, or null: the usual default)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {value!r} must be an integer >= 1")
+    width, heads = ("n_embd", "n_head") if kind == "gpt2" else ("hidden_size", "num_attention_heads")
+    if hf[width] % hf[heads]:
+        raise ValueError(f"{width}: {hf[width]} is not divisible by {heads} ({hf[heads]}): each "
+                         f"attention head is {width} / {heads} wide")
+    kv = hf.get("num_key_value_heads")
+    if kind != "gpt2" and kv is not None and hf[heads] % kv:
+        raise ValueError(f"num_key_value_heads: {kv} does not divide {heads} ({hf[heads]}): each "
+                         f"key/value head serves {heads} / num_key_value_heads query heads")
+    # (Mistral-Nemo, Qwen3: heads wider or narrower than the width split evenly; minishard's
+    # attention splits the width, so its parameter count would be another model's)
+    if kind != "gpt2" and hf.get("head_dim") is not None and hf["head_dim"] != hf[width] // hf[heads]:
+        raise ValueError(f"head_dim: {hf['head_dim']} is not {width} / {heads} "
+                         f"({hf[width] // hf[heads]}); minishard builds heads of that width only")
+    if hf.get("tie_word_embeddings") is not None and not isinstance(hf["tie_word_embeddings"], bool):
+        raise ValueError(f"tie_word_embeddings: {hf['tie_word_embeddings']!r} must be true or false")
+
+
 def config_from_hf(path_or_dict: str | os.PathLike | dict, seq_len: int | None = None) -> GPTConfig:
     """The ``GPTConfig`` of a Llama / Mistral / Qwen2 / GPT-2 ``config.json``."""
     hf = path_or_dict if isinstance(path_or_dict, dict) else read_hf_config(path_or_dict)
@@ -58,6 +86,7 @@ def config_from_hf(path_or_dict: str | os.PathLike | dict, seq_len: int | None =
     if missing:
         raise ValueError(f"this {kind} config lacks {', '.join(missing)}, which every {kind} "
                          f"config.json has: is it the model's whole config.json?")
+    _check_sizes(hf, kind, required)
     if kind == "gpt2":
         return GPTConfig(vocab_size=hf["vocab_size"], seq_len=seq_len or hf["n_positions"],
                          d_model=hf["n_embd"], n_layer=hf["n_layer"], n_head=hf["n_head"],

@@ -36,10 +36,23 @@ class GPTConfig:
     tie_embeddings: bool = False     # the head shares the token embedding's weight (GPT-2)
 
     def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden"):
+            value = getattr(self, name)
+            if value is None and name in ("n_kv_head", "ffn_hidden"):      # (derived below)
+                continue
+            # n_layer 0 is a model of embeddings and head only: the cost model and the ledger's
+            # formula take one block's activations as the difference from it
+            least = 0 if name == "n_layer" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}: {value!r} must be an integer >= {least}")
         if self.ffn_hidden is None:
             object.__setattr__(self, "ffn_hidden", 4 * self.d_model)
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}")
+            raise ValueError(f"d_model: {self.d_model} is not divisible by n_head ({self.n_head}): "
+                             f"each head is d_model / n_head wide")
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head: {self.n_kv_head} does not divide n_head ({self.n_head}): "
+                             f"each key/value head serves n_head / n_kv_head query heads")
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"unknown mlp {self.mlp!r}; expected 'gelu' or 'swiglu'")
         if self.norm not in ("layernorm", "rmsnorm"):

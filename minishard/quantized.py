@@ -57,7 +57,11 @@ def scheme_of(value, what: str) -> Scheme | None:
         return None
     if value is True or (type(value) is int and value in (8, 4)):
         return Scheme(8 if value is True else value)
-    raise ValueError(f"{what}: False, True (int8), 8 or 4 (the bits an element), not {value!r}")
+    if type(value) is int:
+        raise ValueError(f"{what}={value}: ZeRO++ quantizes to 8 or 4 bits an element, not {value}; "
+                         f"use True or 8 (int8), or 4 (int4); False sends full precision")
+    raise ValueError(f"{what}={value!r}: the bits an element, the int 8 or 4 (True: 8), not a "
+                     f"{type(value).__name__}; False sends full precision")
 
 
 def packed_bytes(n: int, scheme: Scheme) -> int:
@@ -86,8 +90,11 @@ def pack(x: torch.Tensor, scheme: Scheme, into: torch.Tensor) -> None:
     into[4 * blocks:4 * blocks + (n + 1) // 2].copy_((nibbles[:, 0] | (nibbles[:, 1] << 4))[:(n + 1) // 2])
 
 
+@torch.no_grad()
 def unpack(buf: torch.Tensor, n: int, scheme: Scheme, out: torch.Tensor) -> None:
-    """The ``n`` values ``pack`` wrote into ``buf``, dequantized into ``out`` (its dtype)."""
+    """The ``n`` values ``pack`` wrote into ``buf``, dequantized into ``out`` (its dtype) — as
+    data, outside autograd, as every collective writes its output: the flat layout gathers in
+    place into its flat parameter, a leaf that requires grad."""
     block = scheme.block
     blocks = math.ceil(n / block)
     scale = buf[:4 * blocks].view(torch.float32)

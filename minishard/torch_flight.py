@@ -61,10 +61,14 @@ def read(path: Path, rank: int, world_size: int) -> dict:
     ``undefined`` and its ``pg_config`` is empty: the id, the same on every rank that made the
     groups in one order, tells them apart); the world's size comes from the caller (how many
     ranks left a dump)."""
-    from .trace import TraceFormatError
+    from .trace import TraceFormatError, not_utf8
     raw = path.read_bytes()
     try:
-        body = json.loads(raw) if path.suffix == ".json" else pickle.loads(raw)
+        body = json.loads(raw.decode("utf-8")) if path.suffix == ".json" else pickle.loads(raw)
+    except UnicodeDecodeError as e:
+        line, where = not_utf8(e, raw)
+        raise TraceFormatError(f"{path}:{line}: not UTF-8 text ({where}): a damaged dump, or not a "
+                               f"PyTorch flight-recorder dump") from None
     except Exception as e:
         raise TraceFormatError(f"{path}: not a PyTorch flight-recorder dump ({type(e).__name__}: {e})") from None
     if not isinstance(body, dict) or not isinstance(body.get("entries"), list):

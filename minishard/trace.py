@@ -115,6 +115,9 @@ class Tracer:
 # --------------------------------------------------------------------------- reading traces
 
 def _check(ev: dict, where: str) -> dict:
+    if not isinstance(ev, dict):
+        raise TraceFormatError(f"{where}: a JSON {type(ev).__name__}, not a trace event (a JSON "
+                               f"object per line)")
     v = ev.get("v")
     if v != SCHEMA_VERSION:
         raise TraceFormatError(
@@ -133,18 +136,36 @@ def json_problem(e: json.JSONDecodeError) -> str:
     return f"{e.msg.removesuffix(' at')} at column {e.pos + 1}"
 
 
+def not_utf8(e: UnicodeDecodeError, text: bytes) -> tuple[int, str]:
+    """Where ``text`` (a file's bytes, or one line's) stops being UTF-8: the line (1 for one
+    line), and ``byte 0xff at column 67`` (counted in bytes from the line's start)."""
+    line_start = text.rfind(b"\n", 0, e.start) + 1
+    return (text.count(b"\n", 0, e.start) + 1,
+            f"byte 0x{text[e.start]:02x} at column {e.start - line_start + 1}")
+
+
+def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """A file's lines as bytes, numbered from 1: each reader decodes them, strictly or not."""
+    with open(path, "rb") as f:
+        yield from enumerate(f, 1)
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     path = Path(path)
     events = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    ev = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise TraceFormatError(f"{path}:{n}: not JSON ({json_problem(e)}): a line cut "
-                                           f"short, or not a trace") from None
-                events.append(_check(ev, f"{path}:{n}"))
+    for n, raw in numbered_lines(path):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceFormatError(f"{path}:{n}: not UTF-8 text ({not_utf8(e, raw)[1]}): a damaged "
+                                   f"trace, or not a trace") from None
+        if line.strip():
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceFormatError(f"{path}:{n}: not JSON ({json_problem(e)}): a line cut "
+                                       f"short, or not a trace") from None
+            events.append(_check(ev, f"{path}:{n}"))
     return events
 
 

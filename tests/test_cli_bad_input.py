@@ -1,10 +1,10 @@
-"""Every bad input is one line: the table of wrong inputs a new user types (issue 25's, and every
-flag with a wrong value), each asserting the exit status (2: bad input, 1: a run that failed, 0:
-a trace read with warnings), that the first line printed names the problem (the flag, or a word
-only this problem has) and that no Python traceback is printed. Most run in this process
-(``main([...])``, the same path as the command line); a representative few run as a user runs
-them, through ``python -m minishard`` and under ``torchrun``, where the line must also be the root
-cause of torchrun's failure summary."""
+"""Every bad input is one line: the table of wrong inputs a new user types (issues 25's and
+38's, and every flag with a wrong value), each asserting the exit status (2: bad input, 1: a run
+that failed, 0: a trace read with warnings), that the first line printed names the problem (the
+flag, or a word only this problem has) and that no Python traceback is printed. Most run in this
+process (``main([...])``, the same path as the command line); a representative few run as a user
+runs them, through ``python -m minishard`` and under ``torchrun``, where the line must also be the
+root cause of torchrun's failure summary. Generated inputs: tests/test_input_properties.py."""
 import json
 import os
 import shutil
@@ -66,10 +66,27 @@ def files(tmp_path_factory) -> dict[str, str]:
         f.write(line[:line.index('"phase"') + 3] + "\n")
     (early / "rank1.jsonl").write_text(json.dumps(_event(1, 0, None, kind="alloc", category="params",
                                                          bytes=1024)) + "\n")
+    # a trace whose second line holds a byte no UTF-8 text has (in a string: \xff), one whose
+    # line is a JSON list, and a flight dump of Latin-1 text
+    latin, listed, dump = tmp / "latin", tmp / "listed", tmp / "dump"
+    for d in (latin, listed, dump):
+        d.mkdir()
+    first = json.dumps(steps[0]) + "\n"
+    (latin / "rank0.jsonl").write_bytes(first.encode() + json.dumps(steps[1]).replace("forward", "f\xf6rward")
+                                        .encode("latin-1") + b"\n")
+    (listed / "rank0.jsonl").write_text(first + "[1, 2]\n")
+    (dump / "flight_rank0.json").write_bytes('{"v": 1, "rank": 0, "reason": "f\xe9rt"}'.encode("latin-1"))
+    llama = json.loads((Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.json").read_text())
+    for name, change in (("negative", {"num_hidden_layers": -4}), ("heads", {"num_attention_heads": 7}),
+                         ("kv_heads", {"num_key_value_heads": 5}), ("head_dim", {"head_dim": 96}),
+                         ("float_size", {"hidden_size": 4096.0})):
+        (tmp / f"{name}.json").write_text(json.dumps({**llama, **change}))
     return {"tmp": str(tmp), "ck": str(ck), **{k: str(v) for k, v in damaged.items()},
-            **{k: str(tmp / k) for k in ("not_ckpt", "empty", "a_file", "cut", "early")},
+            **{k: str(tmp / k) for k in ("not_ckpt", "empty", "a_file", "cut", "early", "latin",
+                                         "listed", "dump")},
             "list": str(tmp / "list.json"), "partial": str(tmp / "partial.json"),
-            "broken": str(tmp / "broken.json")}
+            "broken": str(tmp / "broken.json"),
+            **{k: str(tmp / f"{k}.json") for k in ("negative", "heads", "kv_heads", "head_dim", "float_size")}}
 
 
 NANO = ["--model", "nano", "--steps", "1", "--micro-batch", "1", "--quiet"]
@@ -85,6 +102,7 @@ CASES = [
     (["demo", "--accum", "0"], 2, ["--accum 0"]),
     (["demo", "--optimizer", "adam"], 2, ["--optimizer adam", "adamw"]),
     (["demo", "--lr", "0"], 2, ["--lr"]),
+    (["demo", "--lr", "inf"], 2, ["--lr inf", "finite"]),
     (["demo", "--precision", "fp16"], 2, ["--precision fp16", "bf16_mixed"]),
     (["demo", "--clip", "-1"], 2, ["--clip"]),
     (["demo", "--freeze", "nope"], 2, ["--freeze nope", "matches no parameter"]),
@@ -93,10 +111,11 @@ CASES = [
     (["demo", "--strategy", "single", "--world-size", "2"], 2, ["--strategy single", "--world-size 1"]),
     # sharding knobs: a wrong value, and a knob the strategy never reads
     (["demo", "--bucket-cap-mb", "0"], 2, ["--bucket-cap-mb"]),
+    (["demo", "--bucket-cap-mb", "inf"], 2, ["--bucket-cap-mb inf"]),
     (["demo", "--wrap", "layer"], 2, ["--wrap layer"]),
     (["demo", "--strategy", "fsdp", "--prefetch", "-1"], 2, ["--prefetch -1"]),
     (["demo", "--strategy", "hsdp", "--shard-size", "0"], 2, ["--shard-size 0"]),
-    (["demo", "--strategy", "hsdp", "--world-size", "3"], 2, ["--shard-size 2", "world size 3"]),
+    (["demo", "--strategy", "hsdp", "--world-size", "3"], 2, ["--shard-size 2", "--world-size 3"]),
     (["demo", "--strategy", "ddp", "--prefetch", "2"], 2, ["--prefetch 2", "--strategy ddp"]),
     (["demo", "--strategy", "ddp", "--wrap", "linear"], 2, ["--wrap linear", "--strategy ddp"]),
     (["demo", "--strategy", "zero1", "--reshard-root"], 2, ["--reshard-root", "--strategy zero1"]),
@@ -105,8 +124,14 @@ CASES = [
     (["demo", "--strategy", "fsdp", "--accumulation", "later"], 2, ["--accumulation later", "no_sync"]),
     (["demo", "--strategy", "zero2", "--accumulation", "gathered"], 2, ["--accumulation gathered", "ZeRO-2"]),
     (["demo", "--strategy", "ddp", "--accumulation", "no_sync"], 2, ["--accumulation no_sync", "--strategy ddp"]),
+    (["demo", "--strategy", "fsdp", "--accumulation", "no_sync"], 2,
+     ["--accumulation no_sync", "--accum 1", "--accum 2 or more"]),
+    (["demo", "--strategy", "zero2", "--accumulation", "sync", "--accum", "1"], 2, ["--accumulation sync", "--accum 1"]),
     (["demo", "--strategy", "zero2", "--quantized-weights"], 2, ["--quantized-weights", "--strategy zero2"]),
     (["demo", "--strategy", "fsdp", "--quantized-gradients", "5"], 2, ["--quantized-gradients 5", "8 or 4"]),
+    (["demo", "--strategy", "fsdp", "--quantized-weights", "3"], 2,
+     ["--quantized-weights 3: ZeRO++ quantizes to 8 or 4 bits an element; give --quantized-weights (int8), "
+      "--quantized-weights 8 or --quantized-weights 4"]),
     (["demo", "--strategy", "fsdp", "--world-size", "4", "--reshard-after-forward", "3"], 2,
      ["--reshard-after-forward 3", "[1, 2, 4]"]),
     (["demo", "--strategy", "hsdp", "--world-size", "4", "--reshard-after-forward", "4"], 2,
@@ -125,6 +150,9 @@ CASES = [
     (["demo", "--strategy", "fsdp", "--offload", "disk", "--offload-dir", "{a_file}"], 2, ["--offload-dir"]),
     (["demo", "--loss-chunk-tokens", "0"], 2, ["--loss-chunk-tokens 0"]),
     (["demo", "--device-budget", "0"], 2, ["--device-budget"]),
+    (["demo", "--device-budget", "inf"], 2, ["--device-budget inf", "finite"]),
+    (["demo", "--device-budget", "nan"], 2, ["--device-budget nan"]),
+    (["demo", "--timeout", "inf"], 2, ["--timeout inf", "finite"]),
     (["demo", "--world-size", "1", "--device-budget", "40"], 1,
      ["rank 0", "out of device memory", "budget of 40.0 MiB", "--device-budget"]),
     # checkpoints and outputs
@@ -147,6 +175,11 @@ CASES = [
     (["ledger", "--config", "{partial}"], 2, ["lacks num_hidden_layers"]),
     (["ledger", "--config", "{broken}"], 2, ["not JSON"]),
     (["ledger", "--config", f"{MISSING}/config.json"], 2, ["no model config"]),
+    (["ledger", "--config", "{negative}"], 2, ["num_hidden_layers: -4 must be an integer >= 1"]),
+    (["ledger", "--config", "{float_size}"], 2, ["hidden_size: 4096.0 must be an integer >= 1"]),
+    (["ledger", "--config", "{heads}"], 2, ["hidden_size: 4096", "num_attention_heads (7)"]),
+    (["plan", "--config", "{kv_heads}"], 2, ["num_key_value_heads: 5", "num_attention_heads (32)"]),
+    (["ledger", "--config", "{head_dim}"], 2, ["head_dim: 96", "(128)"]),
     (["ledger", "--model", "gpt-9"], 2, ["--model gpt-9"]),
     (["ledger", "--world-size", "0"], 2, ["--world-size 0"]),
     (["ledger", "--precision", "fp8"], 2, ["--precision fp8"]),
@@ -165,6 +198,10 @@ CASES = [
     (["perfetto", "{empty}", "{tmp}/out.json"], 2, ["no rank*.jsonl"]),
     (["perfetto", "{cut}", "{tmp}/out.json"], 2, ["rank0.jsonl:5", "not JSON"]),
     (["perfetto", "{early}", f"{MISSING}/out.json"], 2, [f"{MISSING}/out.json", "No such file"]),
+    (["perfetto", "{latin}", "{tmp}/out.json"], 2, ["rank0.jsonl:2", "not UTF-8", "byte 0xf6 at column"]),
+    (["perfetto", "{listed}", "{tmp}/out.json"], 2, ["rank0.jsonl:2", "JSON list", "not a trace event"]),
+    (["view", "{latin}", "-o", "{tmp}/latin.html"], 0, ["warning", "rank0.jsonl:2", "not UTF-8", "byte 0xf6"]),
+    (["doctor", "{dump}"], 2, ["flight_rank0.json:1", "not UTF-8", "byte 0xe9 at column"]),
     (["view", MISSING], 2, ["no such trace directory"]),
     (["view", "{empty}"], 2, ["no rank*.jsonl"]),
     (["view", "{cut}", "-o", "{tmp}/cut.html"], 0, ["warning", "rank0.jsonl:5",
@@ -215,6 +252,28 @@ def test_the_lines_name_each_thing_once(files, capsys):
         assert line.count(key) == 1, line
     assert main(["demo", *NANO, "--strategy", "single", "--optimizer", "sgd", "--resume", files["ck"]]) == 2
     assert "optimizer=None" not in capsys.readouterr().err
+
+
+def test_every_trace_reader_names_the_file_line_and_byte_it_could_not_decode(tmp_path):
+    """A byte no UTF-8 text has (Latin-1's ö, 0xf6, on line 2, column 3) — named by file, line
+    and byte by every reader of traces and flight dumps: refused by the strict ones, skipped
+    with a warning by the player, quoted by the doctor where a rank's trace ends."""
+    from minishard import doctor, torch_flight, trace
+    from minishard.cli import view
+    first = json.dumps(_event(0, 0, 0, kind="phase", name="forward", edge="begin"))
+    text = (first + '\n{"\xf6": 2}\n').encode("latin-1")
+    for name in ("rank0.jsonl", "flight_rank0.json", "nccl_trace_rank_0.json"):
+        (tmp_path / name).write_bytes(text)
+    where = "(byte 0xf6 at column 3)"
+    for read, name in ((trace.read_jsonl, "rank0.jsonl"), (doctor.read_dump, "flight_rank0.json"),
+                       (lambda p: torch_flight.read(p, 0, 1), "nccl_trace_rank_0.json")):
+        with pytest.raises(trace.TraceFormatError) as e:
+            read(tmp_path / name)
+        assert str(e.value).startswith(f"{tmp_path / name}:2: not UTF-8 text {where}"), str(e.value)
+    events, problems = view.read_file(tmp_path / "rank0.jsonl")
+    assert problems == [f"{tmp_path / 'rank0.jsonl'}:2: not UTF-8 text {where}: a damaged line, or not "
+                        f"a trace (skipped)"], problems
+    assert "damaged at line 2 (byte 0xf6 at column 3 is not UTF-8)" in doctor.trace_end(tmp_path / "rank0.jsonl")
 
 
 def test_debug_adds_the_traceback_of_the_rank_that_failed(files, capsys):
@@ -308,7 +367,7 @@ def test_a_rank_that_fails_alone_says_so_whatever_its_rank(monkeypatch, capsys, 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     monkeypatch.setattr(cli.time, "sleep", lambda s: None)
-    def fails(args):
+    def fails(args, pools=None):
         raise RankError(1, "DeviceOutOfMemory('allocating 1 B of grads')", "tb")
     monkeypatch.setattr(cli, "_dispatch", fails)
     assert main(["demo", "--model", "nano"]) == 1

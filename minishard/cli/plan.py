@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 
 GiB = 2**30
@@ -182,8 +183,9 @@ def cluster_of(args):
             chosen[key] = getattr(args, key)
     device = DEVICES[chosen["device"]]
     if args.device_memory is not None:
-        if not args.device_memory > 0:
-            raise ValueError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
+        if not (args.device_memory > 0 and math.isfinite(args.device_memory)):
+            raise ValueError(f"--device-memory must be a positive, finite number of GiB, got "
+                             f"{args.device_memory}")
         device = type(device)(device.name, int(args.device_memory * GiB), device.flops)
     if chosen["gpus_per_node"] < 1 or chosen["nodes"] < 1:
         raise ValueError(f"--gpus-per-node and --nodes must be >= 1 (got {chosen['gpus_per_node']}, "

@@ -52,15 +52,19 @@ def read_file(path: Path) -> tuple[list[dict], list[str]]:
     """The events of one file that this minishard can read, and one line per kind of problem
     (the first line it happened on, how many lines it skipped)."""
     events, skipped = [], defaultdict(list)        # reason -> line numbers
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            reason = _unreadable(line)
-            if reason is None:
-                events.append(json.loads(line.strip()))
-            else:
-                skipped[reason].append(n)
+    for n, raw in trace.numbered_lines(path):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            skipped[f"not UTF-8 text ({trace.not_utf8(e, raw)[1]}): a damaged line, or not a trace"].append(n)
+            continue
+        if not line.strip():
+            continue
+        reason = _unreadable(line)
+        if reason is None:
+            events.append(json.loads(line.strip()))
+        else:
+            skipped[reason].append(n)
     out = []
     for reason, lines in skipped.items():
         more = f" ({len(lines)} lines skipped, the last at line {lines[-1]})" if len(lines) > 1 else " (skipped)"
@@ -111,7 +115,7 @@ def read(source: Path) -> tuple[list[dict], list[str]]:
     by_file, problems, lines = {}, [], {}
     for path in trace_files(source):
         events, bad = read_file(path)
-        by_file[path], lines[path] = events, sum(1 for _ in open(path, encoding="utf-8", errors="replace"))
+        by_file[path], lines[path] = events, sum(1 for _ in trace.numbered_lines(path))
         problems += bad
     problems += uneven_steps(by_file, lines)
     return trace.merge(ev for events in by_file.values() for ev in events), problems
