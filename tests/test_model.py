@@ -3,6 +3,7 @@ the full logits."""
 import torch
 
 from minishard.model import GPT, batch, config
+from minishard.parity import drift, params_of
 from minishard.train import TrainConfig, train
 
 
@@ -22,9 +23,16 @@ def test_llama3_8b_on_meta():
 def test_chunked_cross_entropy_trains_the_same_and_drops_the_logits():
     kw = dict(strategy="single", model="tiny", steps=2, micro_batch=4, return_params=True)
     full, chunked = train(None, TrainConfig(**kw)), train(None, TrainConfig(loss_chunk_tokens=128, **kw))
-    assert full["losses"] == chunked["losses"]
-    assert all(torch.allclose(full["params"][k], chunked["params"][k], atol=1e-5) for k in full["params"])
     cfg = config("tiny")
+    # The chunked loss adds the same per-token terms grouped otherwise (chunks of 128 tokens,
+    # then the chunks), so the two agree to the rounding of that sum, not bit for bit: another
+    # order of n non-negative float32 terms moves their sum by at most (n - 1)·eps of itself.
+    # (Bit-equal on one CPU, 1e-7 apart on another: the first loss's 7th digit.)
+    n = 4 * cfg.seq_len
+    tol = (n - 1) * torch.finfo(torch.float32).eps
+    assert all(abs(a - b) <= tol * a for a, b in zip(full["losses"], chunked["losses"])), \
+        (full["losses"], chunked["losses"])
+    assert drift(chunked["params"], full["params"], params_of(GPT("tiny"))).overall <= 1e-3
     logits = 4 * cfg.seq_len * cfg.vocab_size * 4               # (B*T, V) fp32 log-softmax
     saved = full["ledger"]["category_peaks"]["activations"] - chunked["ledger"]["category_peaks"]["activations"]
     assert abs(saved - logits) <= 0.01 * logits
