@@ -10,7 +10,7 @@ occur exactly once: a redesign that moves it makes the script say so), runs the 
 exist to catch it against the copy — rank processes included, through ``PYTHONPATH`` — and
 records which failed. It first runs the same tests on the unmodified copy: a test that fails
 without a bug proves nothing. It exits non-zero if any bug survives, and prints a table
-(bug → the tests that caught it → seconds) for the README's testing section.
+(bug → the tests that caught it → seconds) for the mutation check section of docs/testing.md.
 
 Adding a bug when a new mechanism lands: append a ``Bug(name, file, original, planted, tests)``
 to ``BUGS`` — ``original`` a line (or unique part of one) of the mechanism as it is, ``planted``
