@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from minishard import trace
+from minishard import perfetto, trace
 from minishard.trace import LedgerTimeline, TraceFormatError, Tracer
 
 
@@ -50,7 +50,7 @@ def test_unknown_event_kind_is_refused():
 
 
 def test_chrome_export_has_compute_and_comm_tracks_per_rank():
-    chrome = trace.to_chrome(_two_rank_events())
+    chrome = perfetto.to_chrome(_two_rank_events())
     evs = chrome["traceEvents"]
     assert {(e["pid"], e["tid"]) for e in evs if e.get("ph") == "X"} == {(0, 1), (1, 1)}
     assert {(e["pid"], e["tid"]) for e in evs if e.get("ph") in "BE"} == {(0, 0), (1, 0)}

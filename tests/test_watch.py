@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import minishard
 import minishard.doctor
-from minishard import trace
+from minishard import perfetto, trace
 from minishard.cli import view
 from minishard.watching import WatchError
 
@@ -192,7 +192,7 @@ def _readable(out, events):
     assert problems == [] and len(got) == len(events)
     assert view.run(argparse.Namespace(trace_dir=str(out), out=None, title=None)) == 0
     assert (out / view.DEFAULT_NAME).stat().st_size > 0
-    chrome = json.loads(trace.write_chrome(events, out / "trace.json").read_text())   # Perfetto
+    chrome = json.loads(perfetto.write_chrome(events, out / "trace.json").read_text())   # Perfetto
     assert sum(e.get("tid") == 1 and e["ph"] == "X" for e in chrome["traceEvents"]) == \
         sum(e["kind"] == "collective" for e in events)           # the communication track
     spans = trace.phase_spans(events)

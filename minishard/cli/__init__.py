@@ -152,7 +152,8 @@ def _dispatch(args, pools=None) -> int:
         return view.run(args)
     if args.cmd == "doctor":
         return doctor.run(args)
-    from ..trace import load, write_chrome
+    from ..perfetto import write_chrome
+    from ..trace import load
     write_chrome(load(args.trace_dir), args.out)
     print(f"wrote {args.out}")
     return 0

@@ -38,7 +38,8 @@ def report(results: list[dict], args, exported: dict | None = None) -> str:
         lines.append(f"  (each rank's loss is a bf16 number: near {r0['losses'][-1]:.1f} it moves in steps of "
                      f"{res:g}, so a smaller change does not show)")
     if args.trace:
-        from ..trace import load, write_chrome
+        from ..perfetto import write_chrome
+        from ..trace import load
         events = load(args.trace)
         write_chrome(events, Path(args.trace) / "trace.json")
         lines.append(f"trace: {args.trace}/rank*.jsonl ({len(events)} events); "
