@@ -137,12 +137,16 @@ class RankError(RuntimeError):
 
 @dataclass
 class RankContext:
-    """What a task function receives on each rank."""
+    """What a task function receives on each rank. ``report(obj)`` hands ``obj`` to the caller
+    while the task runs (``Ranks.run(..., on_report=)`` receives it in the caller's process, so a
+    rank's progress lines reach a notebook's output); under torchrun, and without a caller that
+    listens, it is dropped."""
     rank: int
     world_size: int
     device: torch.device
     tracer: Tracer
     backend: str
+    report: Callable[[Any], None] = lambda obj: None
 
 
 def default_backend() -> str:
@@ -189,11 +193,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, s
         task = tasks.get()
         if task is None:
             break
-        task_id, fn_ref, args, kwargs, stream, origin = task
+        task_id, fn_ref, args, kwargs, stream, reports, origin = task
         sink = (lambda ev: results.put(("event", rank, ev))) if stream else None
+        report = (lambda obj: results.put(("report", rank, obj))) if reports else (lambda obj: None)
         tracer = Tracer(rank, world_size, origin=origin, sink=sink, keep=not stream)
         try:
-            out = _resolve(fn_ref)(RankContext(rank, world_size, device, tracer, backend),
+            out = _resolve(fn_ref)(RankContext(rank, world_size, device, tracer, backend, report),
                                    *args, **kwargs)
             results.put(("result", rank, (task_id, out, tracer.events)))
         except BaseException as e:
@@ -256,18 +261,21 @@ class Ranks:
 
     # ---- running tasks
     def run(self, fn: Callable | str, *args, on_event: Callable[[dict], None] | None = None,
-            timeout: float | None = None, **kwargs) -> list:
+            on_report: Callable[[int, Any], None] | None = None, timeout: float | None = None,
+            **kwargs) -> list:
         """Run ``fn(rank_ctx, *args, **kwargs)`` on every rank; return the results by rank.
 
         The events each rank traced are in :attr:`last_events` (merged, time-ordered);
-        with ``on_event`` they are also delivered one by one while the task runs.
+        with ``on_event`` they are also delivered one by one while the task runs, and with
+        ``on_report`` what a rank passes to ``rank_ctx.report(obj)``, as ``on_report(rank, obj)``.
         """
         if self.broken:
             raise RuntimeError(f"this pool of ranks is closed ({self.broken}); start a new Ranks")
         task_id = next(self._ids)
         origin = time.time()
         for q in self._tasks:
-            q.put((task_id, _fn_ref(fn), args, kwargs, on_event is not None, origin))
+            q.put((task_id, _fn_ref(fn), args, kwargs, on_event is not None, on_report is not None,
+                   origin))
         results: dict[int, Any] = {}
         events: list[dict] = []
         deadline = time.monotonic() + (timeout or self.timeout)
@@ -283,6 +291,8 @@ class Ranks:
                 events.append(payload)
                 if on_event is not None:
                     on_event(payload)
+            elif kind == "report":
+                on_report(rank, payload)
             elif kind == "result":
                 _, out, evs = payload
                 results[rank] = out
@@ -410,11 +420,11 @@ class Pools:
         return False
 
 
-def run(fn: Callable | str, world_size: int, *args, on_event=None, timeout: float | None = None,
-        **kwargs) -> list:
+def run(fn: Callable | str, world_size: int, *args, on_event=None, on_report=None,
+        timeout: float | None = None, **kwargs) -> list:
     """Start ``world_size`` ranks, run one task on them, shut them down."""
     with Ranks(world_size) as ranks:
-        return ranks.run(fn, *args, on_event=on_event, timeout=timeout, **kwargs)
+        return ranks.run(fn, *args, on_event=on_event, on_report=on_report, timeout=timeout, **kwargs)
 
 
 # --------------------------------------------------------------------------- torchrun

@@ -81,6 +81,13 @@ def sleep(rank, seconds: float):
     return os.getpid()
 
 
+def report_three(rank):
+    """Hands the caller three numbers while it runs, then returns."""
+    for k in range(3):
+        rank.report(10 * rank.rank + k)
+    return rank.rank
+
+
 def whoami(rank):
     return {"rank": rank.rank, "world_size": rank.world_size, "pid": os.getpid()}
 

@@ -131,24 +131,25 @@ def test_save_on_2_ranks_resume_on_3_continues_the_uninterrupted_run(tmp_path, p
     assert (release / "model.safetensors.index.json").exists()
 
 
-def cli(*args: str, cwd: Path) -> str:
-    """``python -m minishard ...`` in a fresh process, as a user runs it: the ranks it starts
-    write to its stdout (in this test process, a rank pool started earlier would not)."""
-    out = subprocess.run([sys.executable, "-m", "minishard", *args], capture_output=True, text=True,
-                         timeout=300, cwd=cwd)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+def cli(pools, capsys, *args: str) -> str:
+    """``python -m minishard ...`` as a user runs it, here on the session's warm ranks: what it
+    printed (the progress lines too: the ranks report each step to the command, which prints it)."""
+    capsys.readouterr()
+    status = main(list(args), pools=pools)
+    out, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    return out
 
 
-def test_the_progress_line_and_the_tables(tmp_path):
-    out = cli("demo", "--world-size", "2", "--strategy", "zero3", "--steps", "2", "--model", "nano",
-              "--trace", str(tmp_path / "t"), cwd=tmp_path)
+def test_the_progress_line_and_the_tables(pools, capsys, tmp_path):
+    out = cli(pools, capsys, "demo", "--world-size", "2", "--strategy", "zero3", "--steps", "2",
+              "--model", "nano", "--trace", str(tmp_path / "t"))
     assert re.search(r"^step   2/2  loss \d+\.\d{4} .* ms  peak .* MiB$", out, re.M)
     assert "minishard demo: strategy=fsdp world_size=2 model=nano params=217,664" in out
     assert "peak - formula" in out and "(gathered units)" in out
     assert (tmp_path / "t" / "trace.json").exists()
-    quiet = cli("demo", "--world-size", "1", "--strategy", "single", "--steps", "1", "--model", "nano",
-                "--quiet", cwd=tmp_path)
+    quiet = cli(pools, capsys, "demo", "--world-size", "1", "--strategy", "single", "--steps", "1",
+                "--model", "nano", "--quiet")
     assert "minishard demo:" in quiet and not re.search(r"^step ", quiet, re.M)
 
 

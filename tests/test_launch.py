@@ -18,6 +18,14 @@ def test_pool_runs_many_tasks_on_the_same_processes(pools):
     assert [r["pid"] for r in first] == [r["pid"] for r in second]
 
 
+def test_what_a_rank_reports_reaches_the_caller_in_its_order(pools):
+    got = []
+    out = pools(2).run(rank_tasks.report_three, on_report=lambda rank, obj: got.append((rank, obj)))
+    assert out == [0, 1]
+    assert [obj for r, obj in got if r == 0] == [0, 1, 2] and [obj for r, obj in got if r == 1] == [10, 11, 12]
+    pools(2).run(rank_tasks.report_three)                     # nobody listens: dropped, no error
+
+
 def test_failing_rank_reports_its_own_traceback_fast_and_leaves_no_orphans():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     pool = Ranks(3)

@@ -105,13 +105,14 @@ def test_a_bf16_loss_says_its_resolution(pools):
     assert f"moves in steps of {max(max(r['loss_resolution']) for r in results):g}" in text
 
 
-def test_save_resume_export_say_what_they_did_and_steps_count_on(tmp_path):
-    saved = cli("demo", "--world-size", "2", "--strategy", "fsdp", "--model", "nano", "--steps", "2",
-                "--save", "ckpt", cwd=tmp_path)
+def test_save_resume_export_say_what_they_did_and_steps_count_on(pools, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    saved = cli(pools, capsys, "demo", "--world-size", "2", "--strategy", "fsdp", "--model", "nano",
+                "--steps", "2", "--save", "ckpt")
     on_disk = sum(f.stat().st_size for f in (tmp_path / "ckpt").glob("rank*.safetensors"))
     assert f"saved step 2 to ckpt (2 ranks, {on_disk:,} bytes)" in saved
-    out = cli("demo", "--world-size", "3", "--strategy", "zero1", "--model", "nano", "--steps", "2",
-              "--resume", "ckpt", "--export", "release", cwd=tmp_path)
+    out = cli(pools, capsys, "demo", "--world-size", "3", "--strategy", "zero1", "--model", "nano",
+              "--steps", "2", "--resume", "ckpt", "--export", "release")
     assert "resumed ckpt at step 2: resharded 2 → 3 ranks, fsdp → zero1" in out
     assert re.search(r"^step   3/4  loss", out, re.M) and re.search(r"^step   4/4  loss", out, re.M)
     assert not re.search(r"^step   1/", out, re.M)

@@ -108,16 +108,22 @@ def config_of(args) -> "TrainConfig":
             reshard_after_forward=args.reshard_after_forward, reshard_root=args.reshard_root,
             quantized_weights=args.quantized_weights, quantized_gradients=args.quantized_gradients,
             prefetch=args.prefetch, shard_size=args.shard_size, recompute=args.recompute,
-            loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=args.offload_dir,
+            loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=_here(args.offload_dir),
             device_budget=None if args.device_budget is None else int(args.device_budget * MiB),
-            track_activations=True, trace=True, flight_dir=args.trace, resume_from=args.resume,
+            track_activations=True, trace=True, flight_dir=_here(args.trace), resume_from=_here(args.resume),
             fault=args.fault, fault_rank=args.fault_rank,
             save_every=args.save_every, save_background=args.save_background,
-            save_to=args.save or (str(Path(args.export) / ".checkpoint") if args.export else None))
+            save_to=_here(args.save or (str(Path(args.export) / ".checkpoint") if args.export else None)))
         config.refuse_unused()
     except ConfigError as e:
         raise ValueError(e.worded(lambda name, value: _flag(args, name, value))) from None
     return config
+
+
+def _here(path: str | None) -> str | None:
+    """A path as the user typed it, made absolute here: the ranks may run in another folder (warm
+    ranks lent by ``cli.main(pools=)`` stay in the one they started in)."""
+    return None if path is None else os.path.abspath(path)
 
 
 def _flag(args, name: str, value) -> str:
@@ -243,13 +249,22 @@ def run(args, pools=None) -> int:
         from contextlib import nullcontext
 
         from ..launch import Ranks
-        from ..train import train
         lent = pools is not None and args.timeout is None
+        quiet = args.quiet or args.json
         with nullcontext(pools(world_size)) if lent else Ranks(world_size, **_timeout(args)) as ranks:
-            results = ranks.run(train, config, on_step=None if (args.quiet or args.json) else progress)
+            # the progress lines are printed here, as the ranks report them: a rank's own
+            # stdout is not this process's (warm ranks were started before this command)
+            results = ranks.run(train_reporting, config,
+                                on_report=None if quiet else lambda rank, info: progress(info))
             events = ranks.last_events
         _finish(args, results, events)
     return 0
+
+
+def train_reporting(rank, config) -> dict:
+    """``train`` on a rank of ``Ranks``, each step's progress handed to the caller."""
+    from ..train import train
+    return train(rank, config, on_step=rank.report)
 
 
 def _timeout(args) -> dict:
