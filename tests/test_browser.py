@@ -228,17 +228,27 @@ def step_until_changed(box, plot, part: str, clicks: int = 40) -> tuple[dict, di
 
 
 def move_static_slider(page, figure_index: int | None = None):
-    """Click the middle of a kernel-free animation slider; return (figure, before, after)."""
+    """Click a kernel-free animation slider's rail; return (figure, before, after).
+
+    A click lands on the step nearest it, which may be the frame already shown (the slider opens
+    at the first step's peak, wherever that falls): try a few places along the rail until the
+    title moves. The click goes through the rail's locator, so Playwright scrolls it into view and
+    checks that the rail itself receives it (Lab may still be laying out outputs above)."""
     sliders = page.locator(".js-plotly-plot:has(.slider-container)")
     assert sliders.count(), "no static player figure (plotly frames + slider) on the page"
     fig = sliders.nth(figure_index or 0)
     fig.scroll_into_view_if_needed()
     before = signature(fig)
     rail = fig.locator(".slider-rail-touch-rect").first
-    box = rail.bounding_box()
-    page.mouse.click(box["x"] + box["width"] * 0.6, box["y"] + box["height"] / 2)
-    page.wait_for_function(f"([el, old]) => ({SIGNATURE_JS})(el).title !== old",
-                           arg=[fig.element_handle(), before["title"]], timeout=10_000)
+    for at in (0.9, 0.6, 0.3, 0.05):
+        box = rail.bounding_box()
+        rail.click(position={"x": box["width"] * at, "y": box["height"] / 2}, timeout=30_000)
+        try:
+            page.wait_for_function(f"([el, old]) => ({SIGNATURE_JS})(el).title !== old",
+                                   arg=[fig.element_handle(), before["title"]], timeout=10_000)
+            break
+        except Exception:
+            print(f"static player: a click at {at:.0%} of the rail left {before['title']!r}")
     return fig, before, signature(fig)
 
 
