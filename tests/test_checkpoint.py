@@ -22,7 +22,8 @@ from minishard.train import TrainConfig, train
 from minishard.viz import reshard_figure
 
 import checkpoint_tasks
-from parity import reference
+from minishard.parity import drift
+from parity import initial, reference
 
 NANO = config("nano")
 
@@ -231,8 +232,9 @@ def test_training_continues_with_identical_losses(pools, tmp_path):
         assert out[0]["checkpoint"]["load"]["step"] == 2
         got = [sum(o["losses"][s] for o in out) / M for s in range(2)]
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want)), (M, strategy, got, want)
-        err = max((out[0]["params"][n] - whole[0]["params"][n]).abs().max().item() for n in whole[0]["params"])
-        assert err <= 2e-4, (M, strategy, err)
+        # another world size sums in another order: the parity measure (docs/testing.md)
+        d = drift(out[0]["params"], whole[0]["params"], initial("nano"))
+        assert d.within(2e-3), (M, strategy, d)
 
 
 def _digest(path: Path) -> dict:
@@ -280,11 +282,12 @@ def test_export_equals_single_process_weights(pools, tmp_path):
         report = checkpoint.export(ck, out)
         model = GPT(NANO, seed=7)
         model.load_state_dict(checkpoint.load_exported(out), strict=True)
-        for n, p in model.named_parameters():
-            if exact:
-                assert torch.equal(p.detach(), params[n]), n
-            else:                            # 2 ranks vs one process: summation order only
-                assert (p.detach() - params[n]).abs().max() <= 2e-4, n
+        got = {n: p.detach() for n, p in model.named_parameters()}
+        if exact:                            # the export copies the bytes it read
+            assert all(torch.equal(got[n], params[n]) for n in params)
+        else:                                # 2 ranks vs one process: summation order only
+            d = drift(got, params, initial("nano"))
+            assert d.within(2e-3), d
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) == NANO.n_layer + 1     # a file per block + rest
         assert set(index["weight_map"]) == set(params)

@@ -179,8 +179,12 @@ def test_the_inner_optimizer_takes_the_multi_tensor_path_unless_told_otherwise()
     fused, by_fused = one_step(fused=True)
     assert default["foreach"] is True
     assert loop["foreach"] is False and fused["fused"] is True and not fused["foreach"]
-    assert torch.allclose(updated, by_loop, rtol=0, atol=1e-6)
-    assert torch.allclose(updated, by_fused, rtol=0, atol=1e-6)
+    # the same update, its few operations rounded in other orders (the fused kernel computes
+    # the step in one pass): each element within a few ulps of the largest parameter
+    # (measured: 0 for the loop, 7.5e-9 for fused, on three kernel paths)
+    ulps = 4 * torch.finfo(torch.float32).eps * updated.abs().max()
+    assert torch.allclose(updated, by_loop, rtol=0, atol=ulps)
+    assert torch.allclose(updated, by_fused, rtol=0, atol=ulps)
 
 
 @pytest.mark.parametrize("N", [2, 3])
