@@ -48,6 +48,14 @@ class Bug:
     original: str        # must occur exactly once in the file
     planted: str
     tests: str           # a pytest selection, run from the repository root
+    # who planted it: the module's "author", or a "second reader" who did not write the module
+    # and had not read its tests (an outsider round: the bugs nobody listed)
+    planted_by: str = "author"
+
+
+def second_reader(*args, **kw) -> Bug:
+    """A bug a second reader planted (and that the suite of its time let through)."""
+    return Bug(*args, planted_by="second reader", **kw)
 
 
 PARITY = "tests/test_parity.py"
@@ -194,65 +202,65 @@ BUGS = [
         "alt = None if self.offload else self._gain(self.strategy, offload=True)",
         "tests/test_planner_widget.py -k offload_hints"),
     # an outsider's plants in the offload_policy change that survived (then got their tests)
-    Bug("offload: a rank checks room for the whole model's state, not its share", "minishard/strategies.py",
+    second_reader("offload: a rank checks room for the whole model's state, not its share", "minishard/strategies.py",
         "check_room(offload, state_bytes(sum(p.numel() for p in net.parameters()) // comm.world_size))",
         "check_room(offload, state_bytes(sum(p.numel() for p in net.parameters())))",
         "tests/test_offload.py -k own_share"),
-    Bug("offload: a unit checks room for its shards only, not their gradients and moments",
+    second_reader("offload: a unit checks room for its shards only, not their gradients and moments",
         "minishard/fsdp/api.py", "needed_bytes=state_bytes(shards))", "needed_bytes=4 * shards)",
         "tests/test_offload.py -k each_unit_checks"),
-    Bug("offload: a disk run's optimizer state entered in the ledger as host memory", "minishard/strategies.py",
+    second_reader("offload: a disk run's optimizer state entered in the ledger as host memory", "minishard/strategies.py",
         "device=config.offload))", 'device=config.offload and "host"))',
         "tests/test_run_report.py -k offload_puts"),
-    Bug("offload: a disk run has no transfer formula", "minishard/train.py",
+    second_reader("offload: a disk run has no transfer formula", "minishard/train.py",
         "    if config.offload is not None:\n        out[\"transfer_formula\"]",
         "    if config.offload == \"host\":\n        out[\"transfer_formula\"]",
         "tests/test_run_report.py -k offload_puts"),
-    Bug("planner: offload=False taken as no offload", "minishard/costmodel.py",
+    second_reader("planner: offload=False taken as no offload", "minishard/costmodel.py",
         '    if offload not in (None, "host"):', '    if offload and offload != "host":',
         "tests/test_costmodel.py -k which_tier"),
-    Bug("planner widget: offload='disk' planned as no offload", "minishard/viz/planner.py",
+    second_reader("planner widget: offload='disk' planned as no offload", "minishard/viz/planner.py",
         '    if offload not in (None, "host"):', '    if offload not in (None, "host", "disk"):',
         "tests/test_planner_widget.py -k refuses_a_tier"),
-    Bug("config: torch_fsdp accepts the knobs only minishard's FSDP reads", "minishard/config.py",
+    second_reader("config: torch_fsdp accepts the knobs only minishard's FSDP reads", "minishard/config.py",
         "    return s.stage == 3 and s.instrumented", "    return s.stage == 3",
         "tests/test_run_report.py -k knobs_only"),
-    Bug("cli: plan --offload host never reaches the planner", "minishard/cli/plan.py",
+    second_reader("cli: plan --offload host never reaches the planner", "minishard/cli/plan.py",
         "               offload=args.offload, mfu=args.mfu, wrap=args.wrap)",
         "               mfu=args.mfu, wrap=args.wrap)", "tests/test_cli.py -k plan_offload"),
-    Bug("chapter 08: the disk listing reads one unit's folder", "minishard/course/ch08.py",
+    second_reader("chapter 08: the disk listing reads one unit's folder", "minishard/course/ch08.py",
         "    folders = [u.tier.directory for u in built.units]",
         "    folders = [u.tier.directory for u in built.units[:1]]", "tests/test_offload.py -k disk_listing"),
-    Bug("fsdp: backward prefetches in forward order", "minishard/fsdp/unit.py",
+    second_reader("fsdp: backward prefetches in forward order", "minishard/fsdp/unit.py",
         "            order = order[::-1]", "            order = order[:]", "tests/test_prefetch.py"),
-    Bug("zero-2: micro-batches' reduced slices overwrite instead of accumulating", "minishard/zero.py",
+    second_reader("zero-2: micro-batches' reduced slices overwrite instead of accumulating", "minishard/zero.py",
         "self.grad_shards[b.index].add_(b.reduced)", "self.grad_shards[b.index].copy_(b.reduced)",
         "tests/test_zero.py -k accumulation"),
-    Bug("fsdp: a mixed-dtype unit's raw blocks packed unaligned", "minishard/fsdp/layout.py",
+    second_reader("fsdp: a mixed-dtype unit's raw blocks packed unaligned", "minishard/fsdp/layout.py",
         "self.raw_sizes = [-(-n * b // 8) * 8 for n, b in zip(self.sizes, self.bytes_per)]",
         "self.raw_sizes = [n * b for n, b in zip(self.sizes, self.bytes_per)]",
         "tests/test_properties.py -k mixed_dtype"),
-    Bug("buckets: a group's partly filled bucket launched after later groups' buckets", "minishard/buckets.py",
+    second_reader("buckets: a group's partly filled bucket launched after later groups' buckets", "minishard/buckets.py",
         "        if g in filling and (i + 1 == len(walk) or walk[i + 1][0] != g):",
         "        if g in filling and i + 1 == len(walk):", "tests/test_properties.py -k plan_buckets"),
-    Bug("checkpoint: a block size that cuts elements accepted", "minishard/checkpoint/saving.py",
+    second_reader("checkpoint: a block size that cuts elements accepted", "minishard/checkpoint/saving.py",
         "or block_bytes < 8 or block_bytes % 8:", "or block_bytes < 1:",
         "tests/test_checkpoint_format.py -k block_size"),
     # an outsider's plants that survived the suite above (then got their tests)
-    Bug("fsdp: parameters kept whole counted once per rank in the clip's norm", "minishard/fsdp/api.py",
+    second_reader("fsdp: parameters kept whole counted once per rank in the clip's norm", "minishard/fsdp/api.py",
         "[p.grad for p in params if id(p) not in whole]", "[p.grad for p in params]",
         "tests/test_clipping.py -k whole"),
-    Bug("fsdp: parameters kept whole keep each rank's initial weights", "minishard/fsdp/api.py",
+    second_reader("fsdp: parameters kept whole keep each rank's initial weights", "minishard/fsdp/api.py",
         "    _start_from_rank0(slots, comm, replicate, name)",
         "    _start_from_rank0(sharded, comm, replicate, name)",
         "tests/test_parity.py -k kept_whole"),
-    Bug("offload: a gradient remade in the tier after zero_grad forgets it is a shard", "minishard/fsdp/unit.py",
+    second_reader("offload: a gradient remade in the tier after zero_grad forgets it is a shard", "minishard/fsdp/unit.py",
         "                    t.grad = local(self.tier.zeros_like(t))",
         "                    t.grad = self.tier.zeros_like(t)", "tests/test_offload.py -k disk_tier"),
-    Bug("grads: Tensor.norm of a rank's part of the gradient passes", "minishard/local_grad.py",
+    second_reader("grads: Tensor.norm of a rank's part of the gradient passes", "minishard/local_grad.py",
         "torch.linalg.norm, torch.norm, torch.Tensor.norm, torch._foreach_norm}",
         "torch.linalg.norm, torch.norm, torch._foreach_norm}", "tests/test_clipping.py -k every_norm"),
-    Bug("checkpoint: a model with both FSDP layouts named after one of them", "minishard/checkpoint/regions.py",
+    second_reader("checkpoint: a model with both FSDP layouts named after one of them", "minishard/checkpoint/regions.py",
         'return layouts.pop() if len(layouts) == 1 else "fsdp_mixed"', "return layouts.pop()",
         "tests/test_checkpoint_dropin.py -k mixed"),
     # the properties (tests/test_properties.py): random sizes, rank-order sums bit for bit
@@ -296,31 +304,31 @@ BUGS = [
         "size[g], limit[g] = 0, cap_mb * 2**20", "size[g] = 0",
         "tests/test_properties.py -k plan_buckets"),
     # found by an outside review of issue 29's FSDP rewrite (each survived the suite then)
-    Bug("fsdp: the end of backward is queued again only if a unit was left in pre-backward",
+    second_reader("fsdp: the end of backward is queued again only if a unit was left in pre-backward",
         "minishard/fsdp/root.py",
         "                u.post_backward()\n        for u in self.units:\n            u.finish_backward()\n"
         "        self._post_backward_queued = False",
         "                u.post_backward()\n                self._post_backward_queued = False\n"
         "        for u in self.units:\n            u.finish_backward()",
         "tests/test_fsdp_lifecycle.py -k root_whose_input"),
-    Bug("fsdp: backward never prefetches the unit forward ran first", "minishard/fsdp/unit.py",
+    second_reader("fsdp: backward never prefetches the unit forward ran first", "minishard/fsdp/unit.py",
         "            order = order[::-1]", "            order = order[:0:-1]",
         "tests/test_prefetch.py -k own_depth"),
-    Bug("fsdp: backward prefetches by the forward depth", "minishard/fsdp/unit.py",
+    second_reader("fsdp: backward prefetches by the forward depth", "minishard/fsdp/unit.py",
         "ctx.prefetch_depth[0 if forward else 1])", "ctx.prefetch_depth[0])",
         "tests/test_prefetch.py -k own_depth"),
-    Bug("fsdp: a unit reduce-scattering is not counted as live", "minishard/fsdp/limits.py",
+    second_reader("fsdp: a unit reduce-scattering is not counted as live", "minishard/fsdp/limits.py",
         "if u.memory_state is not MemoryState.SHARDED)",
         "if u.memory_state in (MemoryState.UNSHARDING, MemoryState.UNSHARDED))",
         "tests/test_zero3_bounds.py -k live"),
-    Bug("fsdp: the reduce-scatter's buffer entered in elements, not bytes", "minishard/fsdp/unit.py",
+    second_reader("fsdp: the reduce-scatter's buffer entered in elements, not bytes", "minishard/fsdp/unit.py",
         'self.ledger.alloc("comm_buffers", inp.numel() * inp.element_size(), f"{self.name}:rs")',
         'self.ledger.alloc("comm_buffers", inp.numel(), f"{self.name}:rs")',
         "tests/test_fsdp_lifecycle.py -k ledger"),
-    Bug("fsdp: a recomputation registers a second post-backward node", "minishard/fsdp/hooks.py",
+    second_reader("fsdp: a recomputation registers a second post-backward node", "minishard/fsdp/hooks.py",
         "    if not unit.in_backward:", "    if not unit.in_backward or torch.is_grad_enabled():",
         "tests/test_fsdp_lifecycle.py -k recomputation"),
-    Bug("checkpoint: a flat hybrid layout recorded as FSDP's", "minishard/strategies.py",
+    second_reader("checkpoint: a flat hybrid layout recorded as FSDP's", "minishard/strategies.py",
         "    elif shard_size is not None and shard_size != world_size:",
         "    elif shard_size is not None and shard_size < world_size and not flat:",
         "tests/test_fsdp_lifecycle.py -k registry_name"),
@@ -386,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"no bug matches {args.words}; names: {[b.name for b in BUGS]}")
     if args.list:
         for b in bugs:
-            print(f"{b.name:<70} {b.file:<26} {b.tests}")
+            print(f"{b.name:<70} {b.file:<26} {b.planted_by:<13} {b.tests}")
         return 0
     with tempfile.TemporaryDirectory(prefix="minishard-mutants-") as tmp:
         base = Path(tmp) / "clean"
@@ -402,14 +410,14 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(base, dest)          # from the snapshot taken at the start
             plant(dest, bug)
             ok, failed, seconds = run_tests(dest, bug.tests)
-            rows.append((bug.name, "SURVIVED" if ok else caught_by(failed), seconds))
+            rows.append((bug.name, bug.planted_by, "SURVIVED" if ok else caught_by(failed), seconds))
             if ok:
                 survivors.append(bug.name)
             print(f"{'survived' if ok else 'caught  '}  {seconds:6.1f} s  {bug.name}", flush=True)
             shutil.rmtree(dest)
-    print("\n| bug planted | caught by | seconds |\n|---|---|---|")
-    for name, caught, seconds in rows:
-        print(f"| {name} | {caught} | {seconds:.0f} |")
+    print("\n| bug planted | planted by | caught by | seconds |\n|---|---|---|---|")
+    for name, who, caught, seconds in rows:
+        print(f"| {name} | {who} | {caught} | {seconds:.0f} |")
     if survivors:
         print(f"\n{len(survivors)} bug(s) survived: {survivors}")
         return 1
