@@ -38,6 +38,8 @@ NORM_AGREES = 1e-6        # relative: an all-reduced norm is the same number on 
 MOST = 0.5                # one unit holding this share of the parameters or more
 UNIT_FULL = (re.compile(r"(?P<unit>.+):full\d+$"), re.compile(r"unsharded:(?P<unit>.+)$"))
 FULL_GRAD = re.compile(r"(?P<unit>.+):grad_full\d+$")
+# reshard_after_forward=k: the part of a unit's gathered parameters it keeps from forward to backward
+POST_FORWARD = re.compile(r"(?P<unit>.+):post_forward$")
 
 
 def _ranks_word(ranks) -> str:
@@ -190,6 +192,7 @@ def _fold(events: list[dict]) -> dict:
     units: dict[str, int] = {}                         # unit -> the most it held unsharded
     gathered: dict[str, int] = defaultdict(int)        # unit -> unsharded now
     full: dict[str, int] = defaultdict(int)            # unit -> full gradients now
+    kept_forward: dict[str, int] = defaultdict(int)    # unit -> its post-forward part now
     by_cat: dict[str, int] = defaultdict(int)
     # "last": as the last allocation left it — where a rank that ran out of memory stood (what
     # follows it in the trace is the exception unwinding: autograd freeing what it saved)
@@ -204,13 +207,19 @@ def _fold(events: list[dict]) -> dict:
             if ev.get("category") == "unsharded" and (u := _unit_of(tag, UNIT_FULL)):
                 gathered[u] += nbytes
                 units[u] = max(units.get(u, 0), gathered[u])
+            elif ev.get("category") == "unsharded" and (m := POST_FORWARD.match(tag)):
+                # gathered bytes too, held into backward: an out-of-memory split without them
+                # left them out of every cause, and could advise the wrong fix first
+                kept_forward[m.group("unit")] += nbytes
             if ev.get("category") == "grads" and (m := FULL_GRAD.match(tag)):
                 full[m.group("unit")] += nbytes
             total = sum(by_cat.values())
             if kind == "alloc":
                 if total > out["peak"]:
                     out["peak"], out["at_peak"] = total, {c: b for c, b in by_cat.items() if b}
-                out["last"] = {"gathered": {u: b for u, b in gathered.items() if b > 0},
+                now = {u: gathered.get(u, 0) + kept_forward.get(u, 0)
+                       for u in dict.fromkeys([*gathered, *kept_forward])}
+                out["last"] = {"gathered": {u: b for u, b in now.items() if b > 0},
                                "full": sum(full.values()), "phase": phase, "total": total}
         if kind == "phase" and ev.get("edge") == "begin" and ev.get("name") != "step":
             phase = ev.get("name")

@@ -195,6 +195,44 @@ def members(group: str, held: dict[int, dict[int, dict]], dumps: dict[int, dict]
     return sorted(held)
 
 
+def absent(group: str, ranks: list[int], missing: list[int], dumps: dict[int, dict]) -> list[int]:
+    """The group's members that left no dump: those its name lists (a shard or replicate group
+    whose waiting member is the only one left with a dump waits for the one without), else every
+    rank without a dump when the group spans every rank with one."""
+    if m := NAMED.fullmatch(group):
+        return [r for r in map(int, m.group(1).split(", ")) if r in missing]
+    return missing if len(ranks) == len(dumps) else []
+
+
+def reached(held: dict[int, dict], r: int, dumps: dict[int, dict]) -> int:
+    """The last seq rank r issued in a group; one before the first when it holds none (PyTorch's
+    recorder numbers each group's collectives from 1, minishard's from 0)."""
+    return max(held.get(r, {}), default=dumps[r].get("first_seq", 0) - 1)
+
+
+def bystanders(groups: dict[str, tuple], gone: dict[str, list[int]], dumps: dict[int, dict]) -> set[int]:
+    """The ranks that wait in a collective for a rank that stopped (one that waits in none, or
+    left no dump), directly or through a chain of waiting ranks: behind in another group only
+    because they wait here, they are not that group's cause. Ranks waiting for each other in a
+    cycle (collectives of two groups issued in opposite orders) wait for no stopped rank: each is
+    the cause in the group it never reached — else such a deadlock would be reported as nothing."""
+    waits = {r: [(e["group"], e["seq"]) for e in body["entries"] if e["state"] == "issued"]
+             for r, body in dumps.items()}
+
+    def blockers(group: str, seq: int) -> list[int]:
+        held, ranks = groups[group]
+        return [r for r in ranks if reached(held, r, dumps) < seq] + gone[group]
+    out: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for r in sorted(set(waits) - out):
+            if any(not waits.get(b) or b in out for g, s in waits[r] for b in blockers(g, s)):
+                out.add(r)
+                grew = True
+    return out
+
+
 def desync(group: str, held: dict[int, dict[int, dict]], ranks: list[int]) -> Finding | None:
     """The first seq every rank holds where they issued different collectives."""
     common = set.intersection(*(set(held.get(r, {})) for r in ranks)) if ranks else set()
@@ -225,12 +263,14 @@ def desync(group: str, held: dict[int, dict[int, dict]], ranks: list[int]) -> Fi
 
 
 def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
-                 dumps: dict[int, dict]) -> Finding | None:
+                 dumps: dict[int, dict], victims: set[int] = frozenset()) -> Finding | None:
     """A rank that stopped short of a collective the others issued."""
-    last = {r: max(held.get(r, {}), default=-1) for r in ranks}
+    last = {r: reached(held, r, dumps) for r in ranks}
     top = max(last.values(), default=-1)
-    # a rank stuck in another group's collective is that hang's victim, not this one's cause
-    behind = sorted((r for r in ranks if last[r] < top and not _waiting_elsewhere(dumps[r], group)),
+    # a rank stuck in another group's collective for a rank that stopped is that hang's victim,
+    # not this one's cause
+    behind = sorted((r for r in ranks if last[r] < top
+                     and not (r in victims and _waiting_elsewhere(dumps[r], group))),
                     key=lambda r: (last[r], r))
     if not behind:
         return None
@@ -386,12 +426,15 @@ def diagnose(directory: str | Path) -> Report:
     if (gone := missing_dumps(report)) is not None:
         found.append(gone)
     missing = gone.ranks if gone else []
-    for group, held in sorted(by_group(report.dumps).items()):
-        ranks = members(group, held, report.dumps, report.world_size)
+    groups = {g: (held, members(g, held, report.dumps, report.world_size))
+              for g, held in sorted(by_group(report.dumps).items())}
+    lost = {g: absent(g, ranks, missing, report.dumps) for g, (_, ranks) in groups.items()}
+    victims = bystanders(groups, lost, report.dumps)
+    for group, (held, ranks) in groups.items():
         f = desync(group, held, ranks)
         if f is None:          # after a desync, what a group did next is its consequence
-            f = never_issued(group, held, ranks, report.dumps) or never_completed(
-                group, held, ranks, missing if len(ranks) == len(report.dumps) else [], report.dumps)
+            f = never_issued(group, held, ranks, report.dumps, victims) or never_completed(
+                group, held, ranks, lost[group], report.dumps)
         if f is not None:
             found.append(f)
     found += causes.weights(report.dumps) + causes.clip(report.dumps) + causes.precision(report.dumps)

@@ -95,7 +95,8 @@ def read(path: Path, rank: int, world_size: int) -> dict:
             else "issued", "where": _site(_outside(frames, "/torch/")[:1]),
             "caller": _site(_outside(frames, "/torch/", "/minishard/")[:1])})
     return {"v": 1, "rank": rank, "world_size": world_size, "capacity": None, "reason": "torch",
-            "error": None, "time": None, "entries": entries, "facts": {}, "source": str(path)}
+            "error": None, "time": None, "entries": entries, "facts": {}, "source": str(path),
+            "first_seq": 1}       # (c10d numbers each group's collectives from 1: none issued is 0)
 
 
 def _site(frames: list) -> str:

@@ -96,11 +96,12 @@ class FSDPUnit(ReplicatedParams):
         if self.ledger is None:
             return
         # with a lower-precision compute dtype the fp32 shards are the master weights (a unit
-        # whose every parameter is replicated has no shards: ``replicated.NoShards``)
-        stored = self.layout.slots[0].dtype if self.layout.slots else None
-        lower = self.mp_policy.param_dtype not in (None, stored)
+        # whose every parameter is replicated has no shards: ``replicated.NoShards``). Asked of
+        # each shard: a unit may hold several dtypes, and its first parameter's (the rule once
+        # used) would count a bf16-first unit's fp32 shards as compute weights
         for i, t in enumerate(self.layout.shard_tensors()):
-            self.ledger.track("master" if lower else "params", t, f"{self.name}:shard{i}", where)
+            master = self.mp_policy.param_dtype not in (None, t.dtype)
+            self.ledger.track("master" if master else "params", t, f"{self.name}:shard{i}", where)
             if t.grad is not None:
                 self.ledger.track("grads", t.grad, f"{self.name}:shard_grad{i}", where)
         for i, p in enumerate(self.replicated):     # at their own dtype's bytes: they compute in
