@@ -430,7 +430,8 @@ BUGS = [
 
 
 def copy_repo(dest: Path) -> None:
-    for part in ("minishard", "tests", "solutions", "pyproject.toml"):
+    # what the tests read besides the code: the configs and the README (its examples, the CLI's)
+    for part in ("minishard", "tests", "solutions", "configs", "pyproject.toml", "README.md"):
         src = ROOT / part
         if src.is_dir():
             shutil.copytree(src, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
