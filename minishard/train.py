@@ -120,9 +120,9 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
                          "peak": ledger.peak if ledger else w.peak if w else 0})
             if config.save_every is not None and (step + 1) % config.save_every == 0:
                 saves.append((step + 1, _save(config, built, comm, step + 1)))
-    tracer.step = None
-    if config.save_to is not None:
+    if config.save_to is not None:      # (a last save the loop did not make: of the last step)
         ckpt["save"] = _saved(config, built, comm, first_step + config.steps, saves)
+    tracer.step = None
     return _outputs(rank, config, cfg, meter, built, first_step, w, ledger, comm, ckpt)
 
 

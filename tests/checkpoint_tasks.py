@@ -379,14 +379,14 @@ def _slow_background_writes(seconds: float):
     return real, slow
 
 
-def train_saving_in_background(rank, path: str, steps: int) -> dict:
-    """``train`` with a background save after every step, each write held up 0.2 s: when train
-    returns, the last step's checkpoint must be on disk."""
+def train_saving_in_background(rank, path: str, steps: int, every: int = 1) -> dict:
+    """``train`` with a background save after every ``every``-th step and after the last, each
+    write held up 0.2 s: when train returns, the last step's checkpoint must be on disk."""
     real, slow = _slow_background_writes(0.2)
     checkpoint.saving.write_safetensors = slow
     try:
         out = train(rank, TrainConfig(strategy="fsdp", model=MODEL, steps=steps, micro_batch=MICRO_BATCH,
-                                      track_activations=False, save_to=path, save_every=1,
+                                      track_activations=False, save_to=path, save_every=every,
                                       save_background=True))
     finally:
         checkpoint.saving.write_safetensors = real

@@ -38,23 +38,28 @@ def test_a_background_save_holds_the_values_at_the_call_bit_for_bit(pools, tmp_p
     assert all(r[0]["second_waited"] for r in results)          # the next save waited for it
 
 
-def test_a_run_ends_with_its_last_checkpoint_on_disk_and_each_save_in_the_trace(pools, tmp_path):
+@pytest.mark.parametrize("every, saved", [(1, [1, 2, 3]), (2, [2, 3])])
+def test_a_run_ends_with_its_last_checkpoint_on_disk_and_each_save_in_the_trace(pools, tmp_path, every, saved):
+    """Saved after every ``every``-th step and after the last (3 of 3 although 3 % 2 != 0); in
+    the trace each write after its copy, lasting no longer than until the next save waited."""
     ck = tmp_path / "run"
     steps = 3
-    results = pools(2).run(checkpoint_tasks.train_saving_in_background, str(ck), steps)
+    results = pools(2).run(checkpoint_tasks.train_saving_in_background, str(ck), steps, every)
     for r in results:
         assert r["on_disk"] == steps and not r["leftover"]
-        assert [s for s, _ in r["stalls"]] == [1, 2, 3]
+        assert [s for s, _ in r["stalls"]] == saved
     events = pools(2).last_events
     for rank in (0, 1):
         mine = [e for e in events if e["rank"] == rank]
         copies = [e for e in mine if e["kind"] == "phase" and e["name"] == "checkpoint_copy"
                   and e["edge"] == "begin"]
         writes = [e for e in mine if e["kind"] == "transfer" and e.get("tag") == "checkpoint_write"]
-        assert [e["step"] for e in copies] == [0, 1, 2]
-        assert len(writes) == steps and all(e["direction"] == "to_disk" and e["bytes"] > 0
-                                            and e["seconds"] >= 0.2 for e in writes)
+        assert [e["step"] for e in copies] == [s - 1 for s in saved]     # the step each one saved
+        assert len(writes) == len(saved) and all(e["direction"] == "to_disk" and e["bytes"] > 0
+                                                 and e["seconds"] >= 0.2 for e in writes)
         assert all(c["t"] < w["t"] for c, w in zip(copies, writes))      # each write after its copy
+        # a save waits for the write before it, then copies: each write ended before the next copy
+        assert all(w["t"] + w["seconds"] <= c["t"] for w, c in zip(writes, copies[1:]))
         assert [w["step"] for w in writes] == [c["step"] for c in copies]   # of the save that made it
     write_dir(events, tmp_path / "trace")             # the viewer's timeline draws both
     assert main(["view", str(tmp_path / "trace"), "-o", str(tmp_path / "p.html")]) == 0

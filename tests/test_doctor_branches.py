@@ -288,6 +288,23 @@ def test_a_torch_entry_read_in_minishard_words(tmp_path):
     assert torch_flight.read(tmp_path / "p2p.json", 0, world)["entries"] == []
 
 
+def test_a_torch_entry_names_the_innermost_frames_outside_torch_and_outside_minishard(tmp_path):
+    """c10d keeps a work's stack innermost first: ``where`` is the first frame outside torch (a
+    minishard wrapper when one issued the collective), ``caller`` the first outside torch and
+    minishard — the user's line that asked, not the script's top that started everything."""
+    frames = [{"filename": "/x/torch/distributed/c10d.py", "line": 1, "name": "all_reduce"},
+              {"filename": "/x/minishard/comm.py", "line": 5, "name": "all_reduce"},
+              {"filename": "/home/me/model.py", "line": 42, "name": "step"},
+              {"filename": "<frozen runpy>", "line": 88, "name": "_run_code"},
+              {"filename": "/home/me/train.py", "line": 7, "name": "<module>"}]
+    d = write_torch(tmp_path, {0: [torch_entry(1, frames=frames)]})
+    (e,) = torch_flight.read(d / "torch_fr_rank0.json", 0, 1)["entries"]
+    assert (e["where"], e["caller"]) == ("/x/minishard/comm.py:5 in all_reduce",
+                                         "/home/me/model.py:42 in step")
+    assert doctor.site(e) == ("; at /x/minishard/comm.py:5 in all_reduce, "
+                                    "called from /home/me/model.py:42 in step")
+
+
 def test_the_same_run_read_from_torch_dumps_names_the_same_rank(tmp_path):
     """The HSDP stop above, as c10d's recorders hold it (groups by id, seqs from 1): the same
     rank, each group by its id, each seq one higher."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minishard import causes, doctor, faults, health
-from minishard.cli import main
+from minishard.cli import doctor as cli_doctor, main
 from minishard.config import TrainConfig
 
 WORLD = 4
@@ -153,14 +153,29 @@ def test_causes_come_in_their_order_and_any_finding_exits_1(tmp_path, capsys):
     assert "(50.0 %)" in out
 
 
-@pytest.mark.parametrize("norms, flagged", [((1.0, 1.0, 1.0, 1.0), False), ((1.0, 1.0, 1.0001, 1.0), True)])
-def test_one_global_norm_agrees_to_the_bit_a_local_one_does_not(norms, flagged):
-    dumps = {r: dump(r, [], facts={"steps": [{"step": 0, "param_dtypes": ["float32"], "grad_norm": n}]})
+@pytest.mark.parametrize("norms, odd", [((1.0, 1.0, 1.0, 1.0), None), ((1.0, 1.0, 1.0001, 1.0), 2),
+                                       ((1.0, 1.0), None), ((1.0, 1.0001), 1)])
+def test_one_global_norm_agrees_to_the_bit_a_local_one_does_not(norms, odd):
+    """On any number of ranks, two included (the smallest world that can disagree)."""
+    dumps = {r: dump(r, [], world=len(norms), facts={"steps": [{"step": 0, "param_dtypes": ["float32"],
+                                                                "grad_norm": n}]})
              for r, n in enumerate(norms)}
     found = causes.clip(dumps)
-    assert bool(found) == flagged
-    if flagged:
-        assert "rank 2 differ" in found[0].evidence[1]
+    assert bool(found) == (odd is not None)
+    if found:
+        assert found[0].ranks == list(range(len(norms)))
+        assert f"rank {odd} differ" in found[0].evidence[1]
+
+
+@pytest.mark.parametrize("norm", [None, 2.5])
+def test_nothing_found_says_clipped_by_one_norm_only_of_a_run_that_clipped(tmp_path, norm):
+    """The line after "nothing found" lists what the facts let the doctor compare: the
+    agreement of the gradient norms is claimed only where the ranks noted one."""
+    facts = {"steps": [{"step": 0, "param_dtypes": ["float32"], "grad_norm": norm}]}
+    d = write(tmp_path, [dump(r, alike(), facts=facts) for r in range(WORLD)])
+    out = "\n".join(cli_doctor.text(doctor.diagnose(d)))
+    assert "nothing found" in out and "stepped fp32 weights" in out
+    assert ("clipped by one gradient norm" in out) == (norm is not None)
 
 
 def test_a_weight_that_differs_anywhere_is_named(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import fault_tasks as T
 from minishard import doctor
 from minishard.cli import main
-from minishard.config import ConfigError, TrainConfig
+from minishard.config import ConfigError, TrainConfig, check_fault_rank
 from minishard.model import GPT, config as model_config
 from minishard.playback import fmt_bytes
 
@@ -167,11 +167,26 @@ def test_a_skipped_collective_on_rank_1_of_4_under_torchrun_ends_in_its_timeout(
     (dict(fault="unsynced-init", strategy="single"), "needs ranks that disagree"),
     (dict(fault="reorder", strategy="fsdp", fault_rank=-1), "fault_rank=-1: must be a rank"),
     (dict(fault_rank=2), "fault_rank=2 is the rank a fault is planted on: set fault, or drop it"),
+    (dict(save_background=True), "save_background=True needs save_to"),
+    (dict(save_every=2), "save_every=2 needs save_to"),
 ])
 def test_a_fault_a_strategy_cannot_have_is_refused_by_name(knobs, says):
     with pytest.raises(ConfigError) as e:
         TrainConfig(**knobs)
     assert says in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("rank, world, refused", [(1, 2, False), (2, 2, True), (3, 4, False), (4, 4, True)])
+def test_a_fault_rank_is_checked_against_the_world_the_run_meets(rank, world, refused):
+    """TrainConfig cannot know the world's size; train() checks it first on every rank: a
+    fault on rank ``world_size`` would land on no rank and the run would find nothing."""
+    config = TrainConfig(strategy="fsdp", fault="reorder", fault_rank=rank)
+    if not refused:
+        check_fault_rank(config, world)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_fault_rank(config, world)
+    assert f"fault_rank={rank}: no such rank in a world of {world}" in str(e.value)
 
 
 def test_the_command_line_names_the_fault_flags(capsys):

@@ -44,6 +44,12 @@ def test_a_block_round_trips_within_half_its_scale(bits):
     quantized.pack(zeros, scheme, buf)
     quantized.unpack(buf, 300, scheme, y := torch.empty(300))
     assert torch.equal(y, zeros)
+    # on the wire: scale 1 and the code of 0 — an all-zero block never divides 0 by a zero scale
+    # (NaN, which a CPU happens to cast to the code of 0 and other hardware need not)
+    blocks = math.ceil(300 / 256)
+    assert torch.equal(buf[:4 * blocks].view(torch.float32), torch.ones(blocks))
+    zero_code = 0 if bits == 8 else 0x88
+    assert set(buf[4 * blocks:4 * blocks + math.ceil(300 * bits / 8)].tolist()) == {zero_code}
 
 
 def test_int4_is_two_elements_a_byte_with_fifteen_levels():
