@@ -118,3 +118,24 @@ def test_frozen_weights_stay_bitwise_unchanged_under_adamw_weight_decay(pools):
     for s, out in runs.items():
         moved = [n for n in start if not torch.equal(out["params"][n], start[n])]
         assert not moved, f"{s}: frozen weights changed: {moved}"
+
+
+def test_one_tensor_left_behind_fails_parity_that_the_whole_model_would_pass():
+    """The measure itself (``minishard.parity.drift``): each tensor is judged against its own
+    movement, so one tensor that never trained — a bucket skipped — fails ``within`` although
+    the whole model, dominated by its large tensors, is close; a frozen model scores 1.0."""
+    from minishard.model import GPT
+    from minishard.parity import drift, params_of
+    init = params_of(GPT("nano", seed=0))
+    g = torch.Generator().manual_seed(1)
+    ref = {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in init.items()}
+    small = min(ref, key=lambda n: ref[n].numel())                   # a norm's weight
+    ours = dict(ref, **{small: init[small]})                          # its update lost
+    d = drift(ours, ref, init)
+    share = (ref[small].numel() / sum(t.numel() for t in ref.values())) ** 0.5
+    assert d.worst_tensor == small and abs(d.worst - 1.0) < 1e-3      # it did not move at all
+    tol = 2 * share                  # the whole model sees it as its share of the elements
+    assert d.overall < tol and not d.within(tol)
+    assert drift(ref, ref, init).within(0.0)                          # identical: 0
+    frozen = drift(init, ref, init)
+    assert abs(frozen.overall - 1.0) < 1e-6 and not frozen.within(0.5)
