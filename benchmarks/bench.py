@@ -31,8 +31,8 @@ import os
 import time
 
 from minishard.course.ch10 import measure_compute
-from minishard.launch import Ranks
-from minishard.train import TrainConfig, train
+from minishard.core.launch import Ranks
+from minishard.training.loop import TrainConfig, train
 
 # (label, train kwargs, baseline label to compare against, run by default?)
 CONTENDERS = [

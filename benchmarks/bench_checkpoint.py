@@ -90,9 +90,9 @@ def setup(rank, root: str, state: str, refs: bool = True) -> int:
     ``ensure_optimizer_state``, which ``describe`` calls; DCP's ``get_state_dict``, which steps
     once with zero gradients) — the bytes are the same, and no all-gather runs."""
     from minishard import checkpoint
-    from minishard.comm import Comm
-    from minishard.model import GPT, config
-    from minishard.train import TrainConfig, build
+    from minishard.core.comm import Comm
+    from minishard.core.model import GPT, config
+    from minishard.training.loop import TrainConfig, build
     _HELD.clear()
     cfg = config("tiny", **STATES[state])
     comm = Comm(rank.tracer)
@@ -338,7 +338,7 @@ def main() -> None:
                          "DCP async_save)")
     args = ap.parse_args()
     import bench_checkpoint as me                     # rank processes import the tasks by name
-    from minishard.launch import Ranks
+    from minishard.core.launch import Ranks
     started = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     print(f"# checkpoint benchmark, {time.strftime('%Y-%m-%d %H:%M')}, "

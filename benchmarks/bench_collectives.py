@@ -21,8 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from minishard.comm import Comm
-from minishard.launch import Ranks
+from minishard.core.comm import Comm
+from minishard.core.launch import Ranks
 
 
 def _all_to_all_and_sum(out, send, N):

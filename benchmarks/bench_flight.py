@@ -2,12 +2,12 @@
 
     python benchmarks/bench_flight.py
 
-Every collective minishard's ``Comm`` issues enters the recorder (``minishard/flight.py``): a
+Every collective minishard's ``Comm`` issues enters the recorder (``minishard/core/flight.py``): a
 dict, a walk up the stack to the issuing and the calling line, a lock. This measures that cost
 per collective (the same all-reduce of a 1,000-element tensor with and without the recorder's
 two calls, from 20 frames deep, as a training step calls it), then multiplies it by each
 strategy's collectives per step and divides by its step time on 2 ranks of the tiny GPT. The
-doctor's facts (``minishard/health.py``) cost a few microseconds a step for fp32 weights and a
+doctor's facts (``minishard/instruments/health.py``) cost a few microseconds a step for fp32 weights and a
 fingerprint of the weights once at the start: measured beside it.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from minishard.comm import Comm
-from minishard.launch import Ranks
-from minishard.train import TrainConfig, train
+from minishard.core.comm import Comm
+from minishard.core.launch import Ranks
+from minishard.training.loop import TrainConfig, train
 
 CALLS = 20_000
 
@@ -42,11 +42,11 @@ def per_call(recorded: bool) -> float:
 
 
 def facts_cost() -> tuple[float, float]:
-    """The doctor's facts (``minishard/health.py``): seconds per step for the notes around an
+    """The doctor's facts (``minishard/instruments/health.py``): seconds per step for the notes around an
     fp32 optimizer step (which dtypes it steps; no copy), and once at the start for the
     fingerprints of the tiny GPT's weights."""
-    from minishard import health
-    from minishard.model import GPT
+    from minishard.instruments import health
+    from minishard.core.model import GPT
     net = GPT("tiny")
     opt = torch.optim.AdamW(net.parameters())
     t0 = time.perf_counter()

@@ -21,11 +21,11 @@ from __future__ import annotations
 import os
 import statistics
 
-from minishard.costmodel import Cluster, Device, Link, plan, train_flops_per_token
+from minishard.planner.costmodel import Cluster, Device, Link, plan, train_flops_per_token
 from minishard.course.ch10 import measure_all_reduce, measure_compute
-from minishard.launch import Ranks
-from minishard.model import config
-from minishard.train import TrainConfig, train
+from minishard.core.launch import Ranks
+from minishard.core.model import config
+from minishard.training.loop import TrainConfig, train
 
 CORES = os.cpu_count() or 1
 STEPS, WARMUP = 10, 3      # CPU step times settle only after a few steps

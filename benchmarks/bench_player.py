@@ -22,13 +22,13 @@ import random
 import statistics
 import time
 
-from minishard import trace
+from minishard.core import trace
 from minishard.viz import Player
 
 
 def synthetic_ddp_trace(world_size: int = 4, target_events: int = 10_000, seed: int = 0,
                         n_params: int = 40, n_acts: int = 100, n_buckets: int = 4) -> list[dict]:
-    """Events as ``minishard.train`` would record them for DDP, with jittered timings."""
+    """Events as ``minishard.training.loop`` would record them for DDP, with jittered timings."""
     rng = random.Random(seed)
     per_step = 2 * n_acts + n_buckets + 8               # allocs, frees, collectives, phase edges
     steps = max(1, (target_events // world_size - 2 * n_params) // per_step)
@@ -124,7 +124,7 @@ def offline(events: list[dict], jumps: int) -> None:
     import tempfile
     from pathlib import Path
 
-    from minishard import offline_player
+    from minishard.viewers import offline_player
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from headless import chromium, missing
 

@@ -83,7 +83,7 @@ def contenders() -> list[tuple[str, dict, str | None]]:
 # ------------------------------------------------------------------ the formulas
 def shapes(overrides: dict) -> dict:
     """The GPT's parameter shapes (model order), split into the root unit and the blocks."""
-    from minishard.model import GPT, config
+    from minishard.core.model import GPT, config
     net = GPT(config("tiny", **overrides), device="meta")
     blocks = [[tuple(p.shape) for p in b.parameters()] for b in net.blocks]
     in_blocks = {id(p) for b in net.blocks for p in b.parameters()}
@@ -112,9 +112,9 @@ def zero_partition(all_shapes: list[tuple], n: int) -> list[int]:
 
 def formula(strategy: str, overrides: dict, n: int, rank: int = 0) -> tuple[int, str]:
     """Bytes rank ``rank`` sends per fp32 step under ``strategy`` on ``n`` gloo ranks, and the
-    formula in words. Ring collectives (minishard.comm.ring_wire_bytes): all-reduce 2(N-1)/N·S,
+    formula in words. Ring collectives (minishard.core.comm.ring_wire_bytes): all-reduce 2(N-1)/N·S,
     all-gather and reduce-scatter (N-1)/N·S; broadcast a binomial tree."""
-    from minishard.comm import ring_wire_bytes as wire
+    from minishard.core.comm import ring_wire_bytes as wire
     sh = shapes(overrides)
     psi = sum(_numel(s) for s in sh["all"])
     if strategy in ("ddp", "torch_ddp"):
@@ -226,7 +226,7 @@ def fits(data: dict) -> dict:
 def sweep(ranks, models: list[str], sizes: dict, conts: list, rounds: int, steps: int,
           warmup: int, micro_batch: int, bucket_cap_mb: float) -> list[dict]:
     """Every contender on every model of ``models`` in one pool, interleaved round by round."""
-    from minishard.train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     acc = {(label, m): {"times": [], "sent": [], "wire": []} for m in models for label, _, _ in conts}
     for _ in range(rounds):
         for m in models:
@@ -255,9 +255,9 @@ def checkpoint_rounds(rank, overrides: dict, path: str, rounds: int) -> dict:
     save it with ``minishard.checkpoint.save`` and load it back with ``load``, each timed from
     an agreed start to its return; the bytes are what the checkpoint holds on disk."""
     from minishard import checkpoint
-    from minishard.comm import Comm
-    from minishard.model import GPT, config
-    from minishard.train import TrainConfig, build
+    from minishard.core.comm import Comm
+    from minishard.core.model import GPT, config
+    from minishard.training.loop import TrainConfig, build
     rank.tracer.enabled = False
     comm = Comm(rank.tracer)
     built = build(GPT(config("tiny", **overrides), seed=0),
@@ -349,8 +349,8 @@ def print_checkpoints(rows: list[dict]) -> None:
 
 # ------------------------------------------------------------------ the run
 def run(args) -> dict:
-    from minishard.launch import Ranks
-    from minishard.model import GPT, config
+    from minishard.core.launch import Ranks
+    from minishard.core.model import GPT, config
     import torch
     sizes = QUICK_SIZES if args.quick else SIZES
     conts = contenders()

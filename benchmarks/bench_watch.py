@@ -220,7 +220,7 @@ def main() -> None:
         ap.error(f"--steps ({steps}) must exceed --warmup ({warmup}): no step would be timed")
     import minishard
     import torch
-    from minishard.launch import Ranks
+    from minishard.core.launch import Ranks
     started, cores = time.perf_counter(), os.cpu_count() or 1
     order = " ".join("ABC"[arms.index(a)] for a in arms + arms[::-1])
     legend = ", ".join(f"{'ABC'[i]}: watch {ARMS[a]}" for i, a in enumerate(arms))

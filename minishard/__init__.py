@@ -6,20 +6,20 @@ follow PyTorch's where PyTorch has one (``fully_shard``, ``MixedPrecisionPolicy`
     from minishard import DDP, ZeroOptimizer, fully_shard, checkpoint, train, TrainConfig
 """
 from . import checkpoint, strategies
-from .comm import Comm, ring_wire_bytes
-from .config import TrainConfig
-from .ddp import DDP, NaiveDDP
-from .fsdp import MixedPrecisionPolicy, fully_shard
-from .launch import RankContext, RankError, Ranks, release_captured_groups, run
-from .analytic import conventions, count_params, estimate, gpt_activation_bytes
-from .ledger import LiveLedger
-from .model import CONFIGS, GPT, GPTConfig, batch
-from .model import config as model_config
-from .parity import drift
-from .trace import Tracer, TraceFormatError
-from .watching import watch
-from .train import train, train_step
-from .zero import ZeroOptimizer
+from .core.comm import Comm, ring_wire_bytes
+from .training.config import TrainConfig
+from .strategies.ddp import DDP, NaiveDDP
+from .strategies.fsdp import MixedPrecisionPolicy, fully_shard
+from .core.launch import RankContext, RankError, Ranks, release_captured_groups, run
+from .planner.analytic import conventions, count_params, estimate, gpt_activation_bytes
+from .core.ledger import LiveLedger
+from .core.model import CONFIGS, GPT, GPTConfig, batch
+from .core.model import config as model_config
+from .training.parity import drift
+from .core.trace import Tracer, TraceFormatError
+from .instruments.watching import watch
+from .training.loop import train, train_step
+from .strategies.zero import ZeroOptimizer
 
 # A process group that torch's own modules captured as a default argument outlives
 # destroy_process_group, and its threads can abort the process at exit; whoever made the group,
@@ -27,7 +27,7 @@ from .zero import ZeroOptimizer
 # that the first optimizer's import of torch._dynamo captures nothing): see launch.init_group.
 release_captured_groups()
 
-# ``minishard.config`` is the module of TrainConfig (``minishard/config.py``); a model's config is
+# ``minishard.training.config`` is the module of TrainConfig (``minishard/training/config.py``); a model's config is
 # ``minishard.model_config("nano")``. (It was ``minishard.config("nano")``, which hid the module:
 # calling the module now says so.)
 __version__ = "0.1.0"

@@ -58,7 +58,7 @@ from IPython.display import display
 from minishard import RankError, Ranks
 from minishard.course.ch00 import fail_on_rank, hello
 from minishard.course.glue import glue
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import Player, static_player_figure, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"   # small files; renders offline in Lab

@@ -53,7 +53,7 @@ from IPython.display import display
 
 from minishard import GPT, Ranks, conventions, estimate, gpt_activation_bytes, model_config
 from minishard.course.glue import glue
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import LedgerCalculator, ledger_bars
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -95,7 +95,7 @@ fig.show()
 # %% [markdown]
 # The weights alone cross nothing; the gradients and the fp32 master copy bring the total to about
 # 64 GB, and Adam's first moment carries it past the device at the fourth bar. 16 bytes is the
-# usual figure, not the only one: [`conventions()`](../minishard/ledger.py) lists the settings
+# usual figure, not the only one: [`conventions()`](../minishard/core/ledger.py) lists the settings
 # behind the others people quote, each with its source (more in
 # [docs/reference-figures.md](../docs/reference-figures.md)). Note that 16 stands for three
 # different settings, and that 18 and 20 are both Megatron-Core's: fp32 gradients in place of

@@ -58,8 +58,8 @@ from IPython.display import display
 
 from minishard import GPT, Ranks
 from minishard.course.glue import glue
-from minishard.parity import bitwise_equal, drift, params_of, max_diff
-from minishard.train import TrainConfig, train
+from minishard.training.parity import bitwise_equal, drift, params_of, max_diff
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import Player, ring_figure, ring_schedule, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -107,7 +107,7 @@ assert run[0]["losses"] != run[1]["losses"]               # ... although each sa
 
 # %% [markdown]
 # ## 2. Naive DDP against bucketed DDP
-# The naive version (`NaiveDDP` in [`minishard/ddp.py`](../minishard/ddp.py)) waits for backward
+# The naive version (`NaiveDDP` in [`minishard/strategies/ddp.py`](../minishard/strategies/ddp.py)) waits for backward
 # to finish and then all-reduces every gradient tensor, one collective each. The real one keeps
 # gradients in a few flat *buckets* and starts each bucket's all-reduce, asynchronously, the
 # moment backward has produced its last gradient. Same bytes, far fewer messages:
@@ -296,7 +296,7 @@ assert adamw.within(1e-3)
 # DDP bug: summing the same numbers in a different order changes the last bits, and Adam divides
 # by $\sqrt{v}$, which amplifies those bits wherever a gradient is nearly zero — an element can
 # land up to about one learning rate away. So the check compares each tensor with how far
-# training moved it (`minishard.parity.drift`): a model that did not train is off by 100% of
+# training moved it (`minishard.training.parity.drift`): a model that did not train is off by 100% of
 # that; summation order stays well below the 0.1% the check allows. With plain SGD, whose update
 # is linear in the gradient, the noise stays the size of the gradients' own rounding — measured
 # over the whole model, at least ten times smaller than AdamW's:

@@ -59,8 +59,8 @@ from IPython.display import display
 
 from minishard import GPT, Ranks, estimate
 from minishard.course.glue import glue
-from minishard.parity import bitwise_equal, drift, params_of, max_diff
-from minishard.train import TrainConfig, train
+from minishard.training.parity import bitwise_equal, drift, params_of, max_diff
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import Player, replay_html, ring_schedule
 from minishard.viz.figures import category_order, color
 

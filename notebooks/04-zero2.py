@@ -54,9 +54,9 @@ from IPython.display import display
 
 from minishard import GPT, Ranks, batch, estimate, model_config
 from minishard.course.glue import glue
-from minishard.ddp import named_buckets
-from minishard.parity import drift, params_of
-from minishard.train import TrainConfig, train
+from minishard.strategies.ddp import named_buckets
+from minishard.training.parity import drift, params_of
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import Player, ledger_bars, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"

@@ -67,7 +67,7 @@ from IPython.display import display
 from minishard import GPT, Ranks, estimate, model_config
 from minishard.course.ch05 import race, unit_states_at, unsharded_series, with_unit_states
 from minishard.course.glue import glue
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import Player, timeline_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -464,7 +464,7 @@ assert fits == {"ddp": False, "zero1": True, "zero2": True, "zero3": True}
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.costmodel import DEVICES, LINKS, Cluster, plan
+from minishard.planner.costmodel import DEVICES, LINKS, Cluster, plan
 
 measured = {"state ratio, zero3 / ddp (§1)": sum(runs["fsdp"][0]["ledger"]["final"].values())
             / sum(runs["ddp"][0]["ledger"]["final"].values()),
@@ -538,7 +538,7 @@ assert measured["bytes ratio, textbook (§3)"] == 1.5 and measured["bytes ratio,
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard import quantized
+from minishard.core import quantized
 
 one = dict(strategy="fsdp", model="nano", micro_batch=2, steps=1, track_activations=False)
 WIRE = {"fp32": dict(), "bf16 (bf16_mixed)": dict(precision="bf16_mixed"),
@@ -573,7 +573,7 @@ for case, bytes_of in [("fp32", lambda n: 4 * n), ("bf16 (bf16_mixed)", lambda n
 # eighth of fp32's — "a little over" is the scales, 4 bytes per 256 elements. What does the
 # rounding cost? The same 20 AdamW steps, unquantized and quantized four ways — the loss at every
 # step, and how far each run's model has drifted from the unquantized one, relative to how far
-# training moved it (`minishard.parity.drift`: 0 is the same model, 1 a drift as large as the
+# training moved it (`minishard.training.parity.drift`: 0 is the same model, 1 a drift as large as the
 # whole training):
 #
 # <details><summary>中文</summary>
@@ -581,12 +581,12 @@ for case, bytes_of in [("fp32", lambda n: 4 * n), ("bf16 (bf16_mixed)", lambda n
 # int8 的字节数略多于 fp32 的四分之一、bf16 的一半；int4 略多于 fp32 的八分之一——"略多"的是 scale，
 # 每 256 个元素 4 字节。取整的代价是什么？同样 20 步 AdamW，不量化和四种量化方式各跑一遍——每一步的
 # loss，以及每个 run 的模型相对不量化的那个漂移了多远，以训练本身把模型移动的距离为单位
-# （`minishard.parity.drift`：0 是同一个模型，1 是与整个训练一样大的漂移）：
+# （`minishard.training.parity.drift`：0 是同一个模型，1 是与整个训练一样大的漂移）：
 #
 # </details>
 
 # %%
-from minishard.parity import drift, params_of
+from minishard.training.parity import drift, params_of
 
 RUNS = {"unquantized": dict(), "int8 weights (qwZ)": dict(quantized_weights=8),
         "int8 gradients (qgZ)": dict(quantized_gradients=8),

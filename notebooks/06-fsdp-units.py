@@ -70,8 +70,8 @@ from minishard.course.ch05 import race, with_unit_states
 from minishard.course.ch06 import (layout_views, lifecycle_by_hand, lifecycle_order, mixed_dtypes,
                                    padding_table, unit_state_figure)
 from minishard.course.glue import glue
-from minishard.parity import bitwise_equal, drift, params_of
-from minishard.train import TrainConfig, train, wrap_targets
+from minishard.training.parity import bitwise_equal, drift, params_of
+from minishard.training.loop import TrainConfig, train, wrap_targets
 from minishard.viz import Player
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -136,7 +136,7 @@ assert all(h["matches_hooks"] for h in hand)   # bit for bit the step the hooks 
 #
 # ## 2. The same lifecycle, driven by hooks
 # Without `manual=True`, `fully_shard` registers the hooks that make these calls (all in one
-# place: `register_hooks` in [`minishard/fsdp/hooks.py`](../minishard/fsdp/hooks.py)): a forward pre-hook
+# place: `register_hooks` in [`minishard/strategies/fsdp/hooks.py`](../minishard/strategies/fsdp/hooks.py)): a forward pre-hook
 # unshards, a forward hook reshards, a hook on the unit's outputs unshards again when backward
 # reaches them, and an autograd node on the unit's inputs reduce-scatters when its backward is
 # done. Two steps of the nano model, the player following; the table under it shows each unit's
@@ -442,7 +442,7 @@ assert keep[0]["ledger"]["peak"] > sweep["block"][0]["ledger"]["peak"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.trace import LedgerTimeline
+from minishard.core.trace import LedgerTimeline
 
 
 def accumulation_run(strategy, mode):

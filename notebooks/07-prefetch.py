@@ -64,12 +64,12 @@ import plotly.io as pio
 from IPython.display import display
 
 from minishard import GPT, Ranks, model_config
-from minishard.launch import RankError
-from minishard.analytic import gpt_activation_bytes
+from minishard.core.launch import RankError
+from minishard.planner.analytic import gpt_activation_bytes
 from minishard.course.ch07 import (gather_waits, gathered_peaks, prefetch_race,
                                         prefetch_timeline, who_is_gathered)
 from minishard.course.glue import glue
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import Player
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"

@@ -68,11 +68,11 @@ import tempfile
 from pathlib import Path
 
 from minishard import GPT, Ranks
-from minishard.costmodel import DEVICES, LINKS, Cluster, plan
-from minishard.launch import RankError
+from minishard.planner.costmodel import DEVICES, LINKS, Cluster, plan
+from minishard.core.launch import RankError
 from minishard.course.ch08 import disk_tier_files, transfer_table
 from minishard.course.glue import glue
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 
 TINY = GPT("tiny", device="meta")
 PSI = TINY.num_params()
@@ -263,7 +263,7 @@ for name, out in [("no offload", plain), ("host", host), ("disk", disk)]:
 
 # %% [markdown]
 # **Modelled for a GPU.** On a GPU server the same bytes cross PCIe. The planner's link figures
-# (`minishard.costmodel.LINKS`) give 25 GB/s for PCIe 4.0 x16 and 50 GB/s for PCIe 5.0 x16 per
+# (`minishard.planner.costmodel.LINKS`) give 25 GB/s for PCIe 4.0 x16 and 50 GB/s for PCIe 5.0 x16 per
 # direction (practical rates; the specifications' raw rates are 32 and 64 GB/s). For comparison,
 # reading the same bytes from the GPU's own memory: 3.35 TB/s for an H100 SXM's HBM3 and
 # 4.8 TB/s for an H200's HBM3e (NVIDIA's H100 and H200 datasheets; `costmodel.DEVICES` carries

@@ -73,12 +73,12 @@ import plotly.io as pio
 import torch
 
 from minishard import GPT, Ranks, checkpoint
-from minishard.comm import Comm
+from minishard.core.comm import Comm
 from minishard.course.ch09 import resume_and_compare
 from minishard.course.glue import glue
-from minishard.model import config
-from minishard.parity import bitwise_equal, drift, params_of
-from minishard.train import TrainConfig, train
+from minishard.core.model import config
+from minishard.training.parity import bitwise_equal, drift, params_of
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import reshard_figure
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"

@@ -65,13 +65,13 @@ import plotly.io as pio
 import torch
 
 from minishard import GPT, Ranks
-from minishard.costmodel import DEVICES, LINKS, Cluster, plan
-from minishard.analytic import gpt_activation_bytes
+from minishard.planner.costmodel import DEVICES, LINKS, Cluster, plan
+from minishard.planner.analytic import gpt_activation_bytes
 from minishard.course.ch10 import percentile, phase_seconds, profile, straggler, under_budget
-from minishard.model import config
+from minishard.core.model import config
 from minishard.course.ch10 import compare_with_fsdp
 from minishard.course.glue import glue
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import PlannerWidget
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
@@ -87,7 +87,7 @@ R2 = Ranks(2)                                        # one warm pool for the cha
 # %% [markdown]
 # ## 1. The decision framework, on real cluster shapes
 # The [`PlannerWidget`](../minishard/viz/planner.py) draws what
-# [`minishard.costmodel.plan`](../minishard/costmodel.py) says for all four strategies at once:
+# [`minishard.planner.costmodel.plan`](../minishard/planner/costmodel.py) says for all four strategies at once:
 # the memory of one GPU by ledger category against the device (left), and one step split into
 # compute and the communication compute cannot hide (right). The selected strategy gets a
 # verdict and "what would you change?" hints. Its memory terms are the live ledger's formulas;
@@ -217,7 +217,7 @@ assert [s for s, p in p70.items() if p.fits] == ["fsdp"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minishard.deepspeed_estimator import deepspeed_estimate
+from minishard.planner.deepspeed_estimator import deepspeed_estimate
 
 published = {   # DeepSpeed docs, "Memory Requirements": (per CPU GB, per GPU GB), GB = 2**30 bytes
     (2, "offload_optimizer=cpu"): (127.45, 5.31), (2, "offload_optimizer=none"): (127.45, 15.93),
@@ -465,7 +465,7 @@ assert topo["ethernet-100g"][1].tokens_per_s_per_rank > 2 * topo["ethernet-100g"
 # int form; ZeRO++ calls the idea hpZ). After forward each unit keeps not its 1/N shard alone but
 # 1/k of its full parameters — its part of an all-gather over k consecutive ranks — and backward
 # gathers over those k. Four real ranks here, read as two nodes of two; every byte each rank sent
-# is sorted by the link it takes on the ring (`minishard.links`), and the memory is the ledger's
+# is sorted by the link it takes on the ring (`minishard.planner.links`), and the memory is the ledger's
 # gathered parameters when forward ends:
 
 # %%
@@ -474,7 +474,7 @@ from collections import Counter
 
 from minishard.course.ch06 import unit_state_figure
 from minishard.course.ch10 import held_after_forward
-from minishard.links import link_bytes
+from minishard.planner.links import link_bytes
 
 RAF = dict(strategy="fsdp", model="nano", micro_batch=2, steps=2)
 raf = {}

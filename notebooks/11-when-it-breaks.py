@@ -69,11 +69,12 @@ from pathlib import Path
 
 import torch
 
-from minishard import GPT, Ranks, doctor
+from minishard import GPT, Ranks
+from minishard.instruments import doctor
 from minishard.cli import main as minishard_cli
 from minishard.course.ch11 import broken, doctor_text, outcome, stable, summary, verdict
 from minishard.course.glue import glue
-from minishard.playback import fmt_bytes
+from minishard.viewers.playback import fmt_bytes
 
 RUNS = Path(tempfile.mkdtemp(prefix="ch11-"))      # each run leaves its flight dumps and traces here
 NANO = GPT("nano", device="meta").num_params()
@@ -97,8 +98,8 @@ print(f"nano GPT: Ψ = {NANO:,} parameters; 4 ranks, 2 steps of 2 sequences per 
 
 # %% [markdown]
 # ## 1. The flight recorder, and a run with nothing to find
-# Every collective minishard issues goes through its communicator (`minishard/comm.py`), which
-# enters it in the rank's **flight recorder** (`minishard/flight.py`): a ring of the last 256
+# Every collective minishard issues goes through its communicator (`minishard/core/comm.py`), which
+# enters it in the rank's **flight recorder** (`minishard/core/flight.py`): a ring of the last 256
 # collectives — per group a sequence number `seq`, the op, the shapes and dtypes, the bytes,
 # what it moves (the unit or bucket), the step and phase, the line that issued it, and whether
 # it completed. `TrainConfig(flight_dir=DIR)` writes it as `flight_rank{r}.json` at the end of

@@ -22,7 +22,7 @@ What it writes (``site/`` by default, git-ignored):
   stylesheet (``CHEATSHEET_PRINT``): each prints on one page, A4 or Letter; printed, no page
   shows the navigation bar.
 * ``index.html`` — the course's table of contents (``tutorial/README.md``) plus every page.
-* the source files the pages link to (``minishard/ledger.py``, ``scripts/…``), copied as text.
+* the source files the pages link to (``minishard/core/ledger.py``, ``scripts/…``), copied as text.
 
 A measured number in a chapter is a link that names a figure its notebook recorded
 (``[2.53×](../notebooks/05-zero3.ipynb#nano-cpu-ratio)``, ``minishard.course.glue``): the page
@@ -57,7 +57,7 @@ figures = cache(_figures)
 FIGURE_LINK = re.compile(r"\[((?:[^\[\]\n]|\[[^\[\]\n]*\])*)\]\((?:\.\./)*notebooks/([0-9][0-9]-[\w-]+)\.ipynb#([^)\s]+)\)")
 MARKER = ".minishard-site"                    # a directory we may wipe and rebuild
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
-REPLAY_JS = "minishard-replay.js"             # the offline player's script (minishard/offline_player.js)
+REPLAY_JS = "minishard-replay.js"             # the offline player's script (minishard/viewers/offline_player.js)
 REPLAY_LIB = re.compile(r"<script data-minishard-replay-lib=\"\d+\">.*?</script>", re.S)
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 MATHJAX_CONFIG = """<script type="text/x-mathjax-config">
@@ -190,7 +190,7 @@ def vendor(out: Path) -> None:
     dst = out / "vendor"
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", dst / "plotly.min.js")
-    shutil.copy(ROOT / "minishard" / "offline_player.js", dst / REPLAY_JS)
+    shutil.copy(ROOT / "minishard" / "viewers" / "offline_player.js", dst / REPLAY_JS)
     try:
         import jupyter_server_mathjax
     except ImportError:

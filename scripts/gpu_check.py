@@ -24,9 +24,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minishard.launch import RankContext, init_group
-from minishard.trace import Tracer
-from minishard.train import TrainConfig, train
+from minishard.core.launch import RankContext, init_group
+from minishard.core.trace import Tracer
+from minishard.training.loop import TrainConfig, train
 
 GB = 1e9
 
@@ -50,7 +50,7 @@ def watch_fsdp2(device: torch.device, cuda: bool, steps: int) -> list[tuple[str,
     """PyTorch's FSDP2 (each block, then the root; AdamW) watched on this one rank: at every
     phase edge of the last step, the watch's ledger against the allocator's count."""
     import minishard
-    from minishard.trace import Replay
+    from minishard.core.trace import Replay
     from torch.distributed.fsdp import fully_shard
     size = "tiny" if cuda else "nano"
     net = minishard.GPT(size).to(device)

@@ -8,9 +8,9 @@ import time
 import torch
 
 from minishard import checkpoint
-from minishard.comm import Comm
-from minishard.model import GPT, batch, config
-from minishard.train import TrainConfig, build, train, train_step
+from minishard.core.comm import Comm
+from minishard.core.model import GPT, batch, config
+from minishard.training.loop import TrainConfig, build, train, train_step
 
 MODEL = "nano"
 MICRO_BATCH = 2
@@ -212,7 +212,7 @@ def refusals(rank) -> dict:
 def save_with_replicated_norms(rank, path: str, layout: str) -> dict:
     """FSDP with every norm kept whole on every rank (``replicate_params``), 2 AdamW steps, saved
     to ``path``; returns what this rank holds."""
-    from minishard import fsdp
+    from minishard.strategies import fsdp
     from minishard.strategies import Built, get
     cfg = config(MODEL)
     comm = Comm(rank.tracer)

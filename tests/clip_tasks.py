@@ -1,9 +1,9 @@
 """Rank tasks of the clipping tests: what each rank's gradient norm is, and what a clip does."""
 import torch
 
-from minishard.comm import Comm
-from minishard.model import GPT, batch, config
-from minishard.train import TrainConfig, build
+from minishard.core.comm import Comm
+from minishard.core.model import GPT, batch, config
+from minishard.training.loop import TrainConfig, build
 
 MB = 2
 
@@ -50,7 +50,7 @@ def torch_clip(rank, strategies: list) -> dict:
 def fsdp_with_whole_norms(rank, max_norm: float) -> float:
     """``fsdp.clip_grad_norm_`` on a nano GPT whose LayerNorms every rank keeps whole
     (``replicate_params``): the norm it reports after one backward on step 0's batch."""
-    from minishard import fsdp
+    from minishard.strategies import fsdp
     cfg = config("nano")
     comm = Comm(rank.tracer)
     net = GPT(cfg, seed=0)

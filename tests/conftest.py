@@ -1,12 +1,12 @@
 """Shared fixtures: warm rank pools, one per world size, kept for the whole test session.
 
-Starting ranks costs seconds; a pool (``minishard.launch.Ranks``) starts once and runs every
+Starting ranks costs seconds; a pool (``minishard.core.launch.Ranks``) starts once and runs every
 scenario of every test for its world size. A test that breaks its pool on purpose (a failing
 rank) uses its own pool, never these.
 """
 import pytest
 
-from minishard.launch import Pools
+from minishard.core.launch import Pools
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from minishard.comm import Comm
-from minishard.flight import FlightRecorder, dumping
+from minishard.core.comm import Comm
+from minishard.core.flight import FlightRecorder, dumping
 
 SIZES = (4, 8)       # two all-reduces' numels: small, so that gloo answers in milliseconds
 WAIT_S = 2.0         # how long a rank waits for a collective before it calls it a hang

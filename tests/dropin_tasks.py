@@ -8,8 +8,8 @@ import os
 import torch
 
 from minishard import checkpoint
-from minishard.comm import Comm
-from minishard.model import GPT, batch, config
+from minishard.core.comm import Comm
+from minishard.core.model import GPT, batch, config
 
 MODEL, MICRO_BATCH = "nano", 2
 KINDS = ("wrapper", "plain")                 # minishard's optimizer wrapper, or a torch optimizer
@@ -31,7 +31,8 @@ def optimizer_class(optimizer: str):
 
 def setup(rank, strategy: str, kind: str, precision: str, optimizer: str, seed: int):
     """(model to call, optimizer to step, the torch optimizer a scheduler drives, comm)."""
-    from minishard import DDP, ZeroOptimizer, fsdp
+    from minishard import DDP, ZeroOptimizer
+    from minishard.strategies import fsdp
     from minishard.strategies import MasterWeights
     comm = Comm(rank.tracer)
     net = GPT(config(MODEL), seed=seed)
@@ -82,7 +83,7 @@ def step(rank, model, opt, sched, k: int) -> None:
 def full_params(model, strategy: str) -> dict[str, torch.Tensor]:
     """The model every rank trains, whole: FSDP's gathered fp32 shards (the masters), the
     others' replicas (bf16 working copies where an fp32 master is saved)."""
-    from minishard import fsdp
+    from minishard.strategies import fsdp
     net = getattr(model, "module", model)
     if strategy.startswith(("fsdp", "hsdp")):
         return fsdp.full_parameters(net, torch.float32)

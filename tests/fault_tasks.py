@@ -1,7 +1,7 @@
 """Rank tasks for tests/test_faults.py: the course's GPT trained with one fault planted
-(``TrainConfig(fault=...)``, ``minishard.faults``), each rank leaving its flight dump and its
+(``TrainConfig(fault=...)``, ``minishard.training.faults``), each rank leaving its flight dump and its
 trace in a directory for the doctor."""
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 
 SMALL = dict(model="nano", steps=2, micro_batch=2)
 

@@ -22,7 +22,7 @@ WHERE = re.compile(r"seq (\d+) of group '([^']+)'")
 
 def entry(seq, op="all_reduce", numel=8, group=WORLD_GROUP, size=4, state="completed", tag="grads",
           step=0, dtype="float32", where="train.py:10 in step", **extra) -> dict:
-    """One collective as minishard's recorder enters it (``minishard/flight.py``)."""
+    """One collective as minishard's recorder enters it (``minishard/core/flight.py``)."""
     return {"seq": seq, "op": op, "group": group, "group_size": size, "shapes": [[numel]],
             "dtypes": [dtype], "bytes": 4 * numel, "tag": tag, "step": step, "phase": "backward",
             "state": state, "where": where, "caller": "", "t_issued": 0.0, "t_completed": None, **extra}
@@ -159,7 +159,7 @@ def never_issued_by(played: Played, rank: int, program: list[Collective]) -> set
 def found(directory) -> list[tuple[str, list[int], str | None, int | None]]:
     """(kind, ranks, group, seq) of each of the doctor's findings, the group and seq as its
     title says them (None for a finding about no collective)."""
-    from minishard import doctor
+    from minishard.instruments import doctor
     out = []
     for f in doctor.diagnose(directory).findings:
         m = WHERE.search(f.title)

@@ -5,7 +5,7 @@ of the ranks' losses equals the single-process loss at every step, and the final
 agree (every rank holding the same replica, or — for sharded strategies — the gathered whole).
 
 Parameters are compared per tensor *relative to how far the reference moved them* from the
-initial weights (``minishard.parity.drift``): summation-order noise scores about 1e-4, a model
+initial weights (``minishard.training.parity.drift``): summation-order noise scores about 1e-4, a model
 that did not train (or trained at the wrong scale under SGD) scores about 1. An element-wise
 bound cannot do both: Adam turns noise on near-zero gradients into updates of a learning rate
 (docs/testing.md). AdamW is blind to a constant gradient scale, so every strategy is also run
@@ -13,9 +13,9 @@ with plain SGD, whose update is linear in the gradient (``test_parity.py``).
 """
 import torch
 
-from minishard.model import GPT
-from minishard.parity import Drift, bitwise_equal, drift, params_of
-from minishard.train import TrainConfig, train
+from minishard.core.model import GPT
+from minishard.training.parity import Drift, bitwise_equal, drift, params_of
+from minishard.training.loop import TrainConfig, train
 
 _reference_cache: dict = {}
 _init_cache: dict = {}

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from minishard.comm import Comm, bytes_written
+from minishard.core.comm import Comm, bytes_written
 
 
 def collective_bytes(rank, numel: int, ops=("all_reduce", "all_gather", "reduce_scatter", "broadcast")):
@@ -94,7 +94,7 @@ def whoami(rank):
 
 def backward_overlap(rank, strategy: str):
     """Which collectives ran while backward was still running."""
-    from minishard.train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     train(rank, TrainConfig(strategy=strategy, steps=1, model="nano", micro_batch=1, bucket_cap_mb=0.2, track_activations=False))
     evs = rank.tracer.events
     end = next(e["t"] for e in evs if e["kind"] == "phase" and e["name"] == "backward"
@@ -106,7 +106,7 @@ def fsdp_lifecycle(rank, layout: str = "per_param"):
     """One FSDP step of the 3-block nano GPT: the unit state changes and the collectives, in the
     order they were issued (read with the chapter's own reader, so the test checks what it shows)."""
     from minishard.course.ch06 import lifecycle_order
-    from minishard.train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     train(rank, TrainConfig(strategy="fsdp" if layout == "per_param" else "fsdp_flat", steps=1,
                             model="nano", micro_batch=1, track_activations=False))
     return lifecycle_order(rank.tracer.events, rank=rank.rank)
@@ -114,10 +114,10 @@ def fsdp_lifecycle(rank, layout: str = "per_param"):
 
 def fsdp_manual_vs_hooks(rank, steps: int = 2):
     """The same training, once driven by hooks and once by hand (course.ch06.manual_step)."""
-    from minishard import fsdp
-    from minishard.comm import Comm
+    from minishard.strategies import fsdp
+    from minishard.core.comm import Comm
     from minishard.course.ch06 import manual_step
-    from minishard.model import GPT, batch, config
+    from minishard.core.model import GPT, batch, config
 
     cfg = config("nano")
     comm = Comm(rank.tracer)
@@ -144,7 +144,7 @@ def fsdp_manual_vs_hooks(rank, steps: int = 2):
 
 def fsdp_forward_order(rank, prefetch: int):
     """Unit state changes during the first forward of an FSDP step with prefetch."""
-    from minishard.train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     train(rank, TrainConfig(strategy="fsdp", steps=1, model="nano", micro_batch=1, prefetch=prefetch, track_activations=False))
     evs = rank.tracer.events
     end = next(i for i, e in enumerate(evs) if e["kind"] == "phase" and e["name"] == "forward"

@@ -4,11 +4,12 @@ bf16 or fp16, and ``ln_f`` a unit of its own with nothing to shard."""
 import torch
 import torch.nn as nn
 
-from minishard import checkpoint, fsdp
-from minishard.comm import Comm
-from minishard.ledger import LiveLedger
-from minishard.model import GPT, batch, config
-from minishard.parity import params_of
+from minishard import checkpoint
+from minishard.strategies import fsdp
+from minishard.core.comm import Comm
+from minishard.core.ledger import LiveLedger
+from minishard.core.model import GPT, batch, config
+from minishard.training.parity import params_of
 
 CFG = config("nano")
 STEPS, MB, LR = 3, 2, 0.5

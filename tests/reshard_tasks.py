@@ -5,9 +5,9 @@ import torch
 def root_clamp_states(rank, root: "bool | int | None", blocks: "bool | int" = 2):
     """The nano GPT's blocks sharded with ``reshard_after_forward=blocks``, its root with
     ``root``; each unit's memory state after forward and after backward."""
-    from minishard import fsdp
-    from minishard.comm import Comm
-    from minishard.model import GPT
+    from minishard.strategies import fsdp
+    from minishard.core.comm import Comm
+    from minishard.core.model import GPT
     comm = Comm(rank.tracer)
     net = GPT("nano", seed=0)
     fsdp.apply_fsdp(net, comm=comm, blocks=dict(reshard_after_forward=blocks),
@@ -26,10 +26,10 @@ def k_groups_of_six(rank, k: int):
     every block (N/k of the 6 shard blocks); then blocks.0 is resharded fully by hand, as if its
     backward never came, before backward runs. Returns the bytes kept per block, the live
     ledger tags after the step, the gathers' groups in backward, and the gradients."""
-    from minishard import fsdp
-    from minishard.comm import Comm
-    from minishard.ledger import LiveLedger
-    from minishard.model import GPT
+    from minishard.strategies import fsdp
+    from minishard.core.comm import Comm
+    from minishard.core.ledger import LiveLedger
+    from minishard.core.model import GPT
     ledger = LiveLedger()
     comm = Comm(rank.tracer, ledger=ledger)
     net = GPT("nano", seed=0)
@@ -51,6 +51,6 @@ def k_groups_of_six(rank, k: int):
 def consecutive_inside_groups(rank):
     """``Comm.consecutive`` on a communicator that is one of several groups: each rank's group of
     one is itself, and of two inside its own shard group."""
-    from minishard.comm import Comm
+    from minishard.core.comm import Comm
     shard, rep = Comm(rank.tracer).split(2)
     return rep.consecutive(1).members, shard.consecutive(1).members

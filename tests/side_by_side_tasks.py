@@ -3,7 +3,7 @@ under PyTorch's, both traced, on the same ranks.
 
 The two sides share everything but the strategy: the model (``TrainConfig.model``, the same
 seed), the wrapping (each block a unit, then the root), the precision, the batches and the loop
-(``minishard.train.train_step``). minishard's side records into its own tracer (``train``);
+(``minishard.training.loop.train_step``). minishard's side records into its own tracer (``train``);
 torch's is built by ``minishard.strategies`` (``torch_fsdp`` / ``torch_ddp`` / ``torch_zero1``)
 and recorded by ``minishard.watch``. A scenario is ``(mine, theirs, knobs)``: strategy names and
 the ``TrainConfig`` fields both sides take.
@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 import minishard
-from minishard import model as model_mod
-from minishard.comm import Comm
-from minishard.launch import RankContext
-from minishard.trace import Tracer, load
-from minishard.train import TrainConfig, build, train, train_step
+from minishard.core import model as model_mod
+from minishard.core.comm import Comm
+from minishard.core.launch import RankContext
+from minishard.core.trace import Tracer, load
+from minishard.training.loop import TrainConfig, build, train, train_step
 
 STEPS = 2                                # step 0 and one step after DDP's bucket rebuild
 
@@ -71,7 +71,7 @@ def plant_no_backward_prefetch():
     """minishard's units gather no unit ahead in backward (FSDP2 still does: an empty explicit
     list means its default, ``_fsdp_state.py``: ``default_prefetch = len(...) == 0``). Returns
     the undo."""
-    from minishard.fsdp.unit import FSDPUnit
+    from minishard.strategies.fsdp.unit import FSDPUnit
     orig = FSDPUnit._prefetch_targets
     FSDPUnit._prefetch_targets = lambda self, forward: orig(self, forward) if forward else []
     return lambda: setattr(FSDPUnit, "_prefetch_targets", orig)
@@ -80,7 +80,7 @@ def plant_no_backward_prefetch():
 def plant_reversed_buckets():
     """minishard's DDP fills its buckets first layers first (torch's reducer: gradient-ready
     order, last layers first). Returns the undo."""
-    from minishard import buckets
+    from minishard.strategies import buckets
     orig = buckets.plan_buckets
     buckets.plan_buckets = lambda *a, **k: orig(*a, **k)[::-1]
     return lambda: setattr(buckets, "plan_buckets", orig)

@@ -17,11 +17,11 @@ root is never resharded after forward) and each ring collective sending (N − 1
 import pytest
 import torch
 
-from minishard.config import ConfigError, TrainConfig
-from minishard.launch import RankContext
-from minishard.model import GPT, config as model_config
-from minishard.trace import LedgerTimeline
-from minishard.train import _batches, train
+from minishard.training.config import ConfigError, TrainConfig
+from minishard.core.launch import RankContext
+from minishard.core.model import GPT, config as model_config
+from minishard.core.trace import LedgerTimeline
+from minishard.training.loop import _batches, train
 
 from parity import assert_parity, reference
 

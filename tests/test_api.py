@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from minishard.comm import Comm
-from minishard.ddp import DDP
-from minishard.model import GPT, batch, config
-from minishard.trace import Tracer
-from minishard.zero import ZeroOptimizer
+from minishard.core.comm import Comm
+from minishard.strategies.ddp import DDP
+from minishard.core.model import GPT, batch, config
+from minishard.core.trace import Tracer
+from minishard.strategies.zero import ZeroOptimizer
 
 from parity import as_reference, assert_parity, initial
 
@@ -189,7 +189,7 @@ def test_state_dict_round_trip_resumes_training_exactly(pools, stage):
 
 
 def test_the_ledger_counts_the_optimizer_state_of_every_parameter_group():
-    from minishard.ledger import LiveLedger
+    from minishard.core.ledger import LiveLedger
     ledger = LiveLedger(Tracer())
     net = GPT(MODEL, seed=0)
     opt = ZeroOptimizer(_groups(net), torch.optim.AdamW, stage=2, comm=Comm(), ledger=ledger,
@@ -201,13 +201,13 @@ def test_the_ledger_counts_the_optimizer_state_of_every_parameter_group():
 
 
 def test_minishard_config_is_the_module_and_calling_it_names_model_config():
-    """``minishard.config`` is ``minishard/config.py`` (TrainConfig's module) again; the model's
+    """``minishard.training.config`` is ``minishard/training/config.py`` (TrainConfig's module) again; the model's
     config is ``minishard.model_config``, and the old call says so."""
     import importlib
 
     import minishard
-    module = importlib.import_module("minishard.config")
-    assert minishard.config is module and module.TrainConfig is minishard.TrainConfig
-    assert minishard.model_config("nano") == minishard.model.config("nano")
+    module = importlib.import_module("minishard.training.config")
+    assert minishard.training.config is module and module.TrainConfig is minishard.TrainConfig
+    assert minishard.model_config("nano") == minishard.core.model.config("nano")
     with pytest.raises(TypeError, match=r"minishard\.model_config\(name"):
         minishard.config("nano")

@@ -263,7 +263,7 @@ def stored_plotly_outputs(nb_path: Path) -> int:
 TOUR = [
     '''from IPython.display import display
 from minishard import Ranks
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import (LedgerCalculator, Player, PlayerPair, replay_html,
                            static_player_figure)
 R2, R4 = Ranks(2), Ranks(4)''',

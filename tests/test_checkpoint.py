@@ -15,14 +15,14 @@ import torch
 
 from minishard import checkpoint
 from minishard.checkpoint import CheckpointError
-from minishard.comm import Comm
-from minishard.launch import RankError, Ranks
-from minishard.model import GPT, config
-from minishard.train import TrainConfig, train
+from minishard.core.comm import Comm
+from minishard.core.launch import RankError, Ranks
+from minishard.core.model import GPT, config
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import reshard_figure
 
 import checkpoint_tasks
-from minishard.parity import drift
+from minishard.training.parity import drift
 from parity import initial, reference
 
 NANO = config("nano")

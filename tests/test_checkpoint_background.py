@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minishard import checkpoint, offline_player
+from minishard import checkpoint
+from minishard.viewers import offline_player
 from minishard.cli import main
-from minishard.trace import write_dir
-from minishard.train import TrainConfig, train
+from minishard.core.trace import write_dir
+from minishard.training.loop import TrainConfig, train
 
 import checkpoint_tasks
 
@@ -110,8 +111,8 @@ def test_bad_save_flags_are_named(argv, words, tmp_path, capsys):
 SCRIPT_THAT_DOES_NOT_WAIT = """
 import sys, torch
 from minishard import checkpoint
-from minishard.comm import Comm
-from minishard.model import GPT
+from minishard.core.comm import Comm
+from minishard.core.model import GPT
 net = GPT("nano")
 pending = checkpoint.save(net, torch.optim.AdamW(net.parameters()), sys.argv[1], comm=Comm(alone=True),
                           step=7, background=True)

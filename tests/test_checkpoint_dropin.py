@@ -95,8 +95,9 @@ def test_ranks_holding_different_replicas_are_refused_not_mixed(pools, tmp_path)
 
 def test_a_model_with_both_fsdp_layouts_is_saved_as_fsdp_mixed_and_loads_into_either(tmp_path):
     """One process (a world of one): blocks per parameter, the root flat."""
-    from minishard import GPT, fsdp
-    from minishard.model import config
+    from minishard import GPT
+    from minishard.strategies import fsdp
+    from minishard.core.model import config
 
     def sharded(layouts, seed):
         net = GPT(config("nano"), seed=seed)

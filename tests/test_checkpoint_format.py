@@ -14,7 +14,7 @@ import xxhash
 
 from minishard import checkpoint
 from minishard.checkpoint import CheckpointError
-from minishard.comm import Comm
+from minishard.core.comm import Comm
 
 import checkpoint_tasks
 

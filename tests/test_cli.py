@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minishard import strategies, trace
+from minishard import strategies
+from minishard.core import trace
 from minishard.cli import main
-from minishard.analytic import estimate, gpt_activation_bytes
-from minishard.model import GPT, config
+from minishard.planner.analytic import estimate, gpt_activation_bytes
+from minishard.core.model import GPT, config
 
 ROOT = Path(__file__).resolve().parents[1]
 NANO = GPT("nano", device="meta")
@@ -271,7 +272,7 @@ def test_plan_table_columns_and_advice_printed_once(capsys):
 
 
 def test_plan_gives_the_devices_memory_in_gib(capsys):
-    from minishard.costmodel import DEVICES
+    from minishard.planner.costmodel import DEVICES
     first = plan_out(capsys).splitlines()[0]
     gib = DEVICES["h100-80gb"].memory / 2**30
     assert f"({gib:.1f} GiB each" in first, first
@@ -279,7 +280,7 @@ def test_plan_gives_the_devices_memory_in_gib(capsys):
 
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_plan_names_the_link_between_nodes_only_when_there_are_nodes(nodes, capsys):
-    from minishard.costmodel import LINKS
+    from minishard.planner.costmodel import LINKS
     inter = LINKS["ethernet-100g"].name
     text = plan_out(capsys, "--nodes", str(nodes), "--inter", "ethernet-100g")
     assert (inter in text.splitlines()[0]) == (nodes > 1)

@@ -16,8 +16,8 @@ import pytest
 
 from minishard import strategies
 from minishard.cli import main
-from minishard.config import TrainConfig
-from minishard.train import train
+from minishard.training.config import TrainConfig
+from minishard.training.loop import train
 
 MISSING = "/nonexistent/minishard"
 
@@ -258,7 +258,8 @@ def test_every_trace_reader_names_the_file_line_and_byte_it_could_not_decode(tmp
     """A byte no UTF-8 text has (Latin-1's ö, 0xf6, on line 2, column 3) — named by file, line
     and byte by every reader of traces and flight dumps: refused by the strict ones, skipped
     with a warning by the player, quoted by the doctor where a rank's trace ends."""
-    from minishard import doctor, torch_flight, trace
+    from minishard.instruments import doctor, torch_flight
+    from minishard.core import trace
     from minishard.cli import view
     first = json.dumps(_event(0, 0, 0, kind="phase", name="forward", edge="begin"))
     text = (first + '\n{"\xf6": 2}\n').encode("latin-1")
@@ -363,7 +364,7 @@ def test_a_rank_that_fails_alone_says_so_whatever_its_rank(monkeypatch, capsys, 
     """Under torchrun each rank runs the command line; a failure only one rank saw (not rank 0)
     must still be printed, by that rank, naming it, and be the error file's line."""
     import minishard.cli as cli
-    from minishard.launch import RankError
+    from minishard.core.launch import RankError
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     monkeypatch.setattr(cli.time, "sleep", lambda s: None)

@@ -9,8 +9,8 @@ by the wrong factor — which the parity runs (SGD: the update is linear in the 
 import pytest
 import torch
 
-from minishard.model import GPT, batch, config
-from minishard.train import TrainConfig, train
+from minishard.core.model import GPT, batch, config
+from minishard.training.loop import TrainConfig, train
 
 from parity import assert_parity, reference
 import clip_tasks
@@ -56,7 +56,7 @@ def test_torchs_clip_on_a_ranks_part_of_the_gradient_is_refused_by_name(pools):
         for s in ("ddp", "zero1_allreduce"):              # whole, averaged gradients: it works
             assert abs(r[s] - whole) <= 1e-4 * whole, (s, r[s])
         for s in ("zero1", "fsdp", "fsdp_flat"):
-            assert isinstance(r[s], str) and "minishard.fsdp.clip_grad_norm_(model, max_norm)" in r[s] \
+            assert isinstance(r[s], str) and "minishard.strategies.fsdp.clip_grad_norm_(model, max_norm)" in r[s] \
                 and "optimizer.clip_grad_norm_(max_norm)" in r[s], (s, r[s])
 
 
@@ -72,7 +72,7 @@ def test_parameters_kept_whole_count_once_in_the_global_norm(pools, N):
 def test_every_norm_of_a_ranks_part_of_the_gradient_is_refused():
     """Each way of taking a norm — functional, method, multi-tensor, torch's total — raises on
     a gradient a rank holds only part of, and nothing else does."""
-    from minishard.local_grad import LocalGradient, local
+    from minishard.strategies.local_grad import LocalGradient, local
     g = local(torch.arange(6.0).reshape(2, 3))
     forms = {"Tensor.norm": lambda: g.norm(), "torch.norm": lambda: torch.norm(g),
              "linalg.vector_norm": lambda: torch.linalg.vector_norm(g),
@@ -81,7 +81,7 @@ def test_every_norm_of_a_ranks_part_of_the_gradient_is_refused():
     if hasattr(torch.nn.utils, "get_total_norm"):
         forms["get_total_norm"] = lambda: torch.nn.utils.get_total_norm([g])
     for name, form in forms.items():
-        with pytest.raises(RuntimeError, match="minishard.fsdp.clip_grad_norm_"):
+        with pytest.raises(RuntimeError, match="minishard.strategies.fsdp.clip_grad_norm_"):
             form()
     plain = (g * 2).sum() + g.double().pow(2).sum()            # everything else: plain tensors
     assert type(plain) is torch.Tensor and isinstance(g, LocalGradient)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minishard import fsdp
-from minishard.comm import Comm
-from minishard.model import GPT, batch, config
+from minishard.strategies import fsdp
+from minishard.core.comm import Comm
+from minishard.core.model import GPT, batch, config
 
 MB, STEPS, LR, MAX_NORM = 2, 3, 0.5, 0.3
 WHOLE = ("ln1", "ln2", "attn.proj")      # kept whole in every block; ln_f at the root

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minishard.comm import ring_wire_bytes
+from minishard.core.comm import ring_wire_bytes
 
 import rank_tasks
 

@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from minishard.costmodel import DEVICES, LINKS, Cluster, choose, plan, ring_time
-from minishard.deepspeed_estimator import deepspeed_estimate
-from minishard.model import GPTConfig
+from minishard.planner.costmodel import DEVICES, LINKS, Cluster, choose, plan, ring_time
+from minishard.planner.deepspeed_estimator import deepspeed_estimate
+from minishard.core.model import GPTConfig
 
 H100 = Cluster(DEVICES["h100-80gb"], gpus_per_node=8)
 
@@ -26,7 +26,7 @@ def test_zero_paper_figure_1_from_the_planner():
 
 
 def _params(cfg):
-    from minishard.model import GPT
+    from minishard.core.model import GPT
     return sum(p.numel() for p in GPT(cfg, device="meta").parameters())
 
 
@@ -98,7 +98,7 @@ def test_a_device_smaller_than_one_gathered_unit_does_not_fit():
 def test_planner_memory_matches_measured_runs_within_2_percent(pools, N):
     """The planner's memory for this machine's runs (fp32, the explicit-attention tiny GPT) is
     the live ledger's measured peak, for DDP and ZeRO-3."""
-    from minishard.train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     cpu = Cluster(DEVICES["h100-80gb"], gpus_per_node=N)       # the device does not matter here
     runs = [("ddp", "ddp", 0, True), ("zero3", "fsdp_flat", 0, True), ("zero3", "fsdp_flat", 2, True)]
     for strategy, ours, prefetch, k in runs + ([("zero3", "fsdp_flat", 0, 2)] if N == 4 else []):
@@ -160,7 +160,7 @@ def test_deepspeed_zero3_worked_example_in_megabytes():
 
 
 def test_deepspeed_gpu_column_is_the_ledger_plus_named_terms():
-    from minishard.analytic import estimate
+    from minishard.planner.analytic import estimate
     n, layer = 1_000_003, 40_000           # 8 ranks do not divide n: shards are padded
     z3 = deepspeed_estimate(n, layer, 3, gpus_per_node=8)[-1]
     ledger = estimate(n_params=n, world_size=8, strategy="zero3", precision="bf16_mixed_fp32_grads")
@@ -171,8 +171,8 @@ def test_deepspeed_gpu_column_is_the_ledger_plus_named_terms():
 
 
 def test_deepspeed_largest_layer_of_a_model():
-    from minishard.deepspeed_estimator import largest_layer_params
-    from minishard.model import GPT, config
+    from minishard.planner.deepspeed_estimator import largest_layer_params
+    from minishard.core.model import GPT, config
     cfg = config("tiny")
     assert largest_layer_params(GPT(cfg, device="meta")) == cfg.vocab_size * cfg.d_model
 
@@ -189,7 +189,7 @@ def test_deepspeed_estimate_bad_input(kw, msg):
 def test_a_plan_above_90_percent_of_the_device_is_warned_about():
     """The margin the planner leaves for what it does not model (the CUDA context, NCCL's
     buffers, fragmentation): the same warning for the CLI, the widget and its suggestions."""
-    from minishard.costmodel import HEADROOM, warnings
+    from minishard.planner.costmodel import HEADROOM, warnings
     roomy = plan("llama3-8b", H100, "fsdp", seq_len=4096, recompute=True)
     assert roomy.fits and roomy.device_share < HEADROOM and warnings(roomy) == []
     device = replace(DEVICES["h100-80gb"], memory=roomy.total_memory / 0.95)
@@ -201,7 +201,7 @@ def test_a_plan_above_90_percent_of_the_device_is_warned_about():
 
 
 def test_one_unit_for_the_whole_model_gathers_all_of_it_and_hides_nothing():
-    from minishard.model import config
+    from minishard.core.model import config
     n = _params(config("llama3-8b"))
     block = plan("llama3-8b", H100, "fsdp", seq_len=4096, recompute=True)
     whole = plan("llama3-8b", H100, "fsdp", seq_len=4096, recompute=True, wrap="model")
@@ -215,8 +215,8 @@ def test_one_unit_for_the_whole_model_gathers_all_of_it_and_hides_nothing():
 
 
 def test_the_logits_the_loss_keeps():
-    from minishard.costmodel import logits_bytes
-    from minishard.model import config
+    from minishard.planner.costmodel import logits_bytes
+    from minishard.core.model import config
     assert logits_bytes(config("tiny"), 4, 128, 4) == 4 * 128 * 4096 * 4     # chapter 10's 8 MiB
 
 
@@ -258,8 +258,8 @@ def test_reshard_after_forward_k_terms_to_the_formula():
     """The planner's two terms for k, exactly: every block not yet gathered again holds x·block/k
     (n_layer − prefetch blocks at the end of forward, one fewer inside backward), and backward's
     gathers run over k ranks on the node's link."""
-    from minishard.costmodel import _sizes, memory_per_gpu
-    from minishard.model import config as model_config
+    from minishard.planner.costmodel import _sizes, memory_per_gpu
+    from minishard.core.model import config as model_config
     s = _sizes(model_config("llama3-8b"), "bf16_fsdp", 16)
     kept = s.x * s.block / 8
     for prefetch in (0, 1, 2):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 
 from parity import as_reference, assert_parity, reference
 

@@ -19,8 +19,8 @@ import torch
 
 import doctor_tasks as T
 from minishard.cli import main
-from minishard.launch import Ranks, RankError
-from minishard.train import TrainConfig, train
+from minishard.core.launch import Ranks, RankError
+from minishard.training.loop import TrainConfig, train
 
 TASKS = Path(T.__file__)
 SCENARIOS = ("skipped_collective", "swapped_order", "precision_desync", "raised")

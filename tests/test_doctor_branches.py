@@ -2,7 +2,7 @@
 
 The runs on real ranks (test_doctor.py) and the first hand-made cases (test_doctor_edges.py)
 pin the common paths: one world group, one rank at fault. Here each uncommon branch of
-``minishard/doctor.py`` and ``minishard/torch_flight.py`` gets a case where a wrong branch names a
+``minishard/instruments/doctor.py`` and ``minishard/instruments/torch_flight.py`` gets a case where a wrong branch names a
 wrong rank, a wrong group or a wrong seq, or finds a hang that is not there: hangs inside the
 shard and replicate groups of HSDP on 2x2 ranks, a failure on some ranks of a group only, a
 cycle of ranks each waiting in another group, PyTorch's dumps of a group other than the default
@@ -15,7 +15,7 @@ import pytest
 
 from flight_dumps import (Collective, as_torch, dump, entry, found, named, never_issued_by, play,
                           torch_entry, write, write_played, write_torch)
-from minishard import doctor, torch_flight
+from minishard.instruments import doctor, torch_flight
 
 SHARD = 2                                       # HSDP on 4 ranks: 2 shard groups x 2 replicas
 WORLD = 4
@@ -293,15 +293,15 @@ def test_a_torch_entry_names_the_innermost_frames_outside_torch_and_outside_mini
     minishard wrapper when one issued the collective), ``caller`` the first outside torch and
     minishard — the user's line that asked, not the script's top that started everything."""
     frames = [{"filename": "/x/torch/distributed/c10d.py", "line": 1, "name": "all_reduce"},
-              {"filename": "/x/minishard/comm.py", "line": 5, "name": "all_reduce"},
+              {"filename": "/x/minishard/core/comm.py", "line": 5, "name": "all_reduce"},
               {"filename": "/home/me/model.py", "line": 42, "name": "step"},
               {"filename": "<frozen runpy>", "line": 88, "name": "_run_code"},
               {"filename": "/home/me/train.py", "line": 7, "name": "<module>"}]
     d = write_torch(tmp_path, {0: [torch_entry(1, frames=frames)]})
     (e,) = torch_flight.read(d / "torch_fr_rank0.json", 0, 1)["entries"]
-    assert (e["where"], e["caller"]) == ("/x/minishard/comm.py:5 in all_reduce",
+    assert (e["where"], e["caller"]) == ("/x/minishard/core/comm.py:5 in all_reduce",
                                          "/home/me/model.py:42 in step")
-    assert doctor.site(e) == ("; at /x/minishard/comm.py:5 in all_reduce, "
+    assert doctor.site(e) == ("; at /x/minishard/core/comm.py:5 in all_reduce, "
                                     "called from /home/me/model.py:42 in step")
 
 

@@ -1,5 +1,5 @@
-"""The doctor on hand-made flight dumps: each case one rule of ``minishard/doctor.py`` and
-``minishard/causes.py`` that the runs on real ranks (test_doctor.py, test_faults.py) do not pin
+"""The doctor on hand-made flight dumps: each case one rule of ``minishard/instruments/doctor.py`` and
+``minishard/instruments/causes.py`` that the runs on real ranks (test_doctor.py, test_faults.py) do not pin
 down — which rank a tie names, a step or a broadcast's source that differs, a victim stuck in
 another group, what counts as a timeout, the order of findings, bad input, the thresholds. Plus
 the pieces the dumps are made of: fingerprints and the skip predicate of a planted fault."""
@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from minishard import causes, doctor, faults, health
+from minishard.instruments import causes, doctor, health
+from minishard.training import faults
 from minishard.cli import doctor as cli_doctor, main
-from minishard.config import TrainConfig
+from minishard.training.config import TrainConfig
 
 WORLD = 4
 
@@ -238,7 +239,7 @@ def test_skip_collective_skips_from_the_last_steps_first_reduction_on(strategy, 
 
 
 def test_unsynced_init_is_refused_where_pytorch_broadcasts_anyway():
-    from minishard.config import ConfigError
+    from minishard.training.config import ConfigError
     with pytest.raises(ConfigError, match="broadcasts rank 0's weights in its constructor"):
         TrainConfig(strategy="torch_ddp", fault="unsynced-init")
     TrainConfig(strategy="torch_fsdp", fault="unsynced-init")             # FSDP2 does not

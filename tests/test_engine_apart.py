@@ -87,8 +87,8 @@ def test_no_engine_module_imports_itself_back_through_others():
     import inside a function still ties the modules' meanings together (and breaks the day the
     import moves to the top)."""
     graph = engine_import_graph()
-    assert "minishard.analytic" in graph["minishard.costmodel"]          # the walk sees imports
-    assert "minishard.watching.calls" in graph["minishard.watching.session"]     # lazy ones too
+    assert "minishard.planner.analytic" in graph["minishard.planner.costmodel"]          # the walk sees imports
+    assert "minishard.instruments.watching.calls" in graph["minishard.instruments.watching.session"]     # lazy ones too
     done, path = set(), []
 
     def visit(mod):
@@ -116,8 +116,8 @@ def test_the_engines_dependencies_are_torch_numpy_safetensors_and_xxhash():
 
 TASK = textwrap.dedent('''
     import os, sys, torch.distributed as dist
-    from minishard.launch import context_from_env
-    from minishard.train import TrainConfig, train
+    from minishard.core.launch import context_from_env
+    from minishard.training.loop import TrainConfig, train
     threads = lambda: len(os.listdir("/proc/self/task"))
     out_dir, phase = sys.argv[1], sys.argv[2]
     kw = dict(model="nano", micro_batch=1, track_activations=False)
@@ -193,7 +193,7 @@ def test_a_fresh_environment_with_only_the_engine_trains_and_reshards(tmp_path):
     # (lines of different ranks may interleave in the output)
     assert len(re.findall(r"rank \d (?:ddp|zero2|fsdp) wire \d+", out)) == 2 * 3, out
     # destroy_process_group ended the group: none of gloo's threads is left to run into the
-    # interpreter's shutdown (minishard.launch.init_group)
+    # interpreter's shutdown (minishard.core.launch.init_group)
     left = re.findall(r"rank \d threads: (\d+) before the group, (\d+) after it", out)
     assert len(left) == 2 and all(a == b for a, b in left), out
     out = run(str(py), str(tmp_path / "task.py"), str(tmp_path), "resume", cwd=tmp_path, env=env).stdout

@@ -1,4 +1,4 @@
-"""Each planted fault (``minishard.faults``) trained on real ranks, then diagnosed by the doctor
+"""Each planted fault (``minishard.training.faults``) trained on real ranks, then diagnosed by the doctor
 from the files the ranks left: it names the fault, the rank and the collective, unit or
 parameter; on healthy runs — including ones that look alike (ranks built from their own seeds
 under a strategy that broadcasts rank 0's weights, bf16 with a master) — it finds nothing.
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 import fault_tasks as T
-from minishard import doctor
+from minishard.instruments import doctor
 from minishard.cli import main
-from minishard.config import ConfigError, TrainConfig, check_fault_rank
-from minishard.model import GPT, config as model_config
-from minishard.playback import fmt_bytes
+from minishard.training.config import ConfigError, TrainConfig, check_fault_rank
+from minishard.core.model import GPT, config as model_config
+from minishard.viewers.playback import fmt_bytes
 
 WORLD, ODD = 4, 1                   # the fault goes on rank 1 of 4 (TrainConfig's fault_rank)
 RUNS = {
@@ -211,10 +211,10 @@ def test_running_out_of_memory_is_split_into_its_causes_largest_first(tmp_path):
     named with the ledger's exact count, and what it held is split into what one can change."""
     import torch
 
-    from minishard.launch import RankContext
-    from minishard.ledger import DeviceOutOfMemory
-    from minishard.train import train
-    from minishard.trace import Tracer
+    from minishard.core.launch import RankContext
+    from minishard.core.ledger import DeviceOutOfMemory
+    from minishard.training.loop import train
+    from minishard.core.trace import Tracer
     rank = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
     with pytest.raises(DeviceOutOfMemory) as oom:
         try:

@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 
-from minishard.flight import FlightRecorder, dumping
-from minishard.train import TrainConfig, train
+from minishard.core.flight import FlightRecorder, dumping
+from minishard.training.loop import TrainConfig, train
 
 
 def test_a_run_writes_every_collective_numbered_alike_on_every_rank(pools, tmp_path):
@@ -36,7 +36,7 @@ def test_a_run_writes_every_collective_numbered_alike_on_every_rank(pools, tmp_p
         assert all(e["state"] == "completed" and e["t_completed"] >= e["t_issued"] for e in ents)
         rs = [e for e in ents if e["op"] == "reduce_scatter"]
         assert {e["phase"] for e in rs} == {"backward"} and {e["step"] for e in rs} == {0, 1}
-        assert all(e["where"].startswith("minishard/fsdp/unit.py:") for e in rs)
+        assert all(e["where"].startswith("minishard/strategies/fsdp/unit.py:") for e in rs)
         assert ents[0]["tag"] == "replicate" and ents[0]["step"] is None   # before the first step
         # the bytes and shapes: a reduce-scatter's payload is its input, numel x dtype size
         for e in rs:
@@ -50,7 +50,7 @@ def test_a_run_writes_every_collective_numbered_alike_on_every_rank(pools, tmp_p
 
 def test_the_caller_is_the_first_line_outside_minishard_and_torch():
     import torch
-    from minishard.comm import Comm
+    from minishard.core.comm import Comm
     comm = Comm(alone=True)
     comm.all_reduce(torch.ones(3), tag="mine")             # this line is the caller
     (e,) = comm.flight.entries
@@ -78,7 +78,7 @@ def test_sigterm_writes_the_recorder_then_terminates(tmp_path):
     first, then the process ends as SIGTERM ends it."""
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from minishard.flight import FlightRecorder, dumping
+        from minishard.core.flight import FlightRecorder, dumping
         rec = FlightRecorder(rank=3, world_size=4)
         rec.issued("all_reduce", "world", 4, (torch.zeros(1),), 4, "bucket0", 1, "backward", 0.5)
         with dumping(rec, {str(tmp_path)!r}):

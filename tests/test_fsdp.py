@@ -3,11 +3,11 @@ parameters instead of DDP's 2, and peak at the shards + one gathered unit + acti
 import pytest
 import torch
 
-from minishard import fsdp
-from minishard.comm import Comm
-from minishard.analytic import gpt_activation_bytes
-from minishard.model import GPT, batch, config
-from minishard.train import TrainConfig, train
+from minishard.strategies import fsdp
+from minishard.core.comm import Comm
+from minishard.planner.analytic import gpt_activation_bytes
+from minishard.core.model import GPT, batch, config
+from minishard.training.loop import TrainConfig, train
 
 from parity import as_reference, assert_parity, reference
 import rank_tasks
@@ -221,7 +221,7 @@ def replicated_norms_run(rank, layout: str, accum: int, no_sync: bool) -> dict:
     """Rank task: the nano GPT with every norm kept replicated (``replicate_params``), trained
     with plain SGD through ``train_step`` as the ``fsdp`` strategy would."""
     from minishard.strategies import Built, get
-    from minishard.train import train_step
+    from minishard.training.loop import train_step
     cfg = config("nano")
     comm = Comm(rank.tracer)
     net = GPT(cfg, seed=0)
@@ -272,7 +272,7 @@ def test_replicated_parameters_are_refused_where_they_cannot_work():
 
 def master_gather_run(rank, layout: str) -> dict:
     """Rank task: one bf16-mixed step, then the full parameters in both dtypes."""
-    from minishard.train import build, train_step
+    from minishard.training.loop import build, train_step
     cfg = config("nano")
     comm = Comm(rank.tracer)
     built = build(GPT(cfg), TrainConfig("fsdp" if layout == "per_param" else "fsdp_flat",

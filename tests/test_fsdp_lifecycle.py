@@ -4,14 +4,14 @@ at, and the name a checkpoint records for each layout."""
 import pytest
 import torch
 
-from minishard import fsdp
-from minishard.comm import Comm
-from minishard.fsdp import hooks
-from minishard.fsdp.state import MemoryState, TrainingState
-from minishard.ledger import LiveLedger
-from minishard.model import GPT, batch, config
+from minishard.strategies import fsdp
+from minishard.core.comm import Comm
+from minishard.strategies.fsdp import hooks
+from minishard.strategies.fsdp.state import MemoryState, TrainingState
+from minishard.core.ledger import LiveLedger
+from minishard.core.model import GPT, batch, config
 from minishard.strategies import layout_name
-from minishard.trace import Tracer
+from minishard.core.trace import Tracer
 
 from chain import Chain
 

@@ -4,7 +4,7 @@ import time
 import psutil
 import pytest
 
-from minishard.launch import RankError, Ranks, run
+from minishard.core.launch import RankError, Ranks, run
 
 import rank_tasks
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from minishard.ledger import LiveLedger, track_optimizer_state
-from minishard.analytic import conventions, count_params, estimate, gpt_activation_bytes
-from minishard.model import GPT, batch, config
+from minishard.core.ledger import LiveLedger, track_optimizer_state
+from minishard.planner.analytic import conventions, count_params, estimate, gpt_activation_bytes
+from minishard.core.model import GPT, batch, config
 
 PSI = 6_868_992      # the tiny GPT (docs/reference-figures.md)
 
@@ -115,7 +115,7 @@ def test_out_of_memory_carries_what_it_allocated_and_what_the_device_held():
     is the report the notebooks print, unchanged."""
     import pickle
 
-    from minishard.ledger import DeviceOutOfMemory
+    from minishard.core.ledger import DeviceOutOfMemory
     led = LiveLedger(budget=10 * 2**20)
     led.alloc("params", 6 * 2**20, "p")
     led.alloc("activations", 3 * 2**20, "act1")
@@ -137,7 +137,7 @@ def test_the_meter_counts_the_page_faults_of_a_fresh_buffer():
     """A step that fills a fresh 64 MiB buffer touches pages the OS must map: the meter counts
     them (4 KiB pages: ~16 K faults; with transparent huge pages, fewer), a step that does not
     takes fewer."""
-    from minishard.meter import Meter
+    from minishard.training.meter import Meter
     meter = Meter([])
     with meter.step():
         torch.ones(16 * 2**20)

@@ -27,9 +27,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minishard import fsdp
-from minishard.comm import Comm
-from minishard.ledger import LiveLedger
+from minishard.strategies import fsdp
+from minishard.core.comm import Comm
+from minishard.core.ledger import LiveLedger
 
 F32, BF16 = torch.float32, torch.bfloat16
 # parameter shapes: rows that divide by neither 2 nor 3, a 1-D one, a bf16 block of odd bytes

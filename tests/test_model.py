@@ -2,9 +2,9 @@
 the full logits."""
 import torch
 
-from minishard.model import GPT, batch, config
-from minishard.parity import drift, params_of
-from minishard.train import TrainConfig, train
+from minishard.core.model import GPT, batch, config
+from minishard.training.parity import drift, params_of
+from minishard.training.loop import TrainConfig, train
 
 
 def test_same_seed_same_weights_and_batches_partition_the_global_batch():

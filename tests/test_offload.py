@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from minishard.launch import RankError
-from minishard.model import GPT
-from minishard.offload import OffloadError, OffloadPolicy, Tier
-from minishard.train import TrainConfig, train
+from minishard.core.launch import RankError
+from minishard.core.model import GPT
+from minishard.strategies.offload import OffloadError, OffloadPolicy, Tier
+from minishard.training.loop import TrainConfig, train
 
 from parity import assert_parity, reference
 
@@ -67,10 +67,10 @@ def where_the_state_lives(rank, layout: str, directory: str) -> dict:
     import os
 
     import torch
-    from minishard import fsdp
-    from minishard.comm import Comm
-    from minishard.model import batch, config
-    from minishard.offload import OffloadPolicy
+    from minishard.strategies import fsdp
+    from minishard.core.comm import Comm
+    from minishard.core.model import batch, config
+    from minishard.strategies.offload import OffloadPolicy
     cfg = config("nano")
     comm = Comm(rank.tracer)
     net = GPT(cfg, seed=0)
@@ -107,7 +107,7 @@ def test_the_disk_tier_holds_every_shard_its_gradient_and_its_moments(pools, lay
             assert os.path.basename(folder).startswith(f"{os.path.basename(r['tier'])}{name}-")
             assert all(os.path.dirname(f) == folder for f in r["by_unit"][name])
         assert r["left"] == []
-        # the shard's gradient refuses a norm of its own (minishard.local_grad), before and
+        # the shard's gradient refuses a norm of its own (minishard.strategies.local_grad), before and
         # after zero_grad() dropped it
         assert r["local0"] and r["local1"]
         for what in ("params", "grads0", "grads1", "momentum"):     # grads1: after zero_grad()
@@ -145,7 +145,7 @@ def test_a_run_checks_room_for_the_whole_state_before_any_unit_is_made(tmp_path,
     import shutil
     from collections import namedtuple
 
-    from minishard.comm import Comm
+    from minishard.core.comm import Comm
     from minishard.strategies import build
     net = GPT("nano")
     whole = 16 * sum(p.numel() for p in net.parameters())
@@ -165,7 +165,7 @@ def build_with_free_space(rank, directory: str, free: int) -> str:
     import shutil
     from collections import namedtuple
 
-    from minishard.comm import Comm
+    from minishard.core.comm import Comm
     from minishard.strategies import build
     usage, real = namedtuple("usage", "total used free"), shutil.disk_usage
     shutil.disk_usage = lambda _: usage(10 * free, 0, free)
@@ -196,7 +196,7 @@ def test_each_unit_checks_room_for_its_shards_their_gradients_and_two_moments(tm
     import shutil
     from collections import namedtuple
 
-    from minishard import fsdp
+    from minishard.strategies import fsdp
     block = GPT("nano").blocks[0]
     numel = sum(p.numel() for p in block.parameters())
     usage = namedtuple("usage", "total used free")
@@ -211,7 +211,7 @@ def test_the_chapters_disk_listing_counts_every_units_folder(pools, tmp_path):
     shard, its gradient shard, its two moments — in a folder per unit, 16Ψ/N bytes in all, and
     nothing left once the run is over."""
     from minishard.course.ch08 import disk_tier_files
-    from minishard.model import config
+    from minishard.core.model import config
     L, psi = config("nano").n_layer, GPT("nano", device="meta").num_params()
     for r in pools(2).run(disk_tier_files, str(tmp_path), model="nano"):
         assert r["units"] == L + 1 and r["files"] == 4 * (L + 1)

@@ -1,7 +1,7 @@
 """PlayerPair: minishard's FSDP and torch's FSDP2 (watched) under one slider, by step and phase."""
 import pytest
 
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import PlayerPair
 from minishard.viz.pair import moments, shared_moments
 

@@ -18,7 +18,7 @@ settings, against one process training on the whole global batch (``parity.asser
 import pytest
 import torch
 
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 
 from parity import assert_parity, reference
 
@@ -108,7 +108,7 @@ def test_frozen_weights_stay_bitwise_unchanged_under_adamw_weight_decay(pools):
     """A frozen weight has no gradient, so no optimizer step touches it — not even AdamW's weight
     decay, which moves any weight that has a gradient, zero or not. (``single`` and ``ddp_naive``
     once gave frozen weights zero gradients up front, so their reference decayed them.)"""
-    from minishard.model import GPT
+    from minishard.core.model import GPT
     frozen = ("tok_emb", "blocks.0.ln1")
     kw = dict(model="nano", steps=1, micro_batch=1, optimizer="adamw", freeze=frozen, return_params=True)
     start = {n: p.detach() for n, p in GPT("nano").named_parameters() if n.startswith(frozen)}
@@ -121,11 +121,11 @@ def test_frozen_weights_stay_bitwise_unchanged_under_adamw_weight_decay(pools):
 
 
 def test_one_tensor_left_behind_fails_parity_that_the_whole_model_would_pass():
-    """The measure itself (``minishard.parity.drift``): each tensor is judged against its own
+    """The measure itself (``minishard.training.parity.drift``): each tensor is judged against its own
     movement, so one tensor that never trained — a bucket skipped — fails ``within`` although
     the whole model, dominated by its large tensors, is close; a frozen model scores 1.0."""
-    from minishard.model import GPT
-    from minishard.parity import drift, params_of
+    from minishard.core.model import GPT
+    from minishard.training.parity import drift, params_of
     init = params_of(GPT("nano", seed=0))
     g = torch.Generator().manual_seed(1)
     ref = {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in init.items()}

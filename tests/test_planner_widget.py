@@ -6,8 +6,8 @@ import ipywidgets as W
 
 import pytest
 
-from minishard.costmodel import DEVICES, LINKS, Cluster, plan
-from minishard.model import GPT
+from minishard.planner.costmodel import DEVICES, LINKS, Cluster, plan
+from minishard.core.model import GPT
 from minishard.viz import PlannerWidget
 from minishard.viz.planner import GiB, LABELS, STRATEGIES
 
@@ -192,7 +192,7 @@ def test_unknown_strategy_is_named():
 # (minishard/course/ch10.py: pure functions of an OOM message and of trace events)
 
 def test_an_oom_report_reads_back_as_data():
-    from minishard.ledger import DeviceOutOfMemory, LiveLedger
+    from minishard.core.ledger import DeviceOutOfMemory, LiveLedger
     from minishard.course.ch10 import oom_report
     led = LiveLedger(budget=10 * 2**20)
     led.alloc("params", 6 * 2**20, "p")
@@ -208,7 +208,7 @@ def test_an_oom_report_reads_back_as_data():
 def test_an_oom_report_is_exact_where_the_message_rounds():
     """The report reads the exception's fields, not its message: a tag with brackets and
     sizes the message rounds to one decimal come back as they were."""
-    from minishard.ledger import DeviceOutOfMemory, LiveLedger
+    from minishard.core.ledger import DeviceOutOfMemory, LiveLedger
     from minishard.course.ch10 import oom_report
     led = LiveLedger(budget=10 * 2**20)
     led.alloc("params", 9 * 2**20 + 1, "p")

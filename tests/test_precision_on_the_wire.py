@@ -5,10 +5,10 @@ changes the result as much as it should: at N = 2 it is the fp32 sum rounded to 
 import pytest
 import torch
 
-from minishard import fsdp
-from minishard.comm import Comm
-from minishard.model import GPT, batch, config
-from minishard.train import TrainConfig, train
+from minishard.strategies import fsdp
+from minishard.core.comm import Comm
+from minishard.core.model import GPT, batch, config
+from minishard.training.loop import TrainConfig, train
 
 BF16, FP32 = torch.bfloat16, torch.float32
 POLICIES = [(None, None), (BF16, FP32), (BF16, BF16), (BF16, None)]

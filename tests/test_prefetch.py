@@ -3,14 +3,14 @@ parameters sit in memory meanwhile. Depth k costs k more gathered units at the p
 import pytest
 import torch
 
-from minishard import fsdp
-from minishard.comm import Comm
-from minishard.launch import RankError
-from minishard.ledger import DeviceOutOfMemory
-from minishard.analytic import gpt_activation_bytes
-from minishard.model import GPT, config
+from minishard.strategies import fsdp
+from minishard.core.comm import Comm
+from minishard.core.launch import RankError
+from minishard.core.ledger import DeviceOutOfMemory
+from minishard.planner.analytic import gpt_activation_bytes
+from minishard.core.model import GPT, config
 from minishard.course.ch07 import gathered_peaks
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 
 from chain import Chain
 from parity import assert_parity, reference
@@ -98,7 +98,7 @@ def test_prefetch_follows_the_order_forward_ran_the_units_in():
     """As FSDP2: the root records the order of its first forward and prefetches by it, not by
     the order the modules were declared in. Depth 1, second step: each unit is gathered just
     before it runs — in forward 2, 0, 1; in backward 1, 0, 2."""
-    from minishard.trace import Tracer
+    from minishard.core.trace import Tracer
     tracer = Tracer()
     net = Chain(order=(2, 0, 1))
     for i, b in enumerate(net.blocks):
@@ -128,7 +128,7 @@ def test_each_pass_prefetches_by_its_own_depth_in_the_recorded_order(forward, ba
     """Forward runs the units 2, 0, 1 after the root, backward 1, 0, 2: with depth d each unit is
     gathered d units ahead (as far as there are units before it), in each pass by its own depth
     — the unit forward ran first included, backward's last."""
-    from minishard.trace import Tracer
+    from minishard.core.trace import Tracer
     tracer = Tracer()
     net = Chain(order=(2, 0, 1))
     for i, b in enumerate(net.blocks):

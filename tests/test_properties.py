@@ -4,9 +4,9 @@ The example tests check each mechanism at a few sizes picked by hand; these draw
 empty tensors, sizes that do not divide by N, fewer rows than ranks, 0-d parameters — and check
 what every size must satisfy:
 
-* the point-to-point all-gather and reduce-scatter (``minishard.comm``, gloo): the concatenation
+* the point-to-point all-gather and reduce-scatter (``minishard.core.comm``, gloo): the concatenation
   in rank order, and the sum in rank order, bit for bit; in place and not, async and not;
-* bucket planning (``minishard.buckets.plan_buckets``): the rules its docstring states;
+* bucket planning (``minishard.strategies.buckets.plan_buckets``): the rules its docstring states;
 * FSDP's two layouts and ZeRO's buckets: every element held by exactly one rank, padding zero,
   the all-gather / reduce-scatter packing round trip;
 * the checkpoint's read plan (``minishard.checkpoint.plan_reads``): every needed element read
@@ -30,14 +30,14 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import rank_tasks  # noqa: E402
-from minishard.buckets import plan_buckets  # noqa: E402
+from minishard.strategies.buckets import plan_buckets  # noqa: E402
 from minishard.checkpoint import CheckpointError, plan_reads  # noqa: E402
 from minishard.checkpoint.format import build_metadata, plan_file  # noqa: E402
 from minishard.checkpoint.regions import Region  # noqa: E402
-from minishard.comm import Comm  # noqa: E402
-from minishard.fsdp.layout import FlatLayout, PerParamLayout  # noqa: E402
-from minishard.fsdp.slots import collect_slots  # noqa: E402
-from minishard.zero import ZeroOptimizer  # noqa: E402
+from minishard.core.comm import Comm  # noqa: E402
+from minishard.strategies.fsdp.layout import FlatLayout, PerParamLayout  # noqa: E402
+from minishard.strategies.fsdp.slots import collect_slots  # noqa: E402
+from minishard.strategies.zero import ZeroOptimizer  # noqa: E402
 
 
 def bounded(n: int, **kw):

@@ -6,9 +6,9 @@ counts them at 4 bytes an element."""
 import pytest
 import torch
 
-from minishard import fsdp
-from minishard.model import GPT
-from minishard.offload import OffloadPolicy
+from minishard.strategies import fsdp
+from minishard.core.model import GPT
+from minishard.strategies.offload import OffloadPolicy
 
 from parity import assert_parity
 import replicated_tasks as T
@@ -156,7 +156,7 @@ def test_a_unit_of_whole_parameters_under_hybrid_sharding_trains_like_one_proces
     """Hybrid sharding on 4 ranks (shard groups of 2): every block small enough to be kept whole
     (``param_persistence_threshold``), so each block is a unit that only all-reduces — over the
     shard group, then across — and the gradient must still be the global mean."""
-    from minishard.train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     from parity import reference
     kw = dict(model="nano", steps=2, optimizer="sgd_momentum", lr=0.05)
     out = pools(4).run(train, TrainConfig(strategy="hsdp", shard_size=2, micro_batch=2, return_params=True,

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 import minishard
-from minishard import causes, doctor, health
-from minishard.comm import Comm
-from minishard.playback import fmt_bytes
+from minishard.instruments import causes, doctor, health
+from minishard.core.comm import Comm
+from minishard.viewers.playback import fmt_bytes
 
 MiB = 2 ** 20
 
@@ -203,9 +203,9 @@ def test_a_real_out_of_memory_names_each_gathered_unit_with_its_parameters_bytes
     2.86 MiB device: each unit the split names gathered holds exactly its parameters' fp32
     bytes (numel x 4, from the model), the state is the shards and their gradients (one rank:
     the whole model twice), the buffer is one block's all-gather."""
-    from minishard.launch import RankContext
-    from minishard.ledger import DeviceOutOfMemory
-    from minishard.trace import Tracer
+    from minishard.core.launch import RankContext
+    from minishard.core.ledger import DeviceOutOfMemory
+    from minishard.core.trace import Tracer
     torch.manual_seed(0)
     net = minishard.GPT("nano")
     owner = {id(p): f"blocks.{i}" for i, b in enumerate(net.blocks) for p in b.parameters()}

@@ -7,11 +7,11 @@ here against its formula, from the trace."""
 import pytest
 import torch
 
-from minishard.config import ConfigError, TrainConfig
-from minishard.links import link_bytes, next_in_ring
-from minishard.playback import ring_caption
-from minishard.trace import Replay
-from minishard.train import train
+from minishard.training.config import ConfigError, TrainConfig
+from minishard.planner.links import link_bytes, next_in_ring
+from minishard.viewers.playback import ring_caption
+from minishard.core.trace import Replay
+from minishard.training.loop import train
 
 from parity import assert_parity, reference
 import reshard_tasks
@@ -114,8 +114,8 @@ def test_a_ring_sends_to_the_next_member_and_bad_values_are_refused():
     for bad in (0, -2, 1.5, "2"):
         with pytest.raises(ConfigError, match="reshard_after_forward"):
             TrainConfig(strategy="fsdp", reshard_after_forward=bad)
-    from minishard import fsdp
-    from minishard.comm import Comm
+    from minishard.strategies import fsdp
+    from minishard.core.comm import Comm
     with pytest.raises(ValueError, match="reshard_after_forward=3 must be"):
         fsdp.fully_shard(torch.nn.Linear(4, 4), comm=Comm(alone=True), reshard_after_forward=3)
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from minishard.cli.report import LEFT_OUT, NOT_MODELLED, explain, report
-from minishard.config import TrainConfig
-from minishard.ledger import STATE_CATEGORIES
-from minishard.train import train
+from minishard.training.config import TrainConfig
+from minishard.core.ledger import STATE_CATEGORIES
+from minishard.training.loop import train
 from test_cli import cli                        # python -m minishard in a fresh process
 
 NANO = dict(model="nano", steps=2)
@@ -164,7 +164,7 @@ def test_the_formula_says_how_many_replica_groups():
 
 def test_every_knob_is_accepted_by_every_strategy_that_reads_it():
     from minishard import strategies
-    from minishard.config import KNOBS
+    from minishard.training.config import KNOBS
     values = {"bucket_cap_mb": 4.0, "wrap": "linear", "reshard_after_forward": False, "reshard_root": True,
               "prefetch": 1, "accumulation": "no_sync", "shard_size": 1, "offload": "host",
               "prefetch_bucket_size": 10**6, "max_live_parameters": 10**6, "param_persistence_threshold": 100,
@@ -184,7 +184,7 @@ def test_the_knobs_only_minishards_fsdp_reads_are_refused_or_named_for_every_oth
     disagree with it): under any other strategy, PyTorch's FSDP2 included, each of these knobs
     is refused or listed as unused — never silently ignored."""
     from minishard import strategies
-    from minishard.config import ConfigError
+    from minishard.training.config import ConfigError
     ours = {"fsdp", "fsdp_flat", "hsdp"}
     knobs = {"reshard_root": True, "quantized_weights": True, "quantized_gradients": True,
              "offload": "host", "prefetch_bucket_size": 10**6, "max_live_parameters": 10**6,

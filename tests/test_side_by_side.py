@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minishard.course import side_by_side as sbs
-from minishard.model import GPT, config
+from minishard.core.model import GPT, config
 
 from side_by_side_tasks import STEPS
 

@@ -4,7 +4,7 @@ rely on, each pinned where an outsider's planted change went unseen."""
 import pytest
 
 from minishard.course import side_by_side as sbs
-from minishard.strategies import _torch_prefetch
+from minishard.strategies.registry import _torch_prefetch
 from minishard.viz.pair import PlayerPair, shared_moments
 
 

@@ -405,7 +405,7 @@ def test_chinese_page_is_drawn_with_a_cjk_font_offline(zh_site, offline_browser)
 
 
 # ------------------------------------------------------------------ the offline player
-# What an offline player (minishard/offline_player.js) draws: the event, its title, every bar's
+# What an offline player (minishard/viewers/offline_player.js) draws: the event, its title, every bar's
 # bytes (and height), every unit's state, the ring's caption and chunks.
 REPLAY_STATE = """root => {
     const bars = {}, heights = {}, units = {};
@@ -427,7 +427,7 @@ REPLAY_STATE = """root => {
 @pytest.fixture(scope="module")
 def fsdp4_view(pools, tmp_path_factory):
     """``minishard view`` of a recorded 4-rank FSDP trace, and the trace's events."""
-    from minishard import trace
+    from minishard.core import trace
     from minishard.cli import main
     from test_view import record_fsdp4
 
@@ -526,7 +526,7 @@ def test_view_steps_like_the_live_player_offline(offline_browser, fsdp4_view):
 def ring_trace(N: int) -> list[dict]:
     """N ranks: an all-reduce (ring rounds) then a broadcast from the last rank (a tree), with
     rank 0 allocating and freeing a byte many times inside each, to stop at."""
-    from minishard import trace
+    from minishard.core import trace
     seq, out = {}, []
 
     def add(t, rank, kind, **fields):
@@ -569,7 +569,7 @@ def test_no_chunk_covers_a_rank_label_offline(offline_browser, tmp_path):
     """The offline player's ring on 2 to 8 ranks, at every event of an all-reduce and a tree
     broadcast: no chunk's square or label lies over a rank's disc, and each rank's label fits
     its disc (``tests/test_viz.py`` checks the live ring by geometry)."""
-    from minishard import offline_player
+    from minishard.viewers import offline_player
     body = "".join(offline_player.fragment(offline_player.encode(ring_trace(N), title=f"{N} ranks"))
                    for N in range(2, 9))
     page_path = tmp_path / "rings.html"

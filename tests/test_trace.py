@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from minishard import perfetto, trace
-from minishard.trace import LedgerTimeline, TraceFormatError, Tracer
+from minishard.viewers import perfetto
+from minishard.core import trace
+from minishard.core.trace import LedgerTimeline, TraceFormatError, Tracer
 
 
 def _two_rank_events():

@@ -14,10 +14,11 @@ import re
 
 import pytest
 
-from minishard import offline_player, playback, trace
+from minishard.viewers import offline_player, playback
+from minishard.core import trace
 from minishard.cli import main
 from minishard.cli.view import DEFAULT_NAME
-from minishard.train import TrainConfig, train
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import Player, replay_html
 from minishard.viz.ring import ring_view
 
@@ -122,7 +123,7 @@ def test_the_same_ledger_units_titles_and_ring_at_every_event(fsdp4):
 
 
 def test_the_page_draws_the_ring_with_the_live_rings_geometry():
-    """The page's script places chunks and their labels with ``minishard.playback``'s numbers
+    """The page's script places chunks and their labels with ``minishard.viewers.playback``'s numbers
     (``tests/test_site.py`` compares the places drawn with the live ring's, event by event)."""
     js = offline_player.library()
     m = re.search(r"const RING_NODE = ([\d.]+), RING_CLEAR = ([\d.]+), LABEL_REACH = ([\d.]+);", js)

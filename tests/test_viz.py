@@ -12,9 +12,9 @@ import ipywidgets as W
 import pytest
 import torch
 
-from minishard import trace
-from minishard.launch import RankContext
-from minishard.train import TrainConfig, train
+from minishard.core import trace
+from minishard.core.launch import RankContext
+from minishard.training.loop import TrainConfig, train
 from minishard.viz import (Player, ledger_bars, ring_figure, ring_schedule, static_player_figure,
                            timeline_figure)
 from minishard.viz.figures import MiB
@@ -160,7 +160,7 @@ def test_a_trace_opens_at_the_first_steps_peak():
     """The live player, the offline one and the kernel-free figure open where rank 0 holds the
     most during the first step: not at event 0 (a nearly empty chart), nor at a later step's
     higher peak; a trace of one step opens at its highest."""
-    from minishard import offline_player
+    from minishard.viewers import offline_player
 
     spec = []
     for r in (0, 1):
@@ -490,9 +490,9 @@ def test_static_player_figure_has_frames_and_a_slider(single_run):
 
 
 def test_player_shows_fsdp_unit_states_next_to_the_bars():
-    from minishard.launch import RankContext
-    from minishard.trace import Tracer
-    from minishard.train import TrainConfig, train
+    from minishard.core.launch import RankContext
+    from minishard.core.trace import Tracer
+    from minishard.training.loop import TrainConfig, train
     from minishard.viz import Player
 
     ctx = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
@@ -525,9 +525,9 @@ def test_player_shows_fsdp_unit_states_next_to_the_bars():
 
 
 def test_timeline_draws_waits_on_communication_and_offload_transfers():
-    from minishard.launch import RankContext
-    from minishard.trace import Tracer
-    from minishard.train import TrainConfig, train
+    from minishard.core.launch import RankContext
+    from minishard.core.trace import Tracer
+    from minishard.training.loop import TrainConfig, train
     from minishard.viz import timeline_figure
 
     ctx = RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
@@ -537,7 +537,7 @@ def test_timeline_draws_waits_on_communication_and_offload_transfers():
 
 
 def test_sizes_are_binary_like_the_demo_and_the_chapters():
-    from minishard.playback import fmt_bytes
+    from minishard.viewers.playback import fmt_bytes
     assert fmt_bytes(870_656) == "850 KiB"
     assert fmt_bytes(3 * 2**20) == "3 MiB" and fmt_bytes(5 * 2**30) == "5 GiB"
     assert fmt_bytes(1000) == "1000 B"

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 import minishard
-import minishard.doctor
-from minishard import perfetto, trace
+import minishard.instruments.doctor
+from minishard.viewers import perfetto
+from minishard.core import trace
 from minishard.cli import view
-from minishard.watching import WatchError
+from minishard.instruments.watching import WatchError
 
 N, STEPS = 2, 2
 
@@ -94,7 +95,7 @@ def watched(rank, kind, out, raf=True):
 def own_watched(rank, kind, with_ledger, out):
     """2 steps of minishard's own strategy, built by hand as a user builds it (a Comm with no
     tracer: the watch lends its own), under watch."""
-    from minishard.fsdp import ShardedOptimizer
+    from minishard.strategies.fsdp import ShardedOptimizer
     torch.manual_seed(0)
     net = minishard.GPT("nano")
     ledger = minishard.LiveLedger() if with_ledger else None
@@ -228,12 +229,12 @@ def test_torch_ddp(pools, tmp_path):
     facts = [json.loads((out / f"flight_rank{r}.json").read_text())["facts"] for r in range(N)]
     assert facts[0]["weights_start"] == facts[1]["weights_start"] and len(facts[0]["weights_start"]) == 41
     assert [n["param_dtypes"] for n in facts[0]["steps"]] == [["float32"]] * STEPS
-    assert minishard.doctor.diagnose(out).findings == []
+    assert minishard.instruments.doctor.diagnose(out).findings == []
 
 
 def test_a_watched_ddp_in_bf16_without_a_master_is_named(pools, tmp_path):
     _run(pools, tmp_path, "ddp_bf16")
-    (f,) = minishard.doctor.diagnose(tmp_path / "ddp_bf16").findings
+    (f,) = minishard.instruments.doctor.diagnose(tmp_path / "ddp_bf16").findings
     assert (f.kind, f.ranks) == ("precision", [0, 1])
     assert len(f.evidence) == STEPS and all("bfloat16 elements the optimizer stepped came out unchanged"
                                             in e for e in f.evidence)
@@ -379,7 +380,7 @@ def test_four_ranks(pools, tmp_path):
 
 def test_demo_torch_strategies_write_the_full_trace_through_watch(pools):
     """train() (the demo's loop) watches PyTorch's own strategies: units, buckets, broadcasts."""
-    from minishard.train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     pool = pools(N)
     for strategy, ops in (("torch_fsdp", {"all_gather", "reduce_scatter"}),
                           ("torch_ddp", {"all_reduce"}), ("torch_zero1", {"all_reduce", "broadcast"})):
@@ -456,7 +457,7 @@ def test_trace_none_keeps_events_and_a_tracer_receives_them(pools):
 def test_a_rank_that_dies_leaves_readable_traces(tmp_path):
     """Every rank streams its trace a line at a time: rank 1 killed before step 1, both files
     read back whole — rank 1's up to its step 0, rank 0's into step 1."""
-    from minishard.launch import RankError, Ranks
+    from minishard.core.launch import RankError, Ranks
     out = tmp_path / "dies"
     with Ranks(2, timeout=120) as own:           # its own pool: a rank is killed on purpose
         with pytest.raises(RankError):
@@ -487,7 +488,7 @@ def test_sgd_momentum_is_the_momentum_category(pools, tmp_path):
 
 def test_the_reentrancy_guard_survives_an_exception():
     import threading
-    from minishard.watching import Watch
+    from minishard.instruments.watching import Watch
     w = Watch.__new__(Watch)
     w._guard = threading.local()
     with pytest.raises(RuntimeError):

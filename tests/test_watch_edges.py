@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import minishard
-from minishard import trace
-from minishard.watching import WatchError
+from minishard.core import trace
+from minishard.instruments.watching import WatchError
 from test_watch import N, _build
 
 STEP_KW = dict(model="nano", steps=2, micro_batch=2)
@@ -69,7 +69,7 @@ def after_exit(rank, kind, out):
 def failed_enter(rank, kind):
     """An instrument that fails while the watch attaches: every one attached before it is undone.
     Then a watch inside a watch is refused, and the outer one still records."""
-    from minishard.watching import calls
+    from minishard.instruments.watching import calls
     model, opt = _build(kind)
     hooks = lambda: len(model._forward_pre_hooks) + len(model._forward_hooks)     # noqa: E731 (FSDP2 has its own)
     hooks_before = hooks()
@@ -161,7 +161,7 @@ def ddp_pairs(rank, out):
 
 
 def train_unwatched(rank):
-    from minishard.train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     seen = []
     train(rank, TrainConfig(strategy="torch_ddp", trace=False, **STEP_KW),
           on_step=lambda s: seen.append(getattr(dist.all_reduce, "__minishard_watch__", False)))
@@ -171,12 +171,12 @@ def train_unwatched(rank):
 def own_after_exit(rank):
     """minishard's own FSDP with its ledger: after the with, a forward enters no activations
     (the ledger's activations context closed with the watch)."""
-    from minishard.fsdp import ShardedOptimizer
+    from minishard.strategies.fsdp import ShardedOptimizer
     torch.manual_seed(0)
     net = minishard.GPT("nano")
     ledger = minishard.LiveLedger()
     comm = minishard.Comm(ledger=ledger)
-    minishard.fsdp.apply_fsdp(net, comm=comm, ledger=ledger)
+    minishard.strategies.fsdp.apply_fsdp(net, comm=comm, ledger=ledger)
     opt = ShardedOptimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
     cfg = minishard.model_config("nano")
     with minishard.watch(net, opt) as w:
@@ -198,7 +198,7 @@ def rs_out_in_bf16(rank):
     ledger = minishard.LiveLedger(tracer)
     comm = minishard.Comm(tracer, ledger=ledger)
     mp = minishard.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    minishard.fsdp.apply_fsdp(net, comm=comm, ledger=ledger, mp_policy=mp)
+    minishard.strategies.fsdp.apply_fsdp(net, comm=comm, ledger=ledger, mp_policy=mp)
     x, y = minishard.batch(minishard.model_config("nano"), 0, 2, rank.rank, rank.world_size)
     net(x, y).backward()
     rs = {e["tag"]: e for e in tracer.events if e["kind"] == "collective" and e["op"] == "reduce_scatter"}

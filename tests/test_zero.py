@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from minishard.comm import Comm
-from minishard.ledger import STATE_CATEGORIES
-from minishard.model import GPT
-from minishard.train import TrainConfig, train
-from minishard.zero import ZeroOptimizer
+from minishard.core.comm import Comm
+from minishard.core.ledger import STATE_CATEGORIES
+from minishard.core.model import GPT
+from minishard.training.loop import TrainConfig, train
+from minishard.strategies.zero import ZeroOptimizer
 
 from parity import as_reference, assert_parity, reference
 import rank_tasks

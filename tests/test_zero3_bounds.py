@@ -5,12 +5,12 @@ the byte, and against one process."""
 import pytest
 import torch
 
-from minishard import fsdp
-from minishard.comm import Comm
+from minishard.strategies import fsdp
+from minishard.core.comm import Comm
 from minishard.course.ch07 import stage3_train
-from minishard.model import GPT
-from minishard.offload import OffloadPolicy
-from minishard.train import TrainConfig
+from minishard.core.model import GPT
+from minishard.strategies.offload import OffloadPolicy
+from minishard.training.loop import TrainConfig
 
 from parity import assert_parity, reference
 
@@ -126,8 +126,8 @@ def test_every_unit_not_back_to_its_shard_counts_as_live():
     after a forward that kept 1/k of them, still: backward gathers it again."""
     from types import SimpleNamespace
 
-    from minishard.fsdp.limits import live_elements
-    from minishard.fsdp.state import MemoryState
+    from minishard.strategies.fsdp.limits import live_elements
+    from minishard.strategies.fsdp.state import MemoryState
     units = [SimpleNamespace(layout=SimpleNamespace(slots=[SimpleNamespace(numel=10 ** i)]),
                              memory_state=state) for i, state in enumerate(MemoryState)]
     everything = sum(10 ** i for i in range(len(units)))

@@ -1,20 +1,21 @@
-"""ZeRO++'s quantized collectives (``minishard/quantized.py``) in minishard's FSDP: what crosses
+"""ZeRO++'s quantized collectives (``minishard/core/quantized.py``) in minishard's FSDP: what crosses
 the wire, counted from the trace against the formula — 4·⌈n/block⌉ scale bytes and n int8 bytes
 (to whole 4 bytes) per rank's part of n elements, about a quarter of fp32 — and what the rounding costs,
 against the unquantized run over a few dozen steps: the loss curve, and how far each run's
-model drifts from the other relative to how far training moved it (``minishard.parity.drift``).
+model drifts from the other relative to how far training moved it (``minishard.training.parity.drift``).
 """
 import math
 
 import pytest
 import torch
 
-from minishard import fsdp, quantized
-from minishard.comm import Comm
-from minishard.config import ConfigError, TrainConfig
-from minishard.model import GPT
-from minishard.parity import drift, params_of
-from minishard.train import train
+from minishard.strategies import fsdp
+from minishard.core import quantized
+from minishard.core.comm import Comm
+from minishard.training.config import ConfigError, TrainConfig
+from minishard.core.model import GPT
+from minishard.training.parity import drift, params_of
+from minishard.training.loop import train
 
 STEPS = 20
 KW = dict(strategy="fsdp", model="nano", micro_batch=2, steps=STEPS, return_params=True)

@@ -5,9 +5,9 @@ import hashlib
 def gathered_weights_digest(rank):
     """A block sharded with qwZ, unsharded by hand: the digest of the full parameters this rank
     computes with (every rank must hold the same ones, its own part dequantized too)."""
-    from minishard import fsdp
-    from minishard.comm import Comm
-    from minishard.model import GPT
+    from minishard.strategies import fsdp
+    from minishard.core.comm import Comm
+    from minishard.core.model import GPT
     block = GPT("nano", seed=0).blocks[0]
     fsdp.fully_shard(block, comm=Comm(rank.tracer), manual=True, quantized_weights=True)
     unit = block._fsdp_unit
@@ -24,9 +24,9 @@ def quantized_reduce_scatter(rank, dtype_name: str) -> dict:
     dequantized, cast to the output's dtype once; and the ledger must hold the send and the
     receive buffers while it runs."""
     import torch
-    from minishard import quantized
-    from minishard.comm import Comm
-    from minishard.ledger import LiveLedger
+    from minishard.core import quantized
+    from minishard.core.comm import Comm
+    from minishard.core.ledger import LiveLedger
     N, n, scheme = rank.world_size, 700, quantized.Scheme(4)
     dtype = getattr(torch, dtype_name)
     inputs = [torch.randn(N * n, generator=torch.Generator().manual_seed(q)).to(dtype) for q in range(N)]

@@ -4,7 +4,7 @@ So each step of the protocol ends with the ranks agreeing whether all succeeded,
 not, every rank raises the same error (the first rank's)."""
 from __future__ import annotations
 
-from ..comm import Comm
+from minishard.core.comm import Comm
 from .format import CheckpointError
 
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ..comm import Comm, _group_timeout
+from minishard.core.comm import Comm, _group_timeout
 
 _pending: list["PendingSave"] = []
 # the training's process group -> the checkpoint's group over the same ranks; weak, so that the

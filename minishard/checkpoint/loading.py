@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
+from minishard.core.comm import Comm
 from .agreement import agree
 from .format import METADATA, CheckpointError, dtype_name, read_metadata, resolve
 from .reads import overlap, plan_reads, read_verified

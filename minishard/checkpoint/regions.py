@@ -45,9 +45,9 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
-from ..optim_state import ensure_optimizer_state
-from ..strategies import layout_name
+from minishard.core.comm import Comm
+from minishard.strategies.optim_state import ensure_optimizer_state
+from minishard.strategies.registry import layout_name
 from .format import STATE_KINDS, CheckpointError
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm import Comm
+from minishard.core.comm import Comm
 from .format import BLOCK_BYTES, build_metadata, dtype_name, plan_file
 from .reads import Read, plan_reads
 from .regions import ShardedState, describe
@@ -37,9 +37,9 @@ def layout(strategy: str, rank: int, world_size: int, model_config, *, optimizer
            **build_options) -> ShardedState:
     """What rank ``rank`` of ``world_size`` would hold under ``strategy`` — computed on the meta
     device, from the layout math alone (no ranks, no memory)."""
-    from ..config import TrainConfig
-    from ..model import GPT, GPTConfig
-    from ..strategies import build
+    from minishard.training.config import TrainConfig
+    from minishard.core.model import GPT, GPTConfig
+    from minishard.strategies.registry import build
     cfg = GPTConfig(**model_config) if isinstance(model_config, dict) else model_config
     comm = _LayoutComm(rank, world_size)
     built = build(GPT(cfg, device="meta"), TrainConfig(strategy, optimizer=optimizer, **build_options), comm)

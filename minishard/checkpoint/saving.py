@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
+from minishard.core.comm import Comm
 from .agreement import agree, raise_if_any
 from .background import PendingSave, checkpoint_comm, wait_for_saves
 from .format import (BLOCK_BYTES, CHECKSUM, HASHES, METADATA, CheckpointError, build_metadata,

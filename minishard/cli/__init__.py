@@ -93,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, *, pools=None) -> int:
-    """Run one command; its exit status. ``pools`` (a :class:`minishard.launch.Pools`) lends
+    """Run one command; its exit status. ``pools`` (a :class:`minishard.core.launch.Pools`) lends
     ``demo --world-size N`` warm ranks instead of starting N processes for this one run: a
     notebook or a test session runs many commands on the same ranks."""
     args = parser().parse_args(argv)
@@ -152,8 +152,8 @@ def _dispatch(args, pools=None) -> int:
         return view.run(args)
     if args.cmd == "doctor":
         return doctor.run(args)
-    from ..perfetto import write_chrome
-    from ..trace import load
+    from minishard.viewers.perfetto import write_chrome
+    from minishard.core.trace import load
     write_chrome(load(args.trace_dir), args.out)
     print(f"wrote {args.out}")
     return 0
@@ -162,7 +162,7 @@ def _dispatch(args, pools=None) -> int:
 def _explain(e: BaseException) -> tuple[int, str, str, str | None]:
     """(exit status, the one line, who prints it: "all" ranks alike (rank 0 speaks) or this
     "rank", or a "peer" that lost a rank that failed first, the traceback for --debug)."""
-    from ..launch import RankError
+    from minishard.core.launch import RankError
     if isinstance(e, RankError):
         kind, message = _parse_repr(e.error)
         status = BAD_INPUT if kind in BAD_INPUT_ERRORS else FAILED

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from .. import strategies
-from ..faults import FAULTS
+from minishard import strategies
+from minishard.training.faults import FAULTS
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from minishard.training.config import TrainConfig
 
 MiB = 2**20
 
@@ -97,7 +97,7 @@ def _sharding_arguments(g) -> None:
 def config_of(args) -> "TrainConfig":
     """The run's TrainConfig; every bad value is refused here, before any rank starts, named by
     its flag (``--prefetch -1``, not ``prefetch=-1``), and so is a flag the strategy never reads."""
-    from ..config import ConfigError, TrainConfig
+    from minishard.training.config import ConfigError, TrainConfig
     if args.device_budget is not None and not (math.isfinite(args.device_budget) and args.device_budget > 0):
         raise ValueError(f"--device-budget {args.device_budget}: must be a positive, finite number of MiB")
     try:
@@ -141,9 +141,9 @@ def _flag(args, name: str, value) -> str:
 def check(args, config, world_size: int) -> None:
     """What TrainConfig cannot know alone: the world size, the files and checkpoints on disk.
     Every refusal names the flag and what to do, before any rank starts."""
-    from .. import checkpoint
-    from ..model import GPT
-    from ..model import config as model_config
+    from minishard import checkpoint
+    from minishard.core.model import GPT
+    from minishard.core.model import config as model_config
     if world_size < 1:
         raise ValueError(f"--world-size {world_size}: a run needs at least one rank; use --world-size 1 or more")
     strategy = strategies.get(config.strategy)
@@ -241,14 +241,14 @@ def run(args, pools=None) -> int:
         except Exception as e:      # as Ranks reports a rank's failure: its rank, its own traceback
             import traceback
 
-            from ..launch import RankError
+            from minishard.core.launch import RankError
             raise RankError(int(os.environ["RANK"]), repr(e), traceback.format_exc()) from None
     else:
         world_size = 1 if args.world_size is None else args.world_size
         check(args, config, world_size)
         from contextlib import nullcontext
 
-        from ..launch import Ranks
+        from minishard.core.launch import Ranks
         lent = pools is not None and args.timeout is None
         quiet = args.quiet or args.json
         with nullcontext(pools(world_size)) if lent else Ranks(world_size, **_timeout(args)) as ranks:
@@ -263,7 +263,7 @@ def run(args, pools=None) -> int:
 
 def train_reporting(rank, config) -> dict:
     """``train`` on a rank of ``Ranks``, each step's progress handed to the caller."""
-    from ..train import train
+    from minishard.training.loop import train
     return train(rank, config, on_step=rank.report)
 
 
@@ -274,9 +274,9 @@ def _timeout(args) -> dict:
 def _under_torchrun(config, args):
     import torch.distributed as dist
 
-    from ..comm import Comm
-    from ..launch import context_from_env
-    from ..train import train
+    from minishard.core.comm import Comm
+    from minishard.core.launch import context_from_env
+    from minishard.training.loop import train
     ctx = context_from_env(**_timeout(args))
     # the results travel in a group of their own: a rank done early (a fault) waits there,
     # not in the training group, where its next collective would pair with the others' last
@@ -300,11 +300,11 @@ def _under_torchrun(config, args):
 def _finish(args, results: list[dict], events) -> None:
     from .report import report, summary
     if args.trace and events is not None:
-        from ..trace import write_dir
+        from minishard.core.trace import write_dir
         write_dir(events, args.trace)
     exported = None
     if args.export:
-        from .. import checkpoint
+        from minishard import checkpoint
         ck = Path(args.export) / ".checkpoint"
         exported = checkpoint.export(args.save or ck, args.export)
         if not args.save:

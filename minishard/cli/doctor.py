@@ -5,7 +5,7 @@
     python -m minishard doctor traces/fsdp --json     # the same, for tools
 
 It reads each rank's flight-recorder dump (``flight_rank{r}.json``) and notes the traces beside
-them (``minishard/doctor.py`` says what it looks for). Exit status: 0 when it finds nothing, 1
+them (``minishard/instruments/doctor.py`` says what it looks for). Exit status: 0 when it finds nothing, 1
 when it finds a problem, 2 when the input cannot be read (the file, and the line, named).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .. import doctor
+from minishard.instruments import doctor
 
 FOUND = 1
 
@@ -65,7 +65,7 @@ def checked(report: doctor.Report) -> str:
     if report.traces:
         said.append("no FSDP unit held most parameters and no full gradient outlived its micro-batch")
     return (", ".join(said) if said else "no facts or traces to check more (the dumps of "
-            "minishard.train hold them)") + "."
+            "minishard.training.loop hold them)") + "."
 
 
 def what_was_read(report: doctor.Report) -> str:

@@ -1,7 +1,7 @@
 """``minishard ledger`` and ``minishard plan``: answers for real models, without training.
 
 A model is a built-in name (``llama3-8b``, ``gpt2-small``, ...) or ``--config FILE``, a Hugging
-Face ``config.json`` read from disk (``minishard.hf_config``); it is built on the meta device, so
+Face ``config.json`` read from disk (``minishard.core.hf_config``); it is built on the meta device, so
 its parameter count is exact and nothing is allocated or downloaded.
 
 ``plan`` models sequences of ``TRAINING_SEQ_LEN`` tokens unless ``--seq-len`` says otherwise: a
@@ -48,7 +48,7 @@ def add_ledger_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    from ..costmodel import DEVICES, LINKS
+    from minishard.planner.costmodel import DEVICES, LINKS
     _model_arguments(p, "llama3-8b")
     g = p.add_argument_group("the cluster")
     g.add_argument("--cluster", choices=sorted(CLUSTERS), help="a named cluster (the flags below override it)")
@@ -81,8 +81,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def model_config(args):
     """The model as its config states it: positions up to the config's maximum, so that a
     learned position table (GPT-2's) has its real size and the parameter count is exact."""
-    from ..hf_config import config_from_hf
-    from ..model import config
+    from minishard.core.hf_config import config_from_hf
+    from minishard.core.model import config
     return config_from_hf(args.config) if args.config else config(args.model)
 
 
@@ -90,7 +90,7 @@ def _positions(args, cfg) -> tuple[int, str]:
     """The longest sequence the config allows, and where that figure comes from."""
     if not args.config:
         return cfg.seq_len, f"{args.model}'s seq_len"
-    from ..hf_config import read_hf_config
+    from minishard.core.hf_config import read_hf_config
     if cfg.learned_pos:
         return cfg.seq_len, "the config's n_positions"
     if read_hf_config(args.config).get("max_position_embeddings"):
@@ -124,8 +124,8 @@ def sequence_length(args, cfg) -> tuple[int, str]:
 
 def check_common(args) -> None:
     """The flags ledger and plan share, refused in their own words before anything is built."""
-    from ..analytic import PRECISIONS
-    from ..model import CONFIGS
+    from minishard.planner.analytic import PRECISIONS
+    from minishard.core.model import CONFIGS
     if getattr(args, "world_size", 1) < 1:
         raise ValueError(f"--world-size {args.world_size}: must be an integer >= 1")
     if args.precision is not None and args.precision not in PRECISIONS:      # plan: None = the model's own
@@ -138,8 +138,8 @@ def check_common(args) -> None:
 
 
 def ledger(args) -> int:
-    from ..analytic import estimate
-    from ..model import GPT
+    from minishard.planner.analytic import estimate
+    from minishard.core.model import GPT
     check_common(args)
     name = args.config or args.model
     est = estimate(GPT(model_config(args), device="meta"), world_size=args.world_size,
@@ -176,7 +176,7 @@ def _columns(rows: list[tuple[str, ...]], left: tuple[int, ...] = (0,)) -> str:
 
 
 def cluster_of(args):
-    from ..costmodel import DEVICES, LINKS, Cluster
+    from minishard.planner.costmodel import DEVICES, LINKS, Cluster
     chosen = dict(CLUSTERS.get(args.cluster, CLUSTERS["h100-node"]))
     for key in ("device", "gpus_per_node", "nodes", "intra", "inter"):
         if getattr(args, key) is not None:
@@ -202,9 +202,9 @@ def network(cluster) -> str:
 
 
 def plan(args) -> int:
-    from .. import strategies
-    from ..advice import Advice
-    from ..model import GPT
+    from minishard import strategies
+    from minishard.planner.advice import Advice
+    from minishard.core.model import GPT
     check_common(args)
     cfg, cluster = model_config(args), cluster_of(args)
     seq_len, chosen_by = sequence_length(args, cfg)
@@ -257,7 +257,7 @@ def plan(args) -> int:
 
 
 def costmodel_warnings(p) -> list[str]:
-    from ..costmodel import warnings
+    from minishard.planner.costmodel import warnings
     return warnings(p)
 
 

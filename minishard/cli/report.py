@@ -38,8 +38,8 @@ def report(results: list[dict], args, exported: dict | None = None) -> str:
         lines.append(f"  (each rank's loss is a bf16 number: near {r0['losses'][-1]:.1f} it moves in steps of "
                      f"{res:g}, so a smaller change does not show)")
     if args.trace:
-        from ..perfetto import write_chrome
-        from ..trace import load
+        from minishard.viewers.perfetto import write_chrome
+        from minishard.core.trace import load
         events = load(args.trace)
         write_chrome(events, Path(args.trace) / "trace.json")
         lines.append(f"trace: {args.trace}/rank*.jsonl ({len(events)} events); "
@@ -102,7 +102,7 @@ def waited_measured(r: dict) -> bool:
 
 
 def family(strategy: str) -> str:
-    from .. import strategies
+    from minishard import strategies
     stage = strategies.get(strategy).stage
     return "replicas" if stage == 0 else "zero" if stage < 3 else "fsdp"
 
@@ -122,7 +122,7 @@ def formula_words(results: list[dict], args) -> str:
     led = r0.get("ledger")
     if led is None:
         return ""
-    from .. import strategies
+    from minishard import strategies
     strategy, n = strategies.get(r0["strategy"]), r0["world_size"]
     group = led.get("shard_group") or n
     words = [f"{getattr(args, 'precision', 'fp32')} {getattr(args, 'optimizer', 'adamw')}"]

@@ -17,7 +17,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .. import offline_player, trace
+from minishard.viewers import offline_player
+from minishard.core import trace
 
 DEFAULT_NAME = "player.html"
 NEEDS = {"phase": ("name", "edge"), "collective": ("op", "payload", "wire", "t_end"),

@@ -2,7 +2,7 @@
 
 A task is a module-level function ``fn(rank: RankContext, ...)``: the rank processes import it by
 name, which is why it lives in a ``.py`` file and not in a notebook cell. Run one with
-:class:`minishard.launch.Ranks`::
+:class:`minishard.core.launch.Ranks`::
 
     with Ranks(2) as ranks:
         ranks.run(hello, payload_mb=1.0)        # one result per rank
@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from ..comm import Comm
-from ..launch import RankContext
+from minishard.core.comm import Comm
+from minishard.core.launch import RankContext
 
 
 def hello(rank: RankContext, payload_mb: float = 1.0) -> dict:

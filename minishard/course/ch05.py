@@ -3,13 +3,13 @@
 * :func:`race` times strategies (or FSDP wrappings) on the same ranks, alternating step by
   step, wall-clock and CPU seconds — fair timing on a machine other jobs share.
 * :func:`unsharded_series` and :func:`unit_states_at` read a trace's ``unit`` events into the
-  chapter's tables (both are lookups into the trace's fold, :mod:`minishard.trace`).
+  chapter's tables (both are lookups into the trace's fold, :mod:`minishard.core.trace`).
 """
 from __future__ import annotations
 
-from ..comm import Comm
-from ..model import GPT, batch, config
-from ..trace import LedgerTimeline, Replay
+from minishard.core.comm import Comm
+from minishard.core.model import GPT, batch, config
+from minishard.core.trace import LedgerTimeline, Replay
 
 
 def race(rank, variants: dict[str, dict] | None = None, model: str = "tiny", steps: int = 6,
@@ -23,7 +23,7 @@ def race(rank, variants: dict[str, dict] | None = None, model: str = "tiny", ste
     of each are dropped."""
     import time
 
-    from ..train import TrainConfig, build, train_step
+    from minishard.training.loop import TrainConfig, build, train_step
     variants = variants or {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}}
     cfg = config(model)
     runs = {}
@@ -62,7 +62,7 @@ def unsharded_series(events: list[dict], rank: int = 0, step: int | None = None)
 
 def unit_states_at(events: list[dict], i: int) -> dict[int, dict[str, str]]:
     """``{rank: {unit: state}}`` after event ``i``: every unit starts sharded (the trace's fold,
-    :meth:`minishard.trace.Replay.unit_states`)."""
+    :meth:`minishard.core.trace.Replay.unit_states`)."""
     return Replay(events).unit_states(i)
 
 

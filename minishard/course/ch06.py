@@ -2,7 +2,7 @@
 
 The tasks run on real ranks (``Ranks(N).run(task, ...)``) and return plain data a notebook can
 print and assert on; the views read traces only. Nothing here is a strategy: every byte is
-allocated, gathered and reduced by :mod:`minishard.fsdp` (its units and layouts).
+allocated, gathered and reduced by :mod:`minishard.strategies.fsdp` (its units and layouts).
 
 * :func:`lifecycle_by_hand` walks one training step of the nano GPT through every FSDP lifecycle
   call written out (``unshard``, ``reshard``, ``reduce_scatter_grads`` ...) by
@@ -23,11 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import fsdp
-from ..comm import Comm
-from ..ledger import LiveLedger, track_optimizer_state
-from ..model import GPT, batch, config
-from ..trace import phase_spans, unit_spans
+from minishard.strategies import fsdp
+from minishard.core.comm import Comm
+from minishard.core.ledger import LiveLedger, track_optimizer_state
+from minishard.core.model import GPT, batch, config
+from minishard.core.trace import phase_spans, unit_spans
 
 
 # --------------------------------------------------------------------------- 06: by hand
@@ -215,8 +215,8 @@ def padding_table(model: str, world_size: int) -> dict[str, list[int]]:
     """Padding elements each rank stores (summed over the units: every block and the root),
     per layout, for ``world_size`` ranks — computed by building the layouts on the meta
     device, no ranks needed."""
-    from ..fsdp.layout import FlatLayout, PerParamLayout
-    from ..fsdp.slots import collect_slots
+    from minishard.strategies.fsdp.layout import FlatLayout, PerParamLayout
+    from minishard.strategies.fsdp.slots import collect_slots
     out = {}
     for kind in ("per_param", "flat"):
         net = GPT(model, device="meta")
@@ -289,7 +289,7 @@ def unit_state_figure(events: list[dict], rank: int = 0, step: int | None = None
     (blank: sharded). Forward and backward phases are shaded behind."""
     import plotly.graph_objects as go
 
-    from ..viz.figures import UNIT_STATE_COLORS
+    from minishard.viz.figures import UNIT_STATE_COLORS
     evs = [e for e in events if e["rank"] == rank and (step is None or e.get("step") == step)]
     order = list(dict.fromkeys(e["name"] for e in evs if e["kind"] == "unit"))
     spans = unit_spans(evs)

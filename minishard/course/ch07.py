@@ -1,8 +1,8 @@
 """Rank tasks and views of traces for the course's chapter 07 (prefetch).
 
-Nothing here is a strategy: every gather and wait is made by :mod:`minishard.fsdp`. The tasks
+Nothing here is a strategy: every gather and wait is made by :mod:`minishard.strategies.fsdp`. The tasks
 run on real ranks and return plain data; the views read a trace's events only, through the
-trace's fold (:mod:`minishard.trace`; plotly is imported lazily, so rank processes do not pay
+trace's fold (:mod:`minishard.core.trace`; plotly is imported lazily, so rank processes do not pay
 for it).
 
 * :func:`prefetch_race` trains one model per prefetch depth side by side on the same ranks,
@@ -24,9 +24,9 @@ from __future__ import annotations
 import itertools
 import time
 
-from ..comm import Comm
-from ..model import GPT, batch, config
-from ..trace import phase_spans, rank_events, unit_spans
+from minishard.core.comm import Comm
+from minishard.core.model import GPT, batch, config
+from minishard.core.trace import phase_spans, rank_events, unit_spans
 
 PASSES = ("forward", "backward")
 
@@ -40,7 +40,7 @@ def stage3_train(rank, config, prefetch_bucket_size: int | None = None,
     """``train(rank, config)`` (an FSDP strategy) with DeepSpeed's three ZeRO-3 bounds, in
     elements (``TrainConfig``'s fields of the same names, ``fsdp.limits``). Adds ``gathered``
     (:func:`gathered_peaks` of this rank's trace)."""
-    from ..train import train
+    from minishard.training.loop import train
     out = train(rank, config.replace(prefetch_bucket_size=prefetch_bucket_size,
                                      max_live_parameters=max_live_parameters,
                                      param_persistence_threshold=param_persistence_threshold))
@@ -61,7 +61,7 @@ def prefetch_race(rank, depths=(0, 1, 2, 3), model: str = "tiny", steps: int = 5
     rank: wall-clock seconds per step, seconds compute waited on communication per step (the
     sum over units of :attr:`FSDPUnit.exposed_s`), CPU seconds the rank process burned. The
     ``warmup`` first steps are dropped."""
-    from ..train import TrainConfig, build, train_step
+    from minishard.training.loop import TrainConfig, build, train_step
     cfg = config(model)
     runs = {}
     for k in depths:

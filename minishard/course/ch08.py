@@ -2,9 +2,9 @@
 disk tier leaves on disk."""
 from __future__ import annotations
 
-from ..comm import Comm
-from ..model import GPT, batch, config
-from ..trace import rank_events
+from minishard.core.comm import Comm
+from minishard.core.model import GPT, batch, config
+from minishard.core.trace import rank_events
 
 
 def transfer_table(events: list[dict], rank: int = 0, step: int | None = None) -> dict:
@@ -27,7 +27,7 @@ def disk_tier_files(rank, directory: str, model: str = "tiny", micro_batch: int 
     for this rank."""
     import os
 
-    from ..train import TrainConfig, build
+    from minishard.training.loop import TrainConfig, build
     cfg = config(model)
     comm = Comm()
     built = build(GPT(cfg).to(rank.device), TrainConfig("fsdp_flat", model=model, offload="disk",

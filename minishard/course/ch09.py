@@ -7,8 +7,8 @@ import os
 import torch
 import torch.nn as nn
 
-from ..checkpoint import describe, load, read_full
-from ..comm import Comm
+from minishard.checkpoint import describe, load, read_full
+from minishard.core.comm import Comm
 
 
 def compare(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm) -> dict:
@@ -33,9 +33,9 @@ def resume_and_compare(rank, path: str, strategy: str, *, model: str = "tiny", s
                        **build_options) -> dict:
     """Rank task: build ``model`` with *other* initial weights (``seed``) under ``strategy`` on
     this world size, load the checkpoint, and compare what the rank then holds with it."""
-    from ..config import TrainConfig
-    from ..model import GPT, config
-    from ..strategies import build
+    from minishard.training.config import TrainConfig
+    from minishard.core.model import GPT, config
+    from minishard.strategies.registry import build
     comm = Comm(rank.tracer)
     built = build(GPT(config(model), seed=seed), TrainConfig(strategy, model=model, **build_options), comm)
     net, opt = built.model, built.optimizer

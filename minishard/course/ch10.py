@@ -1,11 +1,11 @@
 """Rank tasks and trace readings for chapter 10 (choosing and debugging).
 
 Nothing here is a strategy: every allocation, collective and timing comes from
-:func:`minishard.train.train` and the engine under it. The tasks run on real ranks and return
+:func:`minishard.training.loop.train` and the engine under it. The tasks run on real ranks and return
 plain data; the readings are pure functions of results and events.
 
 * :func:`under_budget` trains under a device memory budget and, instead of failing the pool,
-  reports a :class:`~minishard.ledger.DeviceOutOfMemory` as data — the OOM checklist, live.
+  reports a :class:`~minishard.core.ledger.DeviceOutOfMemory` as data — the OOM checklist, live.
 * :func:`straggler` makes one rank slow on some steps: synchronous training waits for the
   slowest rank, so the healthy ranks' step times get the same tail (p50 vs p99).
 * :func:`phase_seconds` reads how long each forward or backward took from a trace.
@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
-from ..launch import RankContext
-from ..ledger import DeviceOutOfMemory, LiveLedger
-from ..tp import TensorParallelMLP
-from ..trace import phase_spans
+from minishard.core.comm import Comm
+from minishard.core.launch import RankContext
+from minishard.core.ledger import DeviceOutOfMemory, LiveLedger
+from minishard.strategies.tp import TensorParallelMLP
+from minishard.core.trace import phase_spans
 
 
 # ---------------------------------------------------------------------------- the OOM checklist
@@ -40,7 +40,7 @@ def under_budget(rank: RankContext, budget: int, *, peak_too: bool = True, **tra
     Every rank runs the same shapes, so every rank reaches the allocation that crosses the
     budget at the same point of the program and raises there: no rank is left waiting in a
     collective, and the warm pool stays usable (a real CUDA OOM usually ends the job)."""
-    from ..train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     try:
         out = train(rank, TrainConfig(device_budget=budget, **train_kw))
         report: dict[str, Any] = {"fits": True}
@@ -55,7 +55,7 @@ def under_budget(rank: RankContext, budget: int, *, peak_too: bool = True, **tra
 
 
 def oom_report(error: DeviceOutOfMemory) -> dict[str, Any]:
-    """A :class:`~minishard.ledger.DeviceOutOfMemory` as data, in MiB: the category and size of
+    """A :class:`~minishard.core.ledger.DeviceOutOfMemory` as data, in MiB: the category and size of
     the allocation that failed (and its tag), the total it would have reached, the budget, and
     what the device held by category — what you read first in a real out-of-memory report."""
     mib = 2**20
@@ -73,8 +73,8 @@ def straggler(rank: RankContext, slow_rank: int = 1, every: int = 5, delay: floa
     """Train ``steps`` steps; rank ``slow_rank`` sleeps ``delay`` seconds before the forward of
     every ``every``-th step (a stand-in for a slow node, a GC pause, a noisy neighbour).
     Returns this rank's wall-clock step times, measured from a common barrier."""
-    from ..model import GPT, batch, config
-    from ..train import TrainConfig, build, train_step
+    from minishard.core.model import GPT, batch, config
+    from minishard.training.loop import TrainConfig, build, train_step
 
     cfg = config(model)
     comm = Comm()
@@ -133,7 +133,7 @@ def comm_seconds(events: list[dict], rank: int, step: int) -> tuple[float, float
 
 def profile(results: list[dict], events: list[dict], tokens_per_rank: int,
             single_tokens_per_s: float | None = None, skip: int = 1) -> dict[str, float]:
-    """The profiling checklist for one run of :func:`~minishard.train.train` on N ranks:
+    """The profiling checklist for one run of :func:`~minishard.training.loop.train` on N ranks:
 
     * ``step_s``: median step time of the slowest rank (a synchronous step ends when it does),
       ``p99_s`` its 99th percentile;
@@ -172,8 +172,8 @@ def compare_with_fsdp(rank: RankContext, micro_batch: int = 2, model: str = "tin
     """One MLP forward+backward, tensor-parallel and FSDP-sharded, on real ranks: what each
     rank stores at its peak, what crosses the wire, and whether the results are the single-
     process ones. (A rank task; core question 3 of the course.)"""
-    from .. import fsdp
-    from ..model import GPT, config
+    from minishard.strategies import fsdp
+    from minishard.core.model import GPT, config
 
     cfg = config(model)
     full = GPT(cfg, seed=0).blocks[0].mlp                   # the same weights on every rank
@@ -227,7 +227,7 @@ def measure_compute(rank, **train_kw) -> list[float]:
     """A rank task: step times of single-process training on every rank at once, with no
     communication — what one "device" computes when all the ranks share this machine's cores
     (see benchmarks/bench_planner.py)."""
-    from ..train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     return train(None, TrainConfig(strategy="single", track_activations=False, **train_kw))["step_times"]
 
 
@@ -254,7 +254,7 @@ def held_after_forward(events: list[dict], rank: int = 0, step: int = 0) -> int:
     """Bytes of gathered parameters (the ledger's ``unsharded``, the parts kept by
     ``reshard_after_forward=k`` included) on ``rank`` when forward ends in ``step``: what a unit
     keeps for its backward."""
-    from ..trace import rank_events
+    from minishard.core.trace import rank_events
     live = 0
     for e in rank_events(events, rank, step):
         if e["kind"] in ("alloc", "free") and e["category"] == "unsharded":

@@ -2,8 +2,8 @@
 word on each.
 
 * :func:`broken` trains the course's GPT with one failure planted (``TrainConfig(fault=...)``,
-  :mod:`minishard.faults`) or one memory mistake configured, and leaves what every rank recorded —
-  its flight dump and its trace — in a directory for :func:`minishard.doctor.diagnose`;
+  :mod:`minishard.training.faults`) or one memory mistake configured, and leaves what every rank recorded —
+  its flight dump and its trace — in a directory for :func:`minishard.instruments.doctor.diagnose`;
   :func:`outcome` does the same for a run that fails on some ranks (a hang that times out), each
   rank's error coming back as data.
 * :func:`doctor_text` is the doctor's printed report, made the same on every machine (see
@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..launch import RankContext
+from minishard.core.launch import RankContext
 
 SMALL = dict(model="nano", steps=2, micro_batch=2)     # a run that breaks in about a second
 
@@ -28,7 +28,7 @@ def broken(rank: RankContext, directory: str, **knobs) -> dict[str, Any]:
     is written to ``directory/rank{r}.jsonl`` however the run ends (the doctor's memory findings
     read it). Returns the losses, the bytes sent per step, the ledger's peak and its categories
     (minishard's strategies), the parameters (``return_params=True``) and their count."""
-    from ..train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
     try:
         out = train(rank, TrainConfig(flight_dir=directory, **SMALL | knobs))
     finally:
@@ -77,8 +77,8 @@ def stable(line: str) -> str:
 def doctor_text(directory: str | Path, name: str | None = None) -> list[str]:
     """``python -m minishard doctor DIR``'s lines for ``directory``, the directory shown as
     ``name``, each made :func:`stable`."""
-    from .. import doctor
-    from ..cli.doctor import text
+    from minishard.instruments import doctor
+    from minishard.cli.doctor import text
     shown = name or Path(directory).name
     return [stable(line.replace(str(directory), shown)) for line in text(doctor.diagnose(directory))]
 
@@ -93,7 +93,7 @@ def summary(finding) -> str:
 
 def verdict(directory: str | Path, name: str | None = None) -> str:
     """``minishard doctor NAME: nothing found`` or the kinds it found, in a line."""
-    from .. import doctor
+    from minishard.instruments import doctor
     found = doctor.diagnose(directory).findings
     said = "nothing found" if not found else ", ".join(f"[{f.kind}]" for f in found)
     return f"minishard doctor {name or Path(directory).name}: {said}"

@@ -1,6 +1,6 @@
 """minishard's strategy beside PyTorch's, event by event: the tables chapters 02 and 06 show.
 
-Each function takes two traces — lists of events as ``minishard.trace.load`` returns them:
+Each function takes two traces — lists of events as ``minishard.core.trace.load`` returns them:
 ``mine`` (a minishard run) and ``theirs`` (a ``minishard.watch`` run of torch's own job) — and
 returns plain data (lists of dict rows) that :func:`render` prints as a text table:
 
@@ -18,7 +18,7 @@ Each known difference has a name here (:data:`DOCUMENTED`) and a row in docs/sid
 """
 from __future__ import annotations
 
-from ..trace import rank_events
+from minishard.core.trace import rank_events
 
 CATEGORIES = ("params", "unsharded", "grads", "comm_buffers", "exp_avg", "exp_avg_sq",
               "activations")
@@ -49,8 +49,8 @@ DOCUMENTED = {
 def traces(ranks, mine: str, theirs: str, **knobs) -> tuple[list[dict], list[dict]]:
     """The same job under minishard's strategy ``mine`` and PyTorch's ``theirs`` (watched: that
     is how ``train`` runs PyTorch's strategies), one after the other on the same warm ranks
-    (``minishard.launch.Ranks``), with the same ``TrainConfig`` knobs: both traces."""
-    from ..train import TrainConfig, train
+    (``minishard.core.launch.Ranks``), with the same ``TrainConfig`` knobs: both traces."""
+    from minishard.training.loop import TrainConfig, train
     out = []
     for strategy in (mine, theirs):
         ranks.run(train, TrainConfig(strategy=strategy, **knobs))

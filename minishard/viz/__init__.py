@@ -1,11 +1,11 @@
 """Views of a trace: the step-through :class:`Player` widget and the plain figures it is made of,
 and the course's calculator widgets. :func:`replay_html` is the same player without a kernel
 (one HTML output that plays on the static site; ``python -m minishard view`` writes it for any
-trace); it lives in the engine (``minishard.offline_player``) so that a node without plotly has it.
+trace); it lives in the engine (``minishard.viewers.offline_player``) so that a node without plotly has it.
 
-The engine never imports this package; it only reads events (``minishard.trace``).
+The engine never imports this package; it only reads events (``minishard.core.trace``).
 """
-from ..offline_player import replay_html          # the player with no kernel: one HTML output
+from minishard.viewers.offline_player import replay_html          # the player with no kernel: one HTML output
 from .calculator import LedgerCalculator          # the ledger calculator widget, chapter 01
 from .figures import ledger_bars, timeline_figure
 from .planner import PlannerWidget                # the planner widget, chapter 10

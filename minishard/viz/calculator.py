@@ -1,6 +1,6 @@
 """The ledger calculator: will this training job fit on one device?
 
-A widget over :func:`minishard.analytic.estimate`. Pick a model (or a bare parameter count), a world
+A widget over :func:`minishard.planner.analytic.estimate`. Pick a model (or a bare parameter count), a world
 size, a strategy, a precision policy, an optimizer and a micro-batch; it draws one stacked bar per
 rank (what that rank must hold, by ledger category) against a line at the device's memory, and
 says whether it fits. Every control is also an attribute, so a notebook cell can drive it and
@@ -12,7 +12,7 @@ check the result without a browser::
     assert calc.fits and calc.per_rank_bytes < 80e9
 
 The figures are in decimal gigabytes (1 GB = 10^9 bytes), the unit device memory is sold in.
-Activations come from :func:`minishard.analytic.gpt_activation_bytes` for minishard's GPT, which
+Activations come from :func:`minishard.planner.analytic.gpt_activation_bytes` for minishard's GPT, which
 computes attention explicitly (no fused kernel) and saves its T x T softmax: at long sequence
 lengths that term is far above what a FlashAttention-style kernel keeps.
 """
@@ -21,11 +21,11 @@ from __future__ import annotations
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from ..analytic import OPTIMIZERS, PRECISIONS, Estimate, estimate, gpt_activation_bytes
-from .. import strategies
-from ..strategies import STAGES
-from ..costmodel import param_counts
-from ..model import CONFIGS, config
+from minishard.planner.analytic import OPTIMIZERS, PRECISIONS, Estimate, estimate, gpt_activation_bytes
+from minishard import strategies
+from minishard.strategies.registry import STAGES
+from minishard.planner.costmodel import param_counts
+from minishard.core.model import CONFIGS, config
 from .figures import category_order, color, fmt_bytes
 from .live_figure import LiveFigure
 
@@ -48,12 +48,12 @@ def control(name: str, doc: str) -> property:
 class LedgerCalculator:
     """Per-rank training memory of a configuration, against a device's memory (module doc)."""
 
-    model = control("model", "a name from minishard.model.CONFIGS, or 'custom' (use n_params)")
+    model = control("model", "a name from minishard.core.model.CONFIGS, or 'custom' (use n_params)")
     n_params_b = control("n_params_b", "parameters in billions, used when model == 'custom'")
     world_size = control("world_size", "number of ranks N")
     strategy = control("strategy", "'ddp', 'zero1', 'zero2' or 'zero3'")
-    precision = control("precision", "a key of minishard.analytic.PRECISIONS")
-    optimizer = control("optimizer", "a key of minishard.analytic.OPTIMIZERS")
+    precision = control("precision", "a key of minishard.planner.analytic.PRECISIONS")
+    optimizer = control("optimizer", "a key of minishard.planner.analytic.OPTIMIZERS")
     micro_batch = control("micro_batch", "sequences per rank per forward; 0 leaves activations out")
     seq_len = control("seq_len", "tokens per sequence (for the activations)")
     device_gb = control("device_gb", "memory of one device, in GB")

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-# the words, colours and spans both players show live in the engine (minishard.playback), so
+# the words, colours and spans both players show live in the engine (minishard.viewers.playback), so
 # that the offline player (python -m minishard view, no plotly) shows the same
-from ..playback import (COLORS, MiB, UNIT_STATE_COLORS, Span, category_order, color, describe,  # noqa: F401
+from minishard.viewers.playback import (COLORS, MiB, UNIT_STATE_COLORS, Span, category_order, color, describe,  # noqa: F401
                         fmt_bytes, lane_spans)
-from ..trace import phase_spans
+from minishard.core.trace import phase_spans
 
 
 # --------------------------------------------------------------------------- memory

@@ -1,6 +1,6 @@
 """The planner widget: which strategy on which cluster — and what would you change?
 
-A widget over :func:`minishard.costmodel.plan`. Pick a model (tiny … llama3-405b), a cluster
+A widget over :func:`minishard.planner.costmodel.plan`. Pick a model (tiny … llama3-405b), a cluster
 (device, GPUs per node, nodes, the link inside a node and between nodes), a strategy and its
 knobs (wrapping, prefetch depth, activation recomputation, CPU offload, hybrid sharding), a
 micro-batch, a sequence length and a model-FLOPs utilisation (MFU). It draws, for all four
@@ -22,7 +22,7 @@ can drive it and check the result without a browser::
     assert pw.fits and pw.plan.exposed_comm_s < 0.2 * pw.plan.step_s
 
 Memory is in GiB (2^30 bytes), as the planner's verdicts. Every figure is the planner's
-(:mod:`minishard.costmodel`, ``wrap="model"`` included); the widget only draws them and words
+(:mod:`minishard.planner.costmodel`, ``wrap="model"`` included); the widget only draws them and words
 the hints. The planner's assumptions and the source of every device and link figure are in
 ``docs/costmodel.md``.
 """
@@ -34,10 +34,10 @@ import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..advice import LABELS, Advice
-from ..costmodel import DEVICES, LINKS, Cluster, Plan, plan
-from .. import strategies
-from ..model import CONFIGS
+from minishard.planner.advice import LABELS, Advice
+from minishard.planner.costmodel import DEVICES, LINKS, Cluster, Plan, plan
+from minishard import strategies
+from minishard.core.model import CONFIGS
 from .calculator import control
 from .figures import category_order, color
 from .live_figure import LiveFigure
@@ -52,7 +52,7 @@ TIME_PARTS = (("compute", "#4C78A8"), ("exposed communication", "#E45756"))
 
 @lru_cache(maxsize=4096)
 def cached_plan(model: str, cluster: Cluster, strategy: str, **job) -> Plan:
-    """:func:`~minishard.costmodel.plan`, memoised: a slider move re-plans all four strategies,
+    """:func:`~minishard.planner.costmodel.plan`, memoised: a slider move re-plans all four strategies,
     and moving back should cost nothing."""
     return plan(model, cluster, strategy, **job)
 
@@ -71,12 +71,12 @@ def _planner(model, cluster, strategy, **job) -> Plan:
 class PlannerWidget:
     """Per-GPU memory and step time of all four strategies on a cluster (see the module doc)."""
 
-    model = control("model", "a name from minishard.model.CONFIGS")
-    device = control("device", "a key of minishard.costmodel.DEVICES")
+    model = control("model", "a name from minishard.core.model.CONFIGS")
+    device = control("device", "a key of minishard.planner.costmodel.DEVICES")
     gpus_per_node = control("gpus_per_node", "GPUs in one node (they share the intra-node link)")
     nodes = control("nodes", "number of nodes")
-    intra = control("intra", "the link between GPUs of a node: a key of minishard.costmodel.LINKS")
-    inter = control("inter", "the link between nodes: a key of minishard.costmodel.LINKS")
+    intra = control("intra", "the link between GPUs of a node: a key of minishard.planner.costmodel.LINKS")
+    inter = control("inter", "the link between nodes: a key of minishard.planner.costmodel.LINKS")
     wrap = control("wrap", "FSDP units: 'block' (one per transformer block) or 'model' (one)")
     prefetch = control("prefetch", "FSDP prefetch depth: blocks gathered ahead of the one computing")
     recompute = control("recompute", "activation recomputation (keep only each block's input)")
@@ -243,7 +243,7 @@ class PlannerWidget:
 
     @property
     def hints(self) -> list[str]:
-        """What would you change? :meth:`minishard.advice.Advice.hints` for the current controls
+        """What would you change? :meth:`minishard.planner.advice.Advice.hints` for the current controls
         (the same sentences ``python -m minishard plan`` prints)."""
         return self.advice.hints()
 

@@ -2,7 +2,7 @@
 
 ``Player(events)`` shows, at any event of a run, what every rank holds in memory (stacked bars by
 ledger category), the collective in flight (chunks moving round a ring of ranks) and where the
-event sits on a per-rank timeline. It reads only events (``minishard.trace`` schema v1), from a
+event sits on a per-rank timeline. It reads only events (``minishard.core.trace`` schema v1), from a
 finished run or live while the ranks train::
 
     p = Player(trace.load("runs/ddp"))         # or Player("runs/ddp"), or Player(R.last_events)
@@ -13,7 +13,7 @@ finished run or live while the ranks train::
     p = Player()                               # live: empty, fed as events arrive
     R.run(train, strategy="ddp", on_event=p.feed); p.flush()
 
-Every jump is a lookup: :class:`minishard.trace.Replay` folds the trace once into per-event arrays
+Every jump is a lookup: :class:`minishard.core.trace.Replay` folds the trace once into per-event arrays
 (the cumulative ledger, each event's phase, the units' states, the collectives' time spans), and a
 redraw touches only the plotly traces whose values changed.
 """
@@ -26,8 +26,8 @@ import ipywidgets as W
 import numpy as np
 import plotly.graph_objects as go
 
-from .. import trace
-from ..playback import event_title, opening_event
+from minishard.core import trace
+from minishard.viewers.playback import event_title, opening_event
 from .figures import MiB, UNIT_STATE_COLORS, category_order, lane_spans, ledger_bars, spans_figure
 from .ring import ring_figure, ring_view
 from .live_figure import LiveFigure
@@ -36,7 +36,7 @@ NO_PHASE = "—"
 
 
 class Replay(trace.Replay):
-    """The trace's fold (:class:`minishard.trace.Replay`), with each event's title in words."""
+    """The trace's fold (:class:`minishard.core.trace.Replay`), with each event's title in words."""
 
     def title(self, i: int) -> str:
         """``step 1 · backward · rank 0 all_reduce bucket0 · event 412/813`` (slider value/max)."""
@@ -47,9 +47,9 @@ class Player:
     """Step through a trace: memory per rank, the collective in flight, the timeline.
 
     ``events_or_path``: a list of events, a trace directory or ``.jsonl`` file (read with
-    :func:`minishard.trace.load`, which raises ``TraceFormatError`` for another schema version),
+    :func:`minishard.core.trace.load`, which raises ``TraceFormatError`` for another schema version),
     or None for a live player that :meth:`feed` fills. A trace opens at the first step's peak
-    (:func:`~minishard.playback.opening_event`), as the offline player does; a live player
+    (:func:`~minishard.viewers.playback.opening_event`), as the offline player does; a live player
     follows the newest event.
 
     ``ring_round``: None (default) derives the ring's round from the time of the current event

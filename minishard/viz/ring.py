@@ -2,7 +2,7 @@
 
 The rounds themselves (:func:`ring_schedule`: which rank sends which chunk in each round of a
 reduce-scatter, all-gather, all-reduce or tree broadcast), the round a moment falls in
-(:func:`round_at`) and the words of the title live in :mod:`minishard.playback`, which the
+(:func:`round_at`) and the words of the title live in :mod:`minishard.viewers.playback`, which the
 offline player (``python -m minishard view``) reads too; this module draws them with plotly.
 The trace records only when a collective started and ended on each rank, not its rounds, so the
 player *derives* the round from how far the current time is between ``t`` and ``t_end``: a
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from ..playback import (RING_NODE, RING_OPS, Round, chunk_xy, idle_ring_title, label_side,  # noqa: F401
+from minishard.viewers.playback import (RING_NODE, RING_OPS, Round, chunk_xy, idle_ring_title, label_side,  # noqa: F401
                         ring_angle, ring_caption, ring_schedule, round_at)
 
 
@@ -23,7 +23,7 @@ from ..playback import (RING_NODE, RING_OPS, Round, chunk_xy, idle_ring_title, l
 
 _angle = ring_angle                                  # rank 0 at the top, clockwise
 # The plot is SCALE pixels per ring radius (its height sets it; x follows, scaleanchor), so that
-# the discs and squares drawn in pixels are the size the geometry (minishard.playback) reckons with.
+# the discs and squares drawn in pixels are the size the geometry (minishard.viewers.playback) reckons with.
 SCALE = 110
 REACH = 1.45                        # the axes: ±REACH ring radii
 PLOT_PX = round(2 * REACH * SCALE)
@@ -69,7 +69,7 @@ def ring_view(world_size: int, collective: dict | None = None, round: int | None
               t: float | None = None) -> RingView:
     """The ring at one moment. ``round`` (0-based index into :func:`ring_schedule`) wins over
     ``t``; with neither, the first round is shown. Chunk markers sit ``fraction`` of the way
-    along their link (:func:`~minishard.playback.chunk_xy`: clear of the ranks at its ends), so
+    along their link (:func:`~minishard.viewers.playback.chunk_xy`: clear of the ranks at its ends), so
     stepping through time moves them; each label on the side away from every rank."""
     if collective is None:
         return RingView(world_size, idle_ring_title(world_size), [], [], [], [], [], [])

@@ -43,7 +43,7 @@ def spawn(fn, world: int = 2, args=()):
 
 
 def build(kind: str, size: str = "nano", reshard_after_forward=True):
-    from minishard.model import GPT
+    from minishard.core.model import GPT
     net = GPT(size)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -69,7 +69,7 @@ def build(kind: str, size: str = "nano", reshard_after_forward=True):
 
 
 def data(size: str, step: int, rank: int, world: int, micro_batch: int = 2):
-    from minishard.model import batch, config
+    from minishard.core.model import batch, config
     return batch(config(size), step, micro_batch, rank, world)
 
 

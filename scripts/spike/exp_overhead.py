@@ -1,4 +1,4 @@
-"""4: step-time overhead of each instrument on minishard.model.GPT (tiny by default) under torch
+"""4: step-time overhead of each instrument on minishard.core.model.GPT (tiny by default) under torch
 DDP and FSDP2, 2 gloo ranks, 1 thread each. Median of N measured steps after warm-up; a fresh
 model per configuration (the instruments patch instances).
 
@@ -104,7 +104,7 @@ def configs(kind):
 
     def watch(model, opt):
         from exp_watch_proto import Watch
-        from minishard.trace import Tracer
+        from minishard.core.trace import Tracer
         return _WatchCtx(Watch(model, opt, Tracer(dist.get_rank(), dist.get_world_size())))
 
     def prof_cpu(model, opt):

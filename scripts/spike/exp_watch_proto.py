@@ -1,5 +1,5 @@
 """A throw-away prototype of the mapping (not the feature): torch FSDP2 / DDP / ZeRO on 2 gloo
-ranks -> minishard.trace.Tracer events (phase, collective, alloc/free, unit) -> rank*.jsonl,
+ranks -> minishard.core.trace.Tracer events (phase, collective, alloc/free, unit) -> rank*.jsonl,
 then `python -m minishard view DIR` reads it. Shows the schema fits and which instrument feeds
 which field; the memory part is deliberately rough (see docs/watch-spike.md).
 
@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from common import build, data, spawn
 
-from minishard.comm import ring_wire_bytes
-from minishard.trace import Tracer
+from minishard.core.comm import ring_wire_bytes
+from minishard.core.trace import Tracer
 
 
 def _nbytes(t):

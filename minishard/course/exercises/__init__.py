@@ -138,7 +138,7 @@ def pools(given=None):
     """``with pools(ranks) as get: get(2).run(...)`` — the caller's warm pools where they have the
     size asked (a notebook's ``R2``, a dict of them from a test), others started and closed on
     exit (``launch.Pools``)."""
-    from ...launch import Pools
+    from minishard.core.launch import Pools
     return Pools(*(() if given is None else given.values() if isinstance(given, dict) else (given,)))
 
 
@@ -147,14 +147,14 @@ def in_process():
     on one rank are copies)."""
     import torch
 
-    from ...launch import RankContext
-    from ...trace import Tracer
+    from minishard.core.launch import RankContext
+    from minishard.core.trace import Tracer
     return RankContext(0, 1, torch.device("cpu"), Tracer(), "none")
 
 
 def unwrap_rank_error(e: Exception) -> Exception:
     """A learner's NotImplementedError on a rank arrives as a RankError: turn it back."""
-    from ...launch import RankError
+    from minishard.core.launch import RankError
     if isinstance(e, RankError) and "NotImplementedError" in e.error:
         return NotDone(e.error.split("(", 1)[-1].rstrip(")").strip("'\""))
     return e

@@ -20,7 +20,7 @@ def predict_hello(world_size: int, payload_mb: float) -> tuple[float, int]:
 def check_predict_hello(fn=None, ranks=None, payload_mb: float = 1.0) -> None:
     """Run ``hello`` on 2 and 3 ranks (``ranks``: a warm pool, or a dict of them, to reuse) and
     compare each rank's report with ``fn(world_size, payload_mb)``."""
-    from ..ch00 import hello
+    from minishard.course.ch00 import hello
 
     fn = fn or predict_hello
     for n in (1, 2, 3):                                  # cheap first: no ranks needed for N=1

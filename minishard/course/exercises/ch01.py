@@ -26,8 +26,8 @@ def _nonzero(d: dict) -> dict:
 
 @attempt
 def check_ddp_state_bytes(fn=None, ranks=None) -> None:
-    from ... import GPT, estimate
-    from ...train import TrainConfig, train
+    from minishard import GPT, estimate
+    from minishard.training.loop import TrainConfig, train
 
     fn = fn or ddp_state_bytes
     sizes = {"nano": GPT("nano", device="meta").num_params(), "1B": 10**9,

@@ -22,8 +22,8 @@ def ring_bytes(op: str, nbytes: int, world_size: int) -> int:
 
 @attempt
 def check_ring_bytes(fn=None, ranks=None) -> None:
-    from ... import GPT, ring_wire_bytes
-    from ...train import TrainConfig, train
+    from minishard import GPT, ring_wire_bytes
+    from minishard.training.loop import TrainConfig, train
 
     fn = fn or ring_bytes
     for op in OPS:

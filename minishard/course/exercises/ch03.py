@@ -53,8 +53,8 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 def _task(ctx, spec: dict) -> dict:
     """On each rank: the learner's step and minishard's ZeroOptimizer, side by side."""
-    from ...comm import Comm
-    from ...zero import ZeroOptimizer
+    from minishard.core.comm import Comm
+    from minishard.strategies.zero import ZeroOptimizer
 
     N, r = ctx.world_size, ctx.rank
     model = _model()

@@ -42,7 +42,7 @@ def _model() -> nn.Module:
 
 
 def _task(ctx, spec: dict) -> dict:
-    from ...comm import Comm
+    from minishard.core.comm import Comm
 
     N, r = ctx.world_size, ctx.rank
     model, reference = _model(), _model()

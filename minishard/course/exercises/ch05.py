@@ -25,9 +25,9 @@ def unshard_param(comm, shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Te
 
 
 def _task(ctx, spec: dict) -> dict:
-    from ... import fsdp
-    from ...comm import Comm
-    from ...model import GPT
+    from minishard.strategies import fsdp
+    from minishard.core.comm import Comm
+    from minishard.core.model import GPT
 
     net = GPT("nano", seed=0)
     comm = Comm(None)

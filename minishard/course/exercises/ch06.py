@@ -36,18 +36,18 @@ def manual_step(model, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 def _net(comm):
-    from ... import fsdp
-    from ...model import GPT
+    from minishard.strategies import fsdp
+    from minishard.core.model import GPT
 
     net = GPT("nano", seed=0)
     return fsdp.apply_fsdp(net, comm=comm, manual=True)
 
 
 def _task(ctx, spec: dict) -> dict:
-    from ... import fsdp
-    from ...comm import Comm
-    from ...model import batch, config
-    from ..ch06 import manual_step as reference_manual_step
+    from minishard.strategies import fsdp
+    from minishard.core.comm import Comm
+    from minishard.core.model import batch, config
+    from minishard.course.ch06 import manual_step as reference_manual_step
 
     x, y = batch(config("nano"), 0, 2, ctx.rank, ctx.world_size)
     ref_comm, comm = Comm(None), Comm(None)

@@ -24,9 +24,9 @@ def prefetch_targets(blocks: list[str], unit: str, depth: int, forward: bool) ->
 
 @attempt
 def check_prefetch_targets(fn=None, ranks=None) -> None:
-    from ..ch07 import who_is_gathered
-    from ...model import config
-    from ...train import TrainConfig, train
+    from minishard.course.ch07 import who_is_gathered
+    from minishard.core.model import config
+    from minishard.training.loop import TrainConfig, train
 
     fn = fn or prefetch_targets
     blocks = [f"blocks.{i}" for i in range(config("nano").n_layer)]

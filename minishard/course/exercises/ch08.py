@@ -25,7 +25,7 @@ def offload_bytes(block_shard: int, root_shard: int, n_blocks: int) -> tuple[int
 def shard_bytes(world_size: int) -> tuple[int, int, int]:
     """(one block's shard, the root's shard, number of blocks) of the nano model in fp32,
     flat layout: each unit's parameters padded to N equal chunks."""
-    from ...model import GPT
+    from minishard.core.model import GPT
 
     net = GPT("nano", device="meta")
     block = sum(p.numel() for p in net.blocks[0].parameters())
@@ -35,7 +35,7 @@ def shard_bytes(world_size: int) -> tuple[int, int, int]:
 
 @attempt
 def check_offload_bytes(fn=None, ranks=None) -> None:
-    from ...train import TrainConfig, train
+    from minishard.training.loop import TrainConfig, train
 
     fn = fn or offload_bytes
     call(fn, *shard_bytes(2))                            # not written yet? say so before any rank

@@ -39,7 +39,7 @@ def _metadata(numel: int, n: int) -> dict:
 
 
 def minishard_plan(numel: int, n: int, m: int) -> list[list[tuple[int, int, int]]]:
-    from ...checkpoint import plan_reads
+    from minishard.checkpoint import plan_reads
 
     meta, c = _metadata(numel, n), math.ceil(numel / m)
     plan = []

@@ -30,9 +30,9 @@ def tp_mlp_forward(comm, x: torch.Tensor, fc_w: torch.Tensor, fc_b: torch.Tensor
 
 
 def _task(ctx, spec: dict) -> dict:
-    from ...comm import Comm
-    from ...model import GPT, config
-    from ...tp import TensorParallelMLP
+    from minishard.core.comm import Comm
+    from minishard.core.model import GPT, config
+    from minishard.strategies.tp import TensorParallelMLP
 
     cfg = config("tiny")
     full = GPT(cfg, seed=0).blocks[0].mlp

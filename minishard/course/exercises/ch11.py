@@ -11,7 +11,7 @@ ranks may have dropped different ones (compare only the seqs every rank still ho
 seq, not by position); and two units of one size, swapped, agree in op, shapes and dtypes — only
 what they move differs, and nothing fails.
 
-The check compares your answer with the doctor's (``minishard.doctor.desync``) on the dumps of a
+The check compares your answer with the doctor's (``minishard.instruments.doctor.desync``) on the dumps of a
 real run with two units gathered in swapped order on rank 1 of 4, and on hand-made rings: a
 healthy run, a skipped collective, another dtype of the same size, rings that dropped different
 entries, a tie.
@@ -86,7 +86,7 @@ def _cases() -> dict[str, tuple[dict[int, list[dict]], str]]:
 
 def doctors_answer(held: dict[int, list[dict]]) -> tuple[int, list[int]] | None:
     """What ``minishard doctor`` says about these rings: (seq, ranks) of its desync, or None."""
-    from ...doctor import desync
+    from minishard.instruments.doctor import desync
     by_seq = {r: {e["seq"]: e for e in entries} for r, entries in held.items()}
     found = desync("world", by_seq, sorted(held))
     return None if found is None else (int(re.search(r"at seq (\d+)", found.title).group(1)),
@@ -97,7 +97,7 @@ def _real_reorder(ranks) -> dict[int, list[dict]]:
     """The world group's entries of a 4-rank FSDP run whose rank 1 gathers blocks.1 first."""
     import json
 
-    from ..ch11 import broken
+    from minishard.course.ch11 import broken
     with tempfile.TemporaryDirectory() as d, pools(ranks) as get:
         get(4).run(broken, d, strategy="fsdp", fault="reorder")
         dumps = {r: json.loads((Path(d) / f"flight_rank{r}.json").read_text()) for r in range(4)}

@@ -1,0 +1,10 @@
+"""The core every strategy stands on: ranks, collectives, the memory ledger, the trace.
+
+    launch.py       start N ranks (gloo on CPU, NCCL on GPUs) and keep them warm
+    comm.py         the collectives, each one counted: bytes on the wire, time, the ledger
+    quantized.py    ZeRO++'s int8/int4 collectives (block scales, then the values)
+    flight.py       a rank's last collectives, written however the run ends
+    ledger.py       the memory ledger: every allocation by category, live and at its peak
+    trace.py        the events every rank emits, and their reader
+    model.py        the small GPT every chapter trains; hf_config.py reads real models' configs
+"""

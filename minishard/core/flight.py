@@ -1,0 +1,160 @@
+"""A flight recorder: every rank keeps its last collectives, to say what it was doing when a
+run hung or died.
+
+PyTorch's c10d keeps one for NCCL (``TORCH_FR_BUFFER_SIZE``) and writes it on a timeout; its
+``fr_trace`` tool then names the rank and the collective that diverged. minishard's
+:class:`~minishard.core.comm.Comm` keeps its own, the same idea in the course's words: a ring buffer
+of the last ``capacity`` collectives, each with
+
+    seq        this group's collective number (ranks issue collectives in the same order,
+               so the k-th one must be the same collective everywhere); ``group`` is named
+               by its members where it is not the world ("shard[0, 1]")
+    op, group, shapes, dtypes, bytes, tag (the unit or bucket), step, phase
+    state      "issued" until the collective completed on this rank, then "completed"
+    where      the engine's line that issued it; caller: the first line outside minishard
+               and torch (the user's code, a notebook cell, a test)
+    t_issued, t_completed   seconds on the rank's trace clock
+
+and, beside the entries, ``facts``: what else must agree across ranks or tells a cause — the
+run's config, a fingerprint of the weights each rank built and started from, whether the start
+was broadcast from rank 0, each step's gradient norm and the precision the optimizer steps in.
+
+:meth:`FlightRecorder.dump` writes ``flight_rank{r}.json`` next to the rank's trace: on an
+exception (a collective timing out raises one), on SIGTERM (torchrun stopping the others when
+one rank fails) and at the end of a run. ``python -m minishard doctor DIR`` reads them.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+FORMAT_VERSION = 1
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.sep + "torch" + os.sep
+_HERE = (os.path.join(_PACKAGE, "comm.py"), os.path.join(_PACKAGE, "flight.py"))
+
+
+def call_sites(depth: int = 2) -> tuple[str, str]:
+    """(the engine's line that issued the collective, the first line outside minishard and
+    torch), each as ``file:line in function``."""
+    f, where, caller = sys._getframe(0), "", ""
+    for _ in range(depth):                     # (a shallow stack: a script's top level)
+        f = f.f_back or f
+    while f is not None and not caller:
+        path = f.f_code.co_filename
+        if path not in _HERE and _TORCH not in path and not path.startswith("<frozen"):
+            site = f"{_short(path)}:{f.f_lineno} in {f.f_code.co_name}"
+            where = where or site
+            if not path.startswith(_PACKAGE):
+                caller = site
+        f = f.f_back
+    return where, caller
+
+
+def _short(path: str) -> str:
+    root = os.path.dirname(_PACKAGE)
+    return os.path.relpath(path, root) if path.startswith(root) else path
+
+
+class FlightRecorder:
+    """One rank's last ``capacity`` collectives, over every group it communicates in."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, capacity: int = 256):
+        self.rank, self.world_size = rank, world_size
+        self.entries: collections.deque[dict] = collections.deque(maxlen=capacity)
+        self._seq: dict[str, int] = {}
+        # what the doctor compares across ranks besides the collectives (train() and the
+        # communicator note them): the run's config, the weights' fingerprints, whether the
+        # start was replicated from rank 0, each step's gradient norm and parameter precision
+        self.facts: dict = {}
+        self._lock = threading.RLock()   # (SIGTERM's handler may dump while this thread holds it)
+
+    def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
+               step: int | None, phase: str | None, t: float, **extra) -> dict:
+        """Enter a collective as it is issued; the entry is completed in place. ``extra``: what
+        else must agree across ranks (a broadcast's ``src``)."""
+        where, caller = call_sites(3)
+        with self._lock:
+            seq = self._seq[group] = self._seq.get(group, -1) + 1
+            entry = {"seq": seq, "op": op, "group": group, "group_size": group_size,
+                     "shapes": [list(x.shape) for x in tensors],
+                     "dtypes": [str(x.dtype).removeprefix("torch.") for x in tensors],
+                     "bytes": nbytes, "tag": tag, "step": step, "phase": phase,
+                     "state": "issued", "where": where, "caller": caller,
+                     "t_issued": round(t, 7), "t_completed": None, **extra}
+            self.entries.append(entry)
+        return entry
+
+    @staticmethod
+    def completed(entry: dict, t: float) -> None:
+        entry["state"], entry["t_completed"] = "completed", round(t, 7)
+
+    def dump(self, directory: str | os.PathLike, reason: str, error: str | None = None) -> Path:
+        """Write ``flight_rank{r}.json`` in ``directory`` (whole or not at all)."""
+        path = Path(directory) / f"flight_rank{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            body = {"v": FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size,
+                    "capacity": self.entries.maxlen,    # a full ring has dropped older ones
+                    "reason": reason, "error": error, "time": time.time(),
+                    "entries": list(self.entries), "facts": self.facts}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body, indent=1))
+        os.replace(tmp, path)
+        return path
+
+
+class dumping:
+    """``with dumping(recorder, directory):`` — the recorder is written on the way out: reason
+    ``end``, ``exception`` (with the error; the exception goes on) or ``sigterm`` (torchrun
+    stopping this rank because another failed: written, then the default handler runs).
+
+    A SIGTERM that arrives while the way-out dump is being written waits for it (torchrun sends
+    one to every rank as soon as the first exits, and ranks that time out together exit
+    together): the handler stays ours until the file is whole, then the signal is sent again."""
+
+    def __init__(self, recorder: FlightRecorder, directory):
+        self.recorder, self.directory, self._old = recorder, directory, None
+        self._writing = self._pending = False
+
+    def __enter__(self) -> FlightRecorder:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self.recorder
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self._writing:                        # the way-out dump is on its way: after it
+            self._pending = True
+            return
+        self._writing = True
+        self._write("sigterm")
+        signal.signal(signal.SIGTERM, self._old or signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _write(self, reason: str, error: str | None = None) -> None:
+        self.recorder.dump(self.directory, reason, error)
+        from minishard.instruments.torch_flight import write          # PyTorch's own, when TORCH_FR_BUFFER_SIZE asks
+        write(self.directory, self.recorder.rank)
+
+    def __exit__(self, kind, error, tb) -> None:
+        self._writing = True
+        try:
+            if error is None:
+                self._write("end")
+            else:
+                if hasattr(error, "held") and hasattr(error, "budget"):   # the ledger's OOM: its
+                    self.recorder.facts["out_of_memory"] = {             # exact count, for the doctor
+                        "category": error.category, "tag": error.tag, "nbytes": error.nbytes,
+                        "budget": error.budget, "held": error.held}
+                self._write("exception", f"{kind.__name__}: {error}")
+        finally:
+            if self._old is not None:
+                signal.signal(signal.SIGTERM, self._old)
+            if self._pending:
+                os.kill(os.getpid(), signal.SIGTERM)

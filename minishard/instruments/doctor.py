@@ -1,0 +1,443 @@
+"""The doctor: what went wrong in a run, read from the files it left behind.
+
+``python -m minishard doctor TRACE_DIR`` reads every rank's flight-recorder dump
+(``flight_rank{r}.json``, :mod:`minishard.core.flight`) and notes the traces (``rank{r}.jsonl``) beside
+them. Each problem is one :class:`Finding`: its kind, the ranks involved, a one-line title, the
+evidence (which rank issued which collective, with which shapes and dtypes, at which ``seq`` of
+which group, from which line of code, in which state) and the fix in words. Findings come most
+important first — the cause before its consequences:
+
+    desync        at some ``seq`` of a group the ranks issued different collectives (op, shapes
+                  or dtypes): they issued collectives in different orders, or one rank skipped
+                  one and the next paired with it. Everything after it in that group is noise.
+    exception     a rank's dump was written on an exception: its error, quoted.
+    missing_dump  a rank wrote no dump while others did: it died before it could (killed, the
+                  OOM killer, a crash inside C++ such as gloo aborting on a size mismatch).
+    hang          a ``seq`` some ranks issued and another never reached (name that rank, its
+                  last collective, and the one the others wait in), or one every rank issued
+                  and that never completed.
+
+The k-th collective of a group must be the same collective on every rank, so the dumps are
+aligned by ``seq``. A ring buffer drops its oldest entries, and ranks may have dropped different
+ones: only the seqs every rank still holds are compared.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import causes, torch_flight
+from .causes import Finding
+from minishard.core.flight import FORMAT_VERSION
+from minishard.viewers.playback import fmt_bytes
+from minishard.core.trace import TraceFormatError, not_utf8, numbered_lines
+
+DUMP = re.compile(r"flight_rank(\d+)\.json")
+TRACE = re.compile(r"rank(\d+)\.jsonl")
+ENTRY_NEEDS = ("seq", "op", "group", "group_size", "shapes", "dtypes", "bytes", "state")
+DUMP_NEEDS = ("rank", "world_size", "reason", "entries")
+# most important first: the cause before its consequences (a timeout is what a hang raises)
+KINDS = ("desync", "exception", "missing_dump", "hang", "timeout", "weights", "clip", "precision",
+         "memory")
+# what a rank raises when the collective it waits in never completes, or its peer went away
+TIMED_OUT = re.compile(r"^TimeoutError\b|timed out waiting|timed out after|collective operation "
+                       r"timeout|timeout caused pair closure|connection (closed|reset) by peer",
+                       re.IGNORECASE)
+
+
+@dataclass
+class Report:
+    directory: str
+    dumps: dict[int, dict]                   # rank -> its dump, as read
+    traces: dict[int, Path]                  # rank -> its rank{r}.jsonl
+    world_size: int | None
+    findings: list[Finding] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"directory": self.directory, "world_size": self.world_size,
+                "dumps": {str(r): {"reason": d["reason"], "error": d.get("error"),
+                                   "entries": len(d["entries"])} for r, d in sorted(self.dumps.items())},
+                "traces": sorted(str(p) for p in self.traces.values()),
+                "findings": [asdict(f) for f in self.findings]}
+
+
+# --------------------------------------------------------------------------- reading
+
+def read_dump(path: Path) -> dict:
+    """One rank's dump, checked: a file this minishard cannot read is named with its line."""
+    raw = path.read_bytes()
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line, where = not_utf8(e, raw)
+        raise TraceFormatError(f"{path}:{line}: not UTF-8 text ({where}): a damaged dump, or not a "
+                               f"flight-recorder dump") from None
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(f"{path}:{e.lineno}: not JSON ({e.msg} at column {e.colno}): a dump "
+                               f"cut short, or not a flight-recorder dump") from None
+    if not isinstance(body, dict):
+        raise TraceFormatError(f"{path}: not a flight-recorder dump (a JSON object with entries)")
+    if body.get("v") != FORMAT_VERSION:
+        newer = isinstance(body.get("v"), int) and body["v"] > FORMAT_VERSION
+        raise TraceFormatError(f"{path}: flight dump format version {body.get('v')!r}, but this "
+                               f"minishard reads version {FORMAT_VERSION}"
+                               + ("; a newer minishard wrote it: upgrade to read it" if newer else ""))
+    missing = [k for k in DUMP_NEEDS if k not in body]
+    if missing or not isinstance(body["entries"], list):
+        raise TraceFormatError(f"{path}: a flight dump without {', '.join(missing) or 'a list of entries'}")
+    named = int(DUMP.fullmatch(path.name).group(1))
+    if body["rank"] != named:
+        raise TraceFormatError(f"{path}: the dump says rank {body['rank']}, its name rank {named}")
+    for i, e in enumerate(body["entries"]):
+        lacks = [k for k in ENTRY_NEEDS if not isinstance(e, dict) or k not in e]
+        if lacks:
+            raise TraceFormatError(f"{path}: entry {i} has no {', '.join(lacks)}")
+    return body
+
+
+def read_dir(directory: str | Path) -> Report:
+    """The dumps and the traces of one run; neither: an error naming the directory."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no such trace directory (TrainConfig(flight_dir=DIR) or "
+                                f"demo --trace DIR writes one)")
+    dumps = {int(m.group(1)): read_dump(p) for p in sorted(d.iterdir()) if (m := DUMP.fullmatch(p.name))}
+    traces = {int(m.group(1)): p for p in sorted(d.iterdir()) if (m := TRACE.fullmatch(p.name))}
+    theirs = {r: p for p in sorted(d.iterdir()) if (r := torch_flight.rank_of(p)) is not None}
+    if not dumps and not traces and not theirs:
+        raise FileNotFoundError(f"{d}: no flight_rank*.json dumps, no rank*.jsonl traces and no "
+                                f"PyTorch flight-recorder dumps in this directory: nothing to diagnose")
+    # PyTorch's own dumps stand in for the ranks that left none of minishard's
+    world_of_theirs = max([r + 1 for r in theirs] + [b["world_size"] for b in dumps.values()], default=0)
+    for r, p in theirs.items():
+        if r not in dumps:
+            dumps[r] = torch_flight.read(p, r, world_of_theirs)
+    sizes = {r: b["world_size"] for r, b in dumps.items()}
+    if len(set(sizes.values())) > 1:
+        raise TraceFormatError(f"{d}: dumps of different runs: world sizes "
+                               + ", ".join(f"{s} in flight_rank{r}.json" for r, s in sorted(sizes.items())))
+    world = next(iter(sizes.values())) if sizes else None
+    for r in dumps:
+        if r >= world:
+            raise TraceFormatError(f"{d / f'flight_rank{r}.json'}: rank {r} in a world of {world}")
+    return Report(str(d), dumps, traces, world)
+
+
+# --------------------------------------------------------------------------- words
+
+def describe(e: dict) -> str:
+    """``all_reduce [8] float32, 32 B`` — what a collective was, the same on every rank (``of
+    blocks.0`` when it names the unit or bucket it moves)."""
+    shapes = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in e["shapes"])
+    of = f" of {e['tag']}" if e.get("tag") else ""
+    return f"{e['op']}{of} {shapes} {','.join(e['dtypes'])}, {fmt_bytes(e['bytes'])}"
+
+
+def site(e: dict) -> str:
+    where, caller = e.get("where") or "", e.get("caller") or ""
+    if not where:
+        return ""
+    return f"; at {where}" + (f", called from {caller}" if caller and caller != where else "")
+
+
+def state(e: dict) -> str:
+    return {"completed": "completed", "retired": "ended (PyTorch's gloo recorder does not say "
+            "whether it succeeded)"}.get(e["state"], "issued, never completed")
+
+
+def entry_line(who: str, e: dict) -> str:
+    extra = "".join(f", {k} {e[k]}" for k in ("step", "phase") if e.get(k) not in (None, ""))
+    return f"{who}: seq {e['seq']} {describe(e)}{extra} — {state(e)}{site(e)}"
+
+
+def ranks_word(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def signature(e: dict) -> tuple:
+    """What must agree across ranks at one seq: the collective, and what it moves (the unit or
+    bucket it is tagged with, the step it belongs to: two units of one size swapped pair up
+    without an error, and the model is silently wrong)."""
+    return (e["op"], tuple(map(tuple, e["shapes"])), tuple(e["dtypes"]), e.get("tag") or "",
+            e.get("step"), e.get("src"))
+
+
+def sizes_agree(a: dict, b: dict) -> bool:
+    return signature(a)[:3] == signature(b)[:3]
+
+
+# --------------------------------------------------------------------------- findings
+
+def by_group(dumps: dict[int, dict]) -> dict[str, dict[int, dict[int, dict]]]:
+    """group -> rank -> seq -> entry."""
+    out: dict[str, dict[int, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for r, body in dumps.items():
+        for e in body["entries"]:
+            out[e["group"]][r][e["seq"]] = e
+    return out
+
+
+NAMED = re.compile(r".*\[(\d+(?:, \d+)*)\]$")     # "shard[0, 1]": a group named by its members
+
+
+def members(group: str, held: dict[int, dict[int, dict]], dumps: dict[int, dict], world: int) -> list[int]:
+    """The ranks with dumps that should hold this group's collectives: every rank when the group
+    spans the world, its members when its name lists them (a rank holding none of it never
+    issued one), else those that hold some."""
+    if all(e["group_size"] == world for seqs in held.values() for e in seqs.values()):
+        return sorted(dumps)
+    if m := NAMED.fullmatch(group):
+        return sorted(r for r in map(int, m.group(1).split(", ")) if r in dumps)
+    return sorted(held)
+
+
+def absent(group: str, ranks: list[int], missing: list[int], dumps: dict[int, dict]) -> list[int]:
+    """The group's members that left no dump: those its name lists (a shard or replicate group
+    whose waiting member is the only one left with a dump waits for the one without), else every
+    rank without a dump when the group spans every rank with one."""
+    if m := NAMED.fullmatch(group):
+        return [r for r in map(int, m.group(1).split(", ")) if r in missing]
+    return missing if len(ranks) == len(dumps) else []
+
+
+def reached(held: dict[int, dict], r: int, dumps: dict[int, dict]) -> int:
+    """The last seq rank r issued in a group; one before the first when it holds none (PyTorch's
+    recorder numbers each group's collectives from 1, minishard's from 0)."""
+    return max(held.get(r, {}), default=dumps[r].get("first_seq", 0) - 1)
+
+
+def bystanders(groups: dict[str, tuple], gone: dict[str, list[int]], dumps: dict[int, dict]) -> set[int]:
+    """The ranks that wait in a collective for a rank that stopped (one that waits in none, or
+    left no dump), directly or through a chain of waiting ranks: behind in another group only
+    because they wait here, they are not that group's cause. Ranks waiting for each other in a
+    cycle (collectives of two groups issued in opposite orders) wait for no stopped rank: each is
+    the cause in the group it never reached — else such a deadlock would be reported as nothing."""
+    waits = {r: [(e["group"], e["seq"]) for e in body["entries"] if e["state"] == "issued"]
+             for r, body in dumps.items()}
+
+    def blockers(group: str, seq: int) -> list[int]:
+        held, ranks = groups[group]
+        return [r for r in ranks if reached(held, r, dumps) < seq] + gone[group]
+    out: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for r in sorted(set(waits) - out):
+            if any(not waits.get(b) or b in out for g, s in waits[r] for b in blockers(g, s)):
+                out.add(r)
+                grew = True
+    return out
+
+
+def desync(group: str, held: dict[int, dict[int, dict]], ranks: list[int]) -> Finding | None:
+    """The first seq every rank holds where they issued different collectives."""
+    common = set.intersection(*(set(held.get(r, {})) for r in ranks)) if ranks else set()
+    for seq in sorted(common):
+        sides: dict[tuple, list[int]] = defaultdict(list)
+        for r in ranks:
+            sides[signature(held[r][seq])].append(r)
+        if len(sides) == 1:
+            continue
+        parts = sorted(sides.values(), key=lambda rs: (-len(rs), rs))
+        odd = [r for rs in parts[1:] for r in rs] if len(parts[0]) > len(parts[1]) else ranks
+        said = "; ".join(f"{ranks_word(rs)} {describe(held[rs[0]][seq])}" for rs in parts)
+        silent = all(sizes_agree(held[ranks[0]][seq], held[r][seq]) for r in ranks)
+        return Finding(
+            "desync", odd,
+            f"ranks issued collectives in different orders: at seq {seq} of group {group!r}, {said}",
+            [entry_line(f"rank {r}", held[r][seq]) for r in ranks]
+            + ([f"the collectives before it agree on every rank (seqs {min(common)}..{seq - 1} "
+                f"compared)"] if seq > min(common) else [])
+            + (["their ops, shapes and dtypes agree, so nothing failed: the collectives paired up "
+                "across what they move, and every rank computed with the wrong tensors"] if silent else []),
+            "every rank must issue the same collectives in the same order, with the same shapes and "
+            "dtypes: find the branch between the call sites above that differs by rank (a condition "
+            "on the rank, the data, or on parameters that have no gradient here; buckets or units "
+            "built from parameters in a different order; another precision on one rank) and make it "
+            "the same everywhere")
+    return None
+
+
+def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
+                 dumps: dict[int, dict], victims: set[int] = frozenset()) -> Finding | None:
+    """A rank that stopped short of a collective the others issued."""
+    last = {r: reached(held, r, dumps) for r in ranks}
+    top = max(last.values(), default=-1)
+    # a rank stuck in another group's collective for a rank that stopped is that hang's victim,
+    # not this one's cause
+    behind = sorted((r for r in ranks if last[r] < top
+                     and not (r in victims and _waiting_elsewhere(dumps[r], group))),
+                    key=lambda r: (last[r], r))
+    if not behind:
+        return None
+    first = last[behind[0]] + 1
+    # the rings of ranks far ahead may have dropped it: then their oldest later one stands in
+    shown = min(s for r in ranks for s in held.get(r, {}) if s >= first)
+    ahead = [r for r in ranks if shown in held.get(r, {})]
+    waiting = [r for r in ahead if held[r][shown]["state"] != "completed"]
+    e = held[ahead[0]][shown]
+    evidence = [entry_line(ranks_word(ahead), e)] if _alike(held, ahead, shown) else \
+        [entry_line(f"rank {r}", held[r][shown]) for r in ahead]
+    if shown != first:
+        evidence.insert(0, f"seq {first} is no longer in any ring that went past it; the oldest "
+                           f"later one is seq {shown}")
+    for r in behind:
+        mine = held.get(r, {})
+        evidence.append(entry_line(f"rank {r}, its last collective", mine[last[r]]) if mine else
+                        f"rank {r}: holds no collective of group {group!r}")
+        evidence.append(f"rank {r}'s dump was written on {_reason(dumps[r])}" if dumps[r]["reason"] != "torch"
+                        else f"rank {r}'s dump is PyTorch's own flight recorder's (it records no reason)")
+    wait = (f"; {ranks_word(waiting)} wait{'s' if len(waiting) == 1 else ''} in "
+            f"{'it' if shown == first else f'seq {shown}'}") if waiting else ""
+    return Finding(
+        "hang", behind,
+        f"{ranks_word(behind)} never issued seq {first} of group {group!r}"
+        f"{f' ({_what(e)})' if shown == first else ''}{wait}",
+        evidence,
+        f"the collective at seq {first} must run on every rank, even one with nothing to send: "
+        f"make {ranks_word(behind)} issue it too (all-reduce zeros for parameters without a "
+        f"gradient there, e.g. frozen or LoRA-only ones; no rank-dependent early exit before it). "
+        f"If the rank raised or was killed, the finding about it says why")
+
+
+def never_completed(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
+                    missing: list[int], dumps: dict[int, dict]) -> Finding | None:
+    """The first seq every rank issued that never completed on some."""
+    common = set.intersection(*(set(held.get(r, {})) for r in ranks)) if ranks else set()
+    for seq in sorted(common):
+        stuck = [r for r in ranks if held[r][seq]["state"] not in ("completed", "retired")]
+        if not stuck or (not missing and all(dumps[r]["reason"] == "exception" for r in stuck)):
+            continue             # (what a rank that raised left in flight, it abandoned)
+        e = held[stuck[0]][seq]
+        gone = f"; {ranks_word(missing)} left no dump" if missing else ""
+        return Finding(
+            "hang", missing or stuck,
+            f"{ranks_word(stuck)} wait{'s' if len(stuck) == 1 else ''} in {e['op']} seq {seq} of "
+            f"group {group!r}{gone}",
+            [entry_line(ranks_word(ranks), e)] if _alike(held, ranks, seq) else
+            [entry_line(f"rank {r}", held[r][seq]) for r in ranks],
+            (f"the ranks with a dump all issued it, so the one that did not is among those "
+             f"without: {ranks_word(missing)} (the finding about the missing dumps)") if missing else
+            "every rank issued it and it did not complete: a peer process stopped inside it "
+            "(killed, or stuck in another group's collective), or, issued with async_op=True, "
+            "it was never waited for")
+    return None
+
+
+def _waiting_elsewhere(dump: dict, group: str) -> bool:
+    return any(e["group"] != group and e["state"] == "issued" for e in dump["entries"])
+
+
+def _what(e: dict) -> str:
+    return e["op"] + (f" of {e['tag']}" if e.get("tag") else "")
+
+
+def _alike(held, ranks, seq) -> bool:
+    return len({(signature(held[r][seq]), held[r][seq]["state"], held[r][seq].get("where"))
+                for r in ranks}) == 1
+
+
+def _reason(body: dict) -> str:
+    return body["reason"] + (f" ({body['error']})" if body.get("error") else "")
+
+
+def exceptions(dumps: dict[int, dict]) -> list[Finding]:
+    """The ranks whose dump was written on an exception, one finding per error, the earliest
+    first: ranks that timed out waiting for one that raised raise after it."""
+    by_error: dict[str, list[int]] = defaultdict(list)
+    for r, body in sorted(dumps.items(), key=lambda rb: (rb[1].get("time") or 0, rb[0])):
+        if body["reason"] == "exception":
+            by_error[body.get("error") or "an exception"].append(r)
+    out, timed_out = [], []
+    for error, ranks in by_error.items():
+        if TIMED_OUT.search(error):           # a consequence: what it waited for is the cause
+            timed_out.append((error, ranks))
+            continue
+        ranks = sorted(ranks)
+        out.append(Finding(
+            "exception", ranks, f"{ranks_word(ranks)} raised {error}", _last(dumps, ranks),
+            "the first error is the cause to fix: ranks that were waiting for this one hang or time "
+            "out because of it" if not out else
+            f"raised after {ranks_word(out[0].ranks)} did: fix that first, this may be its consequence"))
+    if timed_out:
+        ranks = sorted(r for _, rs in timed_out for r in rs)
+        out.append(Finding(
+            "timeout", ranks, f"{ranks_word(ranks)} gave up waiting in a collective (a timeout, or "
+                              f"a peer that went away): {timed_out[0][0]}",
+            _last(dumps, ranks),
+            "a timeout is where a hang ends: the finding about the collective the other ranks never "
+            "issued (or never completed) names the cause"))
+    return out
+
+
+def _last(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
+    return [entry_line(f"rank {r}, its last collective", dumps[r]["entries"][-1])
+            if dumps[r]["entries"] else f"rank {r} had issued no collective" for r in ranks]
+
+
+def missing_dumps(report: Report) -> Finding | None:
+    missing = [r for r in range(report.world_size or 0) if r not in report.dumps]
+    if not missing:
+        return None
+    evidence = [f"rank {r}: no flight_rank{r}.json; " + trace_end(report.traces[r]) if r in report.traces
+                else f"rank {r}: no flight_rank{r}.json and no rank{r}.jsonl" for r in missing]
+    return Finding(
+        "missing_dump", missing,
+        f"{ranks_word(missing)} wrote no flight dump while {ranks_word(report.dumps)} did: "
+        f"{'they' if len(missing) > 1 else 'it'} died before writing",
+        evidence,
+        "a rank writes its dump at the end, on an exception and on SIGTERM; none means it was "
+        "killed outright (SIGKILL, the kernel's OOM killer: see dmesg), crashed inside C++ (gloo "
+        "aborts the process when collectives' sizes disagree) or never started. Its log, or "
+        "torchrun's failure summary, has the cause")
+
+
+def trace_end(path: Path) -> str:
+    """Where a rank's trace stops (read as far as it goes: a rank that died cuts it short)."""
+    last, step, n = None, None, 0
+    for n, line in numbered_lines(path):
+        try:
+            ev = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return (f"its trace {path.name} is damaged at line {n} ({not_utf8(e, line)[1]} is not "
+                    f"UTF-8)" + _after(last, step))
+        except json.JSONDecodeError:
+            return f"its trace {path.name} is cut at line {n}" + _after(last, step)
+        step = ev.get("step", step) if isinstance(ev, dict) else step
+        if isinstance(ev, dict) and ev.get("kind") == "collective":
+            last = ev
+    return f"its trace {path.name} ends at line {n}" + _after(last, step)
+
+
+def _after(last: dict | None, step) -> str:
+    at = f" in step {step}" if step is not None else ""
+    return at + (f", its last completed collective {last.get('op')} ({last.get('dtype')}, "
+                 f"{fmt_bytes(last.get('payload', 0))})" if last else ", with no collective")
+
+
+def diagnose(directory: str | Path) -> Report:
+    """Every finding of a run's directory, most important first."""
+    report = read_dir(directory)
+    found: list[Finding] = exceptions(report.dumps)
+    if (gone := missing_dumps(report)) is not None:
+        found.append(gone)
+    missing = gone.ranks if gone else []
+    groups = {g: (held, members(g, held, report.dumps, report.world_size))
+              for g, held in sorted(by_group(report.dumps).items())}
+    lost = {g: absent(g, ranks, missing, report.dumps) for g, (_, ranks) in groups.items()}
+    victims = bystanders(groups, lost, report.dumps)
+    for group, (held, ranks) in groups.items():
+        f = desync(group, held, ranks)
+        if f is None:          # after a desync, what a group did next is its consequence
+            f = never_issued(group, held, ranks, report.dumps, victims) or never_completed(
+                group, held, ranks, lost[group], report.dumps)
+        if f is not None:
+            found.append(f)
+    found += causes.weights(report.dumps) + causes.clip(report.dumps) + causes.precision(report.dumps)
+    found += causes.memory(report.traces, report.dumps)
+    report.findings = sorted(found, key=lambda f: KINDS.index(f.kind))
+    return report

@@ -1,0 +1,38 @@
+"""What a watch notes for the doctor beside the collectives, as ``train()`` does for minishard's
+own runs (``minishard/instruments/health.py``): the fingerprint of the weights a rank starts from where it holds
+them whole (DDP's replicas; FSDP2's DTensors are shards, different by design), and per optimizer
+step the dtypes it stepped — with, where they are not fp32, how many elements came out unchanged.
+
+Only a watch that keeps its own flight recorder notes them: under ``train()`` the run's recorder
+already has them."""
+from __future__ import annotations
+
+import torch
+
+from minishard.instruments import health
+
+
+def attach(w) -> None:
+    facts = w.flight.facts
+    facts["run"] = {"watched": w.kind, "world_size": w.tracer.world_size}
+    whole = [(n, p) for n, p in w.model.named_parameters() if not _is_dtensor(p)]
+    if w.kind == "ddp" and whole:
+        facts["weights_start"] = health.fingerprint((n.removeprefix("module."), p) for n, p in whole)
+    opt = w._stepped
+    if opt is None:
+        return
+    held: list = []
+
+    def before(o, args, kwargs) -> None:
+        held[:] = [health.StepNotes(o).__enter__()]
+
+    def after(o, args, kwargs) -> None:
+        if held:
+            notes = held.pop()
+            notes.__exit__(None, None, None)
+            facts.setdefault("steps", []).append({"step": w.tracer.step, **notes.note})
+    w._undo += [opt.register_step_pre_hook(before).remove, opt.register_step_post_hook(after).remove]
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    return type(p).__name__ == "DTensor" or hasattr(p, "to_local")

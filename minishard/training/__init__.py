@@ -1,0 +1,8 @@
+"""The training loop every chapter runs, and what it is configured and measured with.
+
+    loop.py         ``train`` and ``train_step``: forward, backward, synchronise, clip, step
+    config.py       ``TrainConfig``: one run, checked before any rank starts
+    meter.py        step times, communication per step, losses
+    parity.py       how close two trainings ended (drift, bit-equality)
+    faults.py       the failures chapter 11 plants on purpose
+"""
