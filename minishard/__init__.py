@@ -1,9 +1,29 @@
 """minishard: see how training state is sharded across ranks, one event at a time.
 
-The public API, re-exported; see ``docs/architecture.md`` for how the pieces fit. The names
-follow PyTorch's where PyTorch has one (``fully_shard``, ``MixedPrecisionPolicy``, ``DDP``)::
+The public API is re-exported here; its names follow PyTorch's where PyTorch has one
+(``fully_shard``, ``MixedPrecisionPolicy``, ``DDP``)::
 
     from minishard import DDP, ZeroOptimizer, fully_shard, checkpoint, train, TrainConfig
+
+The parts, one folder each (each folder's ``__init__.py`` is its map)::
+
+    core/          ranks, collectives, the memory ledger, the trace: what every strategy stands on
+    strategies/    DDP, ZeRO-1/2, FSDP (ZeRO-3 as PyTorch's FSDP2), and their registry
+    training/      the training loop, its config and its measurements
+    checkpoint/    sharded checkpoints: save, load on another world size, export
+    planner/       memory and time of a plan before any rank runs
+    instruments/   watch PyTorch's own jobs; the doctor; PyTorch's flight dumps
+    viewers/       a trace in words, as an offline HTML player, for Perfetto
+    cli/           ``python -m minishard ...``
+    viz/, course/  the notebooks' widgets and the course's code (the engine imports neither)
+
+What to read, in this order (lines today; ``docs/architecture.md`` has the whole path)::
+
+    DDP        training/loop.py (train_step) -> strategies/ddp.py -> strategies/buckets.py
+               -> core/comm.py -> core/ledger.py                        ~1,430 lines
+    ZeRO-1/2   strategies/zero.py -> strategies/clipping.py               ~390 more
+    FSDP       strategies/fsdp/: api.py -> state.py -> unit.py -> layout.py -> hooks.py
+               -> root.py                                                ~1,500 more
 """
 from . import checkpoint, strategies
 from .core.comm import Comm, ring_wire_bytes
@@ -27,9 +47,6 @@ from .strategies.zero import ZeroOptimizer
 # that the first optimizer's import of torch._dynamo captures nothing): see launch.init_group.
 release_captured_groups()
 
-# ``minishard.training.config`` is the module of TrainConfig (``minishard/training/config.py``); a model's config is
-# ``minishard.model_config("nano")``. (It was ``minishard.config("nano")``, which hid the module:
-# calling the module now says so.)
 __version__ = "0.1.0"
 __all__ = ["checkpoint", "strategies", "Comm", "ring_wire_bytes", "TrainConfig", "DDP", "NaiveDDP",
            "MixedPrecisionPolicy", "fully_shard", "RankContext", "RankError", "Ranks", "run",

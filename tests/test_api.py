@@ -200,14 +200,12 @@ def test_the_ledger_counts_the_optimizer_state_of_every_parameter_group():
     assert ledger.current()["exp_avg"] == ledger.current()["exp_avg_sq"] == psi_bytes
 
 
-def test_minishard_config_is_the_module_and_calling_it_names_model_config():
-    """``minishard.training.config`` is ``minishard/training/config.py`` (TrainConfig's module) again; the model's
-    config is ``minishard.model_config``, and the old call says so."""
-    import importlib
-
+def test_trainconfig_and_the_models_config_each_have_one_name():
+    """``TrainConfig`` lives in ``minishard/training/config.py``; a model's config is
+    ``minishard.model_config`` (``minishard.core.model.config``): no top-level ``config`` to mistake
+    for either."""
     import minishard
-    module = importlib.import_module("minishard.training.config")
-    assert minishard.training.config is module and module.TrainConfig is minishard.TrainConfig
+    from minishard.training import config as module
+    assert module.TrainConfig is minishard.TrainConfig
     assert minishard.model_config("nano") == minishard.core.model.config("nano")
-    with pytest.raises(TypeError, match=r"minishard\.model_config\(name"):
-        minishard.config("nano")
+    assert not hasattr(minishard, "config")

@@ -285,7 +285,7 @@ def test_debug_adds_the_traceback_of_the_rank_that_failed(files, capsys):
     assert main([*argv, "--debug"]) == 2
     debug = capsys.readouterr().err
     assert debug.splitlines()[0] == plain.splitlines()[0] and "Traceback" not in plain
-    assert "Traceback" in debug and "minishard/checkpoint/" in debug and "train.py" in debug
+    assert "Traceback" in debug and "minishard/checkpoint/" in debug and "training/loop.py" in debug
 
 
 def test_the_help_speaks_the_readmes_words():

@@ -23,3 +23,18 @@ def test_no_function_over_60_lines():
                 if n > 60:
                     long[f"{f.relative_to(ROOT)}:{node.lineno} {node.name}"] = n
     assert not long, f"split these: {long}"
+
+
+def test_the_reading_order_names_files_that_exist_and_their_lines():
+    """``minishard/__init__.py`` tells a learner what to read for DDP, ZeRO and FSDP, with about how
+    many lines each path is: the files exist, and each count is within 10% of today's."""
+    import re
+    doc = (ROOT / "minishard" / "__init__.py").read_text().split("What to read", 1)[1].split('"""')[0]
+    paths = re.split(r"\n    (?=\S)", doc)[1:]                     # one per learner's path
+    assert [p.split()[0] for p in paths] == ["DDP", "ZeRO-1/2", "FSDP"]
+    for p in paths:
+        folder = "strategies/fsdp/" if p.startswith("FSDP") else ""
+        files = [folder + f for f in re.findall(r"[\w/]+\.py", p)]
+        lines = sum(len((ROOT / "minishard" / f).read_text().splitlines()) for f in files)
+        said = int(re.search(r"~([\d,]+)", p).group(1).replace(",", ""))
+        assert abs(lines - said) <= 0.1 * lines, (p.split()[0], files, lines, said)

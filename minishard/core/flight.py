@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 FORMAT_VERSION = 1
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # minishard/
 _TORCH = os.sep + "torch" + os.sep
-_HERE = (os.path.join(_PACKAGE, "comm.py"), os.path.join(_PACKAGE, "flight.py"))
+_HERE = tuple(os.path.join(_PACKAGE, "core", f) for f in ("comm.py", "flight.py"))
 
 
 def call_sites(depth: int = 2) -> tuple[str, str]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -351,14 +349,3 @@ def check_fault_rank(config, world_size: int) -> None:
         raise ConfigError("{fault_rank}: no such rank in a world of %d" % world_size,
                           fault_rank=config.fault_rank)
 
-
-class _CalledAsModelConfig(types.ModuleType):
-    """``minishard.config("nano")`` made a model's config until the name went back to this
-    module; a call now names the function that does it."""
-
-    def __call__(self, *args, **kwargs):
-        raise TypeError("minishard.training.config is the module of TrainConfig; a model's config is "
-                        "minishard.model_config(name, **overrides) (minishard.core.model.config)")
-
-
-sys.modules[__name__].__class__ = _CalledAsModelConfig
