@@ -895,6 +895,23 @@ BUGS = [
         'return (lo, hi) if lo < hi else None',
         'return (lo, hi) if lo <= hi else None',
         'tests/test_checkpoint.py tests/test_checkpoint_format.py tests/test_read_plan_overlaps.py'),
+    # four of the round's survivors, each with its test since
+    second_reader('perfetto: collective durations in ms-scaled units (x1e3) instead of microseconds', 'minishard/viewers/perfetto.py',
+        '"dur": max(0.0, (ev["t_end"] - ev["t"]) * 1e6)',
+        '"dur": max(0.0, (ev["t_end"] - ev["t"]) * 1e3)',
+        'tests/test_trace.py -k chrome_export'),
+    second_reader("perfetto: a rank's memory counter mixes every rank's categories", 'minishard/viewers/perfetto.py',
+        '"args": {c: v for (rr, c), v in live.items() if rr == r}}',
+        '"args": {c: v for (rr, c), v in live.items()}}',
+        'tests/test_trace.py -k chrome_export'),
+    second_reader('costmodel: choose() lists the plans that do not fit first', 'minishard/planner/costmodel.py',
+        'key=lambda p: (not p.fits, p.step_s)',
+        'key=lambda p: (p.fits, p.step_s)',
+        'tests/test_costmodel.py -k choose_lists'),
+    second_reader('parity: max_diff takes the signed max (no abs)', 'minishard/training/parity.py',
+        '(a[n].float() - b[n].float()).abs().max().item()',
+        '(a[n].float() - b[n].float()).max().item()',
+        'tests/test_parity.py -k max_diff_is'),
 ]
 
 

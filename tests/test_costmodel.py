@@ -277,3 +277,11 @@ def test_reshard_after_forward_k_terms_to_the_formula():
     want = sum(ring_time("all_gather", s.x * u, 16, slow) + ring_time("all_gather", s.x * u, 8, fast)
                + ring_time("reduce_scatter", s.g * u, 16, slow) for u in units)
     assert p.comm_s == pytest.approx(want, rel=1e-12)
+
+
+def test_choose_lists_every_plan_that_fits_before_any_that_does_not():
+    plans = choose("llama3-8b", H100, micro_batch=1, seq_len=4096, recompute=True)
+    fits = [p.fits for p in plans]
+    assert True in fits and False in fits and fits == sorted(fits, reverse=True)
+    ok = [p.step_s for p in plans if p.fits]
+    assert ok == sorted(ok)                                  # the fastest that fits first

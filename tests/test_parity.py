@@ -139,3 +139,11 @@ def test_one_tensor_left_behind_fails_parity_that_the_whole_model_would_pass():
     assert drift(ref, ref, init).within(0.0)                          # identical: 0
     frozen = drift(init, ref, init)
     assert abs(frozen.overall - 1.0) < 1e-6 and not frozen.within(0.5)
+
+
+def test_max_diff_is_the_largest_absolute_difference_whichever_side_is_larger():
+    from minishard.training.parity import max_diff
+    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])}
+    b = {"w": torch.tensor([1.5, 2.0]), "b": torch.tensor([0.0])}
+    assert max_diff(a, b) == max_diff(b, a) == 0.5
+    assert max_diff(a, a) == 0.0

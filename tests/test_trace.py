@@ -146,3 +146,22 @@ def test_replay_is_the_same_fold_fed_at_once_or_one_event_at_a_time():
     assert whole.phase(1) == "forward" and whole.ymax == 100
     assert [e["op"] for e in whole.traffic()] == ["all_reduce", "all_reduce"]
     assert whole.collective_at(whole.traffic()[0]["t"])["kind"] == "collective"
+
+
+def test_chrome_export_is_in_microseconds_and_each_ranks_memory_is_its_own():
+    """Perfetto reads ``ts``/``dur`` in microseconds: a collective of 1 ms lasts 1000 there. Each
+    rank's memory counter holds that rank's categories only (rank 0 allocates parameters, rank 1
+    gradients)."""
+    evs = []
+    for r in (0, 1):
+        t = Tracer(r, 2, origin=0.0)
+        t.emit("alloc", category=("params", "grads")[r], bytes=100 * (r + 1), tag="p", device="device")
+        start = t.now()
+        t.emit("collective", op="all_reduce", payload=64, wire=64, dtype="float32", group=2,
+               tag="b0", t_end=start + 0.001)
+        evs += t.events
+    out = perfetto.to_chrome(evs)["traceEvents"]
+    for c in (e for e in out if e.get("ph") == "X"):
+        assert abs(c["dur"] - 1000.0) < 10.0, c          # 1 ms = 1000 µs (times kept to µs)
+    counters = {e["pid"]: e["args"] for e in out if e.get("ph") == "C"}
+    assert counters == {0: {"params": 100}, 1: {"grads": 200}}
