@@ -28,7 +28,7 @@ from minishard.viz import Player
 
 def synthetic_ddp_trace(world_size: int = 4, target_events: int = 10_000, seed: int = 0,
                         n_params: int = 40, n_acts: int = 100, n_buckets: int = 4) -> list[dict]:
-    """Events as ``minishard.training.loop`` would record them for DDP, with jittered timings."""
+    """Events as ``minishard.train`` would record them for DDP, with jittered timings."""
     rng = random.Random(seed)
     per_step = 2 * n_acts + n_buckets + 8               # allocs, frees, collectives, phase edges
     steps = max(1, (target_events // world_size - 2 * n_params) // per_step)

@@ -21,6 +21,8 @@ PKG = str(ROOT / "minishard")
 
 
 def one_step(rank, strategy: str) -> dict:
+    import torch
+
     from minishard.core.comm import Comm
     from minishard.core.ledger import LiveLedger
     from minishard.core.model import GPT, batch, config as model_config
@@ -30,7 +32,7 @@ def one_step(rank, strategy: str) -> dict:
 
     cfg = model_config("nano")
     config = TrainConfig(strategy=strategy, model="nano", micro_batch=2, track_activations=False)
-    __import__("torch").manual_seed(0)
+    torch.manual_seed(0)
     comm = Comm(tracer=rank.tracer)
     ledger = LiveLedger(rank.tracer)
     built = build(GPT(cfg), config, comm, ledger)

@@ -65,7 +65,7 @@ def checked(report: doctor.Report) -> str:
     if report.traces:
         said.append("no FSDP unit held most parameters and no full gradient outlived its micro-batch")
     return (", ".join(said) if said else "no facts or traces to check more (the dumps of "
-            "minishard.training.loop hold them)") + "."
+            "minishard.train hold them)") + "."
 
 
 def what_was_read(report: doctor.Report) -> str:
