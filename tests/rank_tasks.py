@@ -225,3 +225,11 @@ def prop_collectives(rank, cases: list, newest_first: bool = False):
     for w in (reversed(pending) if newest_first else pending):    # every exchange is posted
         w.wait()
     return [{"output": o["output"].clone(), "input": o["input"].clone()} for o in out]
+
+
+def one_rank_in_a_collective(rank, waiter: int = 0):
+    """Rank ``waiter`` all-reduces; the others never join (they return at once and stay up):
+    the collective can end only by the process group's timeout."""
+    if rank.rank == waiter:
+        Comm(rank.tracer).all_reduce(torch.ones(4))
+    return rank.rank

@@ -4,6 +4,7 @@ export equals single-process weights within a bounded buffer; bad input is named
 nothing; the reshard plan is what load reads, and is computable without ranks."""
 import hashlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -17,7 +18,7 @@ from minishard import checkpoint
 from minishard.checkpoint import CheckpointError
 from minishard.core.comm import Comm
 from minishard.core.launch import RankError, Ranks
-from minishard.core.model import GPT, config
+from minishard.core.model import GPT, batch, config
 from minishard.training.loop import TrainConfig, train
 from minishard.viz import reshard_figure
 
@@ -214,6 +215,46 @@ def test_64_ranks_resharded_to_32_from_metadata_alone():
     assert all(len(f) == 64 for f in z.files_read())
 
 
+def _all_bytes(meta: dict) -> int:
+    """Every element of every tensor the checkpoint holds, in bytes, from the shapes and dtypes."""
+    return sum(math.prod(t["shape"]) * checkpoint.format.element_size(t["dtype"])
+               for t in meta["tensors"].values())
+
+
+def test_the_plan_of_an_sgd_momentum_checkpoint_reads_the_momentum_too(tmp_path):
+    """The plan guesses the optimizer from the state kinds the checkpoint holds; guessing plain
+    SGD for a momentum checkpoint would plan half of what the load really reads."""
+    net = GPT(NANO, seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    x, y = batch(NANO, 0, 2)
+    net(x, y).backward()
+    opt.step()
+    checkpoint.save(net, opt, tmp_path / "ck", comm=Comm(), step=1)
+    meta = checkpoint.read_metadata(tmp_path / "ck")
+    params = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert _all_bytes(meta) == 2 * params                 # the weights and their momentum
+    p = checkpoint.plan(meta, "single", 1)
+    assert p.needed_bytes == [2 * params] and p.bytes_read() == [2 * params]
+    assert {rd.tensor.split("/")[0] for rd in p.reads[0]} == {"param", "momentum_buffer"}
+    target = GPT(NANO, seed=1)
+    topt = torch.optim.SGD(target.parameters(), lr=0.05, momentum=0.9)
+    assert checkpoint.load(target, topt, tmp_path / "ck", comm=Comm())["bytes_read"] == 2 * params
+
+
+def test_the_bf16_working_copies_add_nothing_to_what_a_rank_needs(tmp_path):
+    """Under bf16_mixed the bf16 weights are rounded from the fp32 master the checkpoint holds,
+    never read: what a DDP rank needs is the checkpoint's every byte, no more (the reshard figure
+    compares it with what is read: counting the copies would show reads below the need)."""
+    meta = checkpoint.layout_metadata("single", 1, NANO, precision="bf16_mixed")
+    total = _all_bytes(meta)
+    params = sum(p.numel() for p in GPT(NANO, device="meta").parameters())
+    assert total == 3 * 4 * params                        # fp32 master, exp_avg, exp_avg_sq
+    assert any(g.cast for g in checkpoint.layout("ddp", 0, 2, NANO, precision="bf16_mixed").regions)
+    for precision in ("bf16_mixed", "fp32"):
+        p = checkpoint.plan(meta, "ddp", 2, precision=precision)
+        assert p.needed_bytes == [total, total] == p.bytes_read(), precision
+
+
 def test_training_continues_with_identical_losses(pools, tmp_path):
     kw = dict(model="nano", track_activations=False, return_params=True)
     ck = str(tmp_path / "run")
@@ -400,6 +441,19 @@ def test_bad_input_is_named_and_changes_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / ".good.saving").exists()
     checkpoint.load(target, topt, good, comm=comm)
     assert _fingerprint(target, topt) == _fingerprint(net, opt)
+
+
+def test_a_load_restores_the_learning_rate_a_schedule_had_set(tmp_path):
+    """A scheduler changes the optimizer's lr (and a user its betas) as training goes; resuming
+    with the constructor's values instead would jump the schedule back to its start."""
+    net, opt = _model()
+    opt.param_groups[0].update(lr=2.5e-4, betas=(0.8, 0.95), weight_decay=0.03)
+    checkpoint.save(net, opt, tmp_path / "ck", comm=Comm(), step=1)
+    target, topt = _model(seed=3)
+    assert topt.param_groups[0]["lr"] == 1e-3
+    checkpoint.load(target, topt, tmp_path / "ck", comm=Comm())
+    group = topt.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (2.5e-4, (0.8, 0.95), 0.03)
 
 
 # ---------------------------------------------------------------------- the protocol

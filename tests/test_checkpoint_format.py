@@ -147,3 +147,63 @@ def test_a_commit_refuses_a_rank_file_that_is_gone_or_of_another_size(tmp_path):
     (tmp / "rank1.safetensors").write_bytes(b"x" * 11)
     saving._commit(meta, tmp, path)
     assert (path / "metadata.json").exists() and not tmp.exists()
+
+
+def test_blocks_that_do_not_divide_a_mebibyte_are_checksummed_whole(tmp_path):
+    """The writer hashes in ~1 MiB segments; a segment must hold whole blocks, or a block that
+    straddles two segments gets two checksums and every later one shifts: the checkpoint would
+    be refused as corrupt by its own reader. 24 KiB does not divide 1 MiB; 3 MiB exceeds it."""
+    net = torch.nn.Linear(600, 500, bias=False)         # 300,000 float32: 1.2 MB, over 1 MiB
+    nbytes = net.weight.numel() * net.weight.element_size()
+    data = net.weight.detach().numpy().tobytes()
+    assert nbytes > 1 << 20
+    for B in (24 << 10, 3 << 20):
+        path = tmp_path / f"b{B}"
+        checkpoint.save(net, None, path, comm=Comm(), step=0, block_bytes=B)
+        (p,) = checkpoint.read_metadata(path)["tensors"]["param/weight"]["pieces"]
+        assert p["checksums"] == [xxhash.xxh3_64_hexdigest(data[i:i + B]) for i in range(0, nbytes, B)]
+        other = torch.nn.Linear(600, 500, bias=False)
+        checkpoint.load(other, None, path, comm=Comm())   # verifies every block
+        assert torch.equal(other.weight, net.weight)
+
+
+def _rank_info(rank: int, spans: list[tuple[int, int]]) -> dict:
+    """What rank ``rank`` reports to the metadata: pieces ``[start, start + numel)`` of one
+    10-element float32 tensor."""
+    records = [{"tensor": "param/w", "file": f"rank{rank}.safetensors", "key": "param/w",
+                "start": s, "numel": n, "offset": 128} for s, n in spans]
+    return {"rank": rank, "bytes": 128 + 4 * sum(n for _, n in spans), "records": records,
+            "strategy": "hand", "model": None, "optimizer": None,
+            "tensors": {"param/w": ([10], "float32")}}
+
+
+def test_the_metadata_refuses_pieces_that_overlap_even_when_their_sizes_add_up(tmp_path):
+    """A layout bug that has two ranks save the same elements leaves others saved by none; if
+    the pieces' sizes still add up to the tensor, only the overlap tells. Committing such a
+    checkpoint would lose elements 8 and 9 (or the whole second half) without a word."""
+    meta = checkpoint.format.build_metadata([_rank_info(0, [(0, 6)]), _rank_info(1, [(6, 4)])],
+                                            step=0, block_bytes=64)
+    assert [(p["start"], p["numel"]) for p in meta["tensors"]["param/w"]["pieces"]] == [(0, 6), (6, 4)]
+    for spans in ([(0, 6)], [(4, 4)]), ([(0, 5)], [(0, 5)]):    # 6 + 4 = 5 + 5 = 10 elements
+        with pytest.raises(CheckpointError, match=r"param/w: the pieces leave elements .* saved twice"):
+            checkpoint.format.build_metadata([_rank_info(0, spans[0]), _rank_info(1, spans[1])],
+                                             step=0, block_bytes=64)
+
+
+def test_a_complete_checkpoint_is_preferred_to_the_previous_one_left_aside(tmp_path):
+    """A save that dies after renaming its checkpoint into place but before deleting the
+    previous one (``.ck.old``) leaves both: a load must give the new one, not silently go back
+    a step. The one aside is used only when ``ck`` itself is incomplete."""
+    first, second = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    assert not torch.equal(first.weight, second.weight)
+    checkpoint.save(first, None, tmp_path / "first", comm=Comm(), step=1)
+    checkpoint.save(second, None, tmp_path / "ck", comm=Comm(), step=2)
+    shutil.copytree(tmp_path / "first", tmp_path / ".ck.old")
+    target = torch.nn.Linear(4, 3)
+    assert checkpoint.load(target, None, tmp_path / "ck", comm=Comm())["step"] == 2
+    assert torch.equal(target.weight, second.weight)
+    assert checkpoint.read_metadata(tmp_path / "ck")["step"] == 2
+    assert torch.equal(checkpoint.read_full(tmp_path / "ck")["param/weight"], second.weight.detach())
+    (tmp_path / "ck" / "metadata.json").unlink()          # ck incomplete: the one aside
+    assert checkpoint.load(target, None, tmp_path / "ck", comm=Comm())["step"] == 1
+    assert torch.equal(target.weight, first.weight)

@@ -278,6 +278,13 @@ def test_plan_gives_the_devices_memory_in_gib(capsys):
     assert f"({gib:.1f} GiB each" in first, first
 
 
+def test_plan_device_memory_is_read_in_gib(capsys):
+    """``--device-memory 40`` is 40 GiB (the unit its help names):
+    40 * 2**30 bytes. Read as decimal GB it would plan a device 7% smaller than the one asked."""
+    cluster = json.loads(plan_out(capsys, "--device-memory", "40", "--json"))["cluster"]
+    assert cluster["device_memory"] == 40 * 2**30
+    assert "(40.0 GiB each" in plan_out(capsys, "--device-memory", "40").splitlines()[0]
+
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_plan_names_the_link_between_nodes_only_when_there_are_nodes(nodes, capsys):
     from minishard.planner.costmodel import LINKS
@@ -312,6 +319,17 @@ def test_bad_input_stops_with_one_line(argv, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
 
+
+def test_freeze_a_prefix_some_parameters_share_trains_the_rest(tmp_path, pools, capsys):
+    """``--freeze blocks.0.`` names the first block's parameters (not every parameter of the
+    model): the demo must accept it and train without gradients or Adam moments for them, the
+    rest at 4 bytes per parameter each."""
+    frozen = sum(p.numel() for n, p in NANO.named_parameters() if n.startswith("blocks.0."))
+    assert 0 < frozen < PSI
+    got = demo(["--strategy", "single", "--steps", "1", "--freeze", "blocks.0."], 1, tmp_path, pools, capsys)
+    held = got["ranks"][0]["by_device"]["device"]
+    assert held["params"] == 4 * PSI
+    assert held["grads"] == held["exp_avg"] == held["exp_avg_sq"] == 4 * (PSI - frozen), held
 
 def test_a_checkpoint_of_another_model_is_refused_before_training(tmp_path, capsys):
     assert main(["demo", "--world-size", "1", "--strategy", "single", "--steps", "1", "--model", "nano",

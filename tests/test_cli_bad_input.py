@@ -109,6 +109,9 @@ CASES = [
     (["demo", "--world-size", "0"], 2, ["--world-size 0"]),
     (["demo", "--world-size", "-2"], 2, ["--world-size -2"]),
     (["demo", "--strategy", "single", "--world-size", "2"], 2, ["--strategy single", "--world-size 1"]),
+    # ranks are numbered 0 to N-1: rank N is one past the last (it would plant the fault nowhere)
+    (["demo", *NANO, "--fault", "skip-collective", "--world-size", "2", "--fault-rank", "2"], 2,
+     ["--fault-rank 2", "no such rank", "ranks 0 to 1"]),
     # sharding knobs: a wrong value, and a knob the strategy never reads
     (["demo", "--bucket-cap-mb", "0"], 2, ["--bucket-cap-mb"]),
     (["demo", "--bucket-cap-mb", "inf"], 2, ["--bucket-cap-mb inf"]),

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minishard.core.comm import ring_wire_bytes
+from minishard.core.comm import Comm, ring_wire_bytes
 
 import rank_tasks
 
@@ -85,3 +85,28 @@ def test_reduce_scatter_receives_straight_into_the_output_and_in_place(pools, N)
         for case, rows in (("out_of_place", N - 2), ("in_place", N - 1)):
             assert torch.equal(res[case]["slice"], total.view(N, -1)[r]), (case, r)
             assert res[case]["buffers"] == ([("comm_buffers", rows * (n // N) * 4)] if rows else []), case
+
+
+def by_op_run(rank, numel: int) -> dict:
+    """Rank task: one of each collective on ``numel`` fp32 elements; the per-op counters."""
+    comm = Comm(rank.tracer)
+    N = comm.world_size
+    x = torch.ones(numel)
+    comm.all_reduce(x.clone())
+    comm.all_gather(torch.empty(N * numel), x)
+    comm.reduce_scatter(torch.empty(numel // N), x.clone())
+    comm.broadcast(x.clone(), 0)
+    return comm.by_op
+
+
+def test_bytes_by_collective_are_each_ops_wire_and_payload(pools):
+    """The per-collective table a run reports (``by_op``) must add up what each op put on the
+    wire, not the size of its buffer: on 3 ranks the two differ for every op. Known by hand for
+    S = 4800 bytes (1200 fp32): all-reduce 2·2/3·S, all-gather (of 3 S) 2/3·3 S, reduce-scatter
+    2/3·S, and a broadcast's binomial tree, where rank 0 sends twice and the others never."""
+    S = 1200 * 4
+    for r, by_op in enumerate(pools(3).run(by_op_run, 1200)):
+        assert by_op == {"all_reduce": {"payload": S, "wire": 6400, "calls": 1},
+                         "all_gather": {"payload": 3 * S, "wire": 9600, "calls": 1},
+                         "reduce_scatter": {"payload": S, "wire": 3200, "calls": 1},
+                         "broadcast": {"payload": S, "wire": 2 * S if r == 0 else 0, "calls": 1}}, r

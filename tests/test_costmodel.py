@@ -285,3 +285,99 @@ def test_choose_lists_every_plan_that_fits_before_any_that_does_not():
     assert True in fits and False in fits and fits == sorted(fits, reverse=True)
     ok = [p.step_s for p in plans if p.fits]
     assert ok == sorted(ok)                                  # the fastest that fits first
+
+
+def test_zero2_comm_buffers_are_two_of_the_engines_full_buckets():
+    """``bucket_cap_mb`` is MiB everywhere a run reads it (PyTorch DDP's rule, and minishard's
+    bucket planner): the planner's ZeRO-2 reserve — two buckets of gradients in flight — must be
+    two of the buckets the live engine actually fills, 2 x 25 MiB = 52,428,800 bytes, or the
+    plan and the measured ledger disagree by 2.4 MB per GPU."""
+    from minishard.strategies.buckets import plan_buckets
+    import torch
+    one_mib = [torch.nn.Parameter(torch.empty(2**20 // 4, device="meta")) for _ in range(80)]  # fp32
+    filled = plan_buckets([one_mib], cap_mb=25.0)
+    full = max(sum(p.numel() * p.element_size() for p in ps) for _, ps in filled)
+    assert full == 25 * 1024 * 1024
+    for cap in (25.0, 4.0):
+        z2 = plan("llama3-8b", H100, "zero2", seq_len=4096, bucket_cap_mb=cap)
+        assert z2.memory["comm_buffers"] == 2 * cap * 1024 * 1024
+    assert plan("llama3-8b", H100, "zero2", seq_len=4096).memory["comm_buffers"] == 2 * full
+
+
+def test_deepspeed_estimator_on_two_nodes_matches_deepspeeds_formulas():
+    """DeepSpeed's ``estimate_zero3_model_states_mem_needs`` (runtime/zero/stage3.py) and the
+    ZeRO-2 no-offload case of ``estimate_zero2_model_states_mem_needs`` (stage_1_and_2.py), worked
+    by hand for 2 nodes x 8 GPUs. The host column is one *node*: without ``zero.Init`` each of its
+    8 ranks builds the whole fp32 model, 4 x 8 bytes a parameter — not the 16 ranks of the
+    world, which would tell a user to buy twice the host memory a node needs."""
+    P, L = 1_600_000_000, 50_000_000           # divisible by the 16 ranks: no shard padding
+    gpn, nodes, N, buf = 8, 2, 16, 1.5
+    want3 = {   # (per CPU, per GPU), DeepSpeed's branches in its own order
+        "offload_param=cpu , offload_optimizer=cpu , zero_init=1": (P * 18 / nodes * buf, 4 * L),
+        "offload_param=cpu , offload_optimizer=cpu , zero_init=0": (P * max(4 * gpn, 18 / nodes) * buf, 4 * L),
+        "offload_param=none, offload_optimizer=cpu , zero_init=1": (P * 16 / nodes * buf, 4 * L + 2 * P / N),
+        "offload_param=none, offload_optimizer=cpu , zero_init=0": (P * max(4 * gpn, 16 / nodes) * buf,
+                                                                    4 * L + 2 * P / N),
+        "offload_param=none, offload_optimizer=none, zero_init=1": (L * 4 * gpn * buf, 4 * L + 18 * P / N),
+        "offload_param=none, offload_optimizer=none, zero_init=0": (P * 4 * gpn * buf, 4 * L + 18 * P / N),
+    }
+    got3 = {r.options: (r.per_cpu, r.per_gpu)
+            for r in deepspeed_estimate(P, L, 3, gpus_per_node=gpn, nodes=nodes)}
+    assert list(got3) == list(want3)
+    for options, (cpu, gpu) in want3.items():
+        assert got3[options] == (pytest.approx(cpu, rel=1e-12), pytest.approx(gpu, rel=1e-12)), options
+    assert got3["offload_param=none, offload_optimizer=none, zero_init=0"][0] == 4 * 8 * P * 1.5
+    z2 = {r.options: r for r in deepspeed_estimate(P, L, 2, gpus_per_node=gpn, nodes=nodes)}
+    none = z2["offload_optimizer=none"]
+    assert (none.per_cpu, none.per_gpu) == pytest.approx((P * 4 * gpn * buf, 4 * P + 16 * P / N), rel=1e-12)
+
+
+def test_frozen_weights_are_counted_in_the_working_precision():
+    """A frozen weight (LoRA's base model) keeps only its working copy: bf16 under bf16 mixed
+    precision — the fp32 master copy exists for the optimizer, which never sees it. Counted at
+    fp32, the estimate would tell a user the frozen base costs twice what it does. Checked against
+    the bytes of the model actually cast to bf16; under FSDP's policy the fp32 shards are the
+    only copy, so there it is 4 bytes."""
+    import torch
+    from minishard.planner.analytic import estimate
+    from minishard.core.model import GPT
+    net = GPT("nano", device="meta")
+    net.tok_emb.weight.requires_grad_(False)
+    frozen = net.tok_emb.weight.numel()
+    bf16 = net.to(torch.bfloat16)
+    working = sum(p.numel() * p.element_size() for p in bf16.parameters())   # frozen + trainable
+    est = estimate(net, precision="bf16_mixed", frozen=frozen)
+    assert est.per_rank["params"] == working
+    assert est.per_rank["master"] == 4 * (sum(p.numel() for p in net.parameters()) - frozen)
+    fsdp = estimate(net, strategy="fsdp", precision="bf16_fsdp", frozen=frozen)
+    plain = estimate(net, strategy="fsdp", precision="bf16_fsdp")
+    assert fsdp.per_rank["master"] - plain.per_rank["master"] == frozen * torch.float32.itemsize
+
+
+def test_flash_attention_log_sum_exp_is_fp32_in_any_compute_dtype():
+    """A fused attention kernel keeps one log-sum-exp per query row for backward, and keeps it in
+    fp32 whatever the compute dtype (PyTorch's own kernel, measured here). Halving the compute
+    dtype halves every other tensor the formula counts, so the bytes it counts that do *not*
+    change with the dtype are exactly the fixed-dtype ones: per layer the kernel's log-sum-exp,
+    plus the int64 token ids and targets. Counted in bf16, a long-sequence bf16 plan would
+    under-count what backward holds."""
+    import torch
+    import torch.nn.functional as F
+    from minishard.planner.analytic import gpt_activation_bytes
+    from minishard.core.model import config
+    cfg = config("nano")                                  # LayerNorm: its saved tensors scale too
+    B, T, H = 2, cfg.seq_len, cfg.n_head
+
+    def kernel_saves(dtype) -> int:
+        q, k, v = (torch.randn(B, H, T, cfg.d_model // H, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in saved}.values())
+
+    fixed_kernel = 2 * kernel_saves(torch.bfloat16) - kernel_saves(torch.float32)
+    assert fixed_kernel == B * H * T * torch.float32.itemsize          # the fp32 log-sum-exp
+    f = {x: gpt_activation_bytes(cfg, B, T, dtype_bytes=x, flash_attention=True) for x in (2, 4)}
+    ids_and_targets = 2 * B * T * torch.int64.itemsize
+    assert 2 * f[2] - f[4] == cfg.n_layer * fixed_kernel + ids_and_targets

@@ -91,3 +91,19 @@ def test_live_ledger_equals_the_analytic_one_on_every_rank(pools, N):
 def test_unknown_strategy_is_named():
     with pytest.raises(ValueError, match="unknown strategy 'zero9'"):
         train(None, TrainConfig(strategy="zero9"))
+
+
+def test_a_model_of_two_dtypes_in_one_bucket_is_refused_by_name():
+    """A bucket is one flat buffer of one dtype, and every ``.grad`` becomes a view into it: a
+    bf16 layer sharing a bucket with an fp32 one cannot have its gradient there. DDP must say so
+    when it is built, not leave the user a torch error about gradient dtypes (or a gradient
+    silently kept in the wrong dtype). A model of one dtype, bf16 included, is wrapped."""
+    from minishard.core.comm import Comm
+    from minishard.strategies.ddp import DDP
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="one dtype per bucket"):
+        DDP(mixed, comm=Comm(alone=True))
+    bf16 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    ddp = DDP(bf16, comm=Comm(alone=True))
+    assert [b.buffer.dtype for b in ddp.buckets] == [torch.bfloat16]
+    assert all(p.grad.dtype == torch.bfloat16 for p in bf16.parameters())

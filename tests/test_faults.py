@@ -19,6 +19,7 @@ import fault_tasks as T
 from minishard.instruments import doctor
 from minishard.cli import main
 from minishard.training.config import ConfigError, TrainConfig, check_fault_rank
+from minishard.training.loop import train
 from minishard.core.model import GPT, config as model_config
 from minishard.viewers.playback import fmt_bytes
 
@@ -152,6 +153,21 @@ def test_a_skipped_collective_on_rank_1_of_4_under_torchrun_ends_in_its_timeout(
     assert (hang["kind"], hang["ranks"]) == ("hang", [ODD])
     assert f"rank {ODD} never issued seq" in hang["title"]
     assert "of group 'torch:default_pg' (all_reduce); ranks 0, 2, 3 wait in it" in hang["title"]
+
+
+def test_naive_ddp_skips_its_gradient_all_reduces_in_the_last_step():
+    """Naive DDP reduces its gradients after backward, in ``sync_gradients``: the skip-collective
+    fault must skip them there, or a run that asked for the hang (``demo --strategy ddp_naive
+    --fault skip-collective``) would train to the end and the doctor find nothing. One rank,
+    alone, in this process: step 0 all-reduces every gradient (one call per parameter tensor,
+    its fp32 bytes), the last step none."""
+    net = GPT(T.SMALL["model"], device="meta")
+    out = train(None, TrainConfig(strategy="ddp_naive", model=T.SMALL["model"], steps=2,
+                                  micro_batch=1, fault="skip-collective", fault_rank=0))
+    tensors = len(list(net.parameters()))
+    assert out["calls"] == [tensors, 0]
+    assert out["payload"] == [4 * N_PARAMS, 0]
+    assert out["by_op"] == {"all_reduce": {"payload": 4 * N_PARAMS, "wire": 0, "calls": tensors}}
 
 
 # --------------------------------------------------------------------------- refused before any rank starts

@@ -84,3 +84,53 @@ def test_each_layout_is_recorded_by_its_registry_name():
     assert layout_name(3, 4, flat=True) == "fsdp_flat"
     assert layout_name(3, 4, shard_size=2) == "hsdp"
     assert layout_name(3, 4, flat=True, shard_size=2) == "hsdp"      # shards in groups, either way
+
+
+def test_an_optimizer_step_while_a_reduction_is_in_flight_is_refused():
+    """A step taken from inside backward (a hook on the input's gradient, as optimizer-in-backward
+    recipes do) finds the root still REDUCE_SCATTERING: its shards' reduced gradients have not
+    landed. Stepping then would update the head with gradients that are not yet the sum over
+    ranks; the step must refuse, change nothing, and work once backward is over."""
+    torch.manual_seed(0)
+    net = fsdp.apply_fsdp(Chain(), comm=Comm())
+    opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    refused = []
+
+    def step_in_backward(grad):
+        with pytest.raises(RuntimeError, match="root is reduce_scattering") as e:
+            opt.step()
+        refused.append(str(e.value))
+
+    x = torch.ones(2, 8, requires_grad=True)
+    x.register_hook(step_in_backward)
+    net(x).backward()
+    assert len(refused) == 1, refused
+    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
+    assert _at_rest(net) == {(TrainingState.IDLE, MemoryState.SHARDED)}
+    opt.step()                                  # after backward: every unit holds its shard
+    assert not any(torch.equal(p, before[n]) for n, p in net.named_parameters())
+
+
+def test_adam_state_made_ahead_for_offload_starts_at_step_0():
+    """With offload, ``ShardedOptimizer`` creates Adam's moments in the tier before the first step.
+    They must be exactly what a first step would make — zero moments and a step count of 0 — so
+    the first step is Adam's first: bias-corrected, it moves every weight by lr against the sign
+    of its gradient (|g| far above eps). A count starting at 1 would shrink that move to ~0.74 lr
+    and leave every later bias correction one step off."""
+    from minishard.strategies.offload import OffloadPolicy
+    LR = 1e-2
+    torch.manual_seed(0)
+    net = fsdp.apply_fsdp(Chain(), comm=Comm(), offload_policy=OffloadPolicy("host"))
+    opt = fsdp.ShardedOptimizer(net, torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0))
+    assert all(set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in net.parameters())
+    net(torch.ones(2, 8)).backward()
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+    opt.step()
+    for n, p in net.named_parameters():
+        assert grads[n].abs().min() > 1e-4, n            # eps (1e-8) cannot matter
+        moved = before[n] - p.detach()
+        # lr * sign(g), to fp32 rounding of the weights (|w| < 1: ulp ~6e-8, far below 1e-3 lr)
+        assert (moved - LR * grads[n].sign()).abs().max() <= 1e-3 * LR, n
+        assert opt.state[p]["step"] == 1, n

@@ -53,6 +53,20 @@ def test_timeout_names_the_silent_ranks():
     assert not pool.alive
 
 
+def test_a_pools_collective_timeout_ends_a_stuck_collective():
+    """``Ranks(collective_timeout=...)`` is how a notebook or a test makes a hang end quickly:
+    a collective whose peers never come must raise on its rank after about that long, not after
+    the 60 s default (the task timeout here, 20 s, would then end it instead, as a TimeoutError)."""
+    pool = Ranks(2, backend="gloo", collective_timeout=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        pool.run(rank_tasks.one_rank_in_a_collective, 0, timeout=20)
+    seconds = time.monotonic() - t0
+    assert info.value.rank == 0                               # the rank left waiting raised
+    assert 1.5 < seconds < 15, seconds                        # its timeout, not 60 s
+    assert not pool.alive
+
+
 def test_one_shot_run_and_bad_input():
     assert [r["rank"] for r in run(rank_tasks.whoami, 2)] == [0, 1]
     with pytest.raises(ValueError, match="world_size"):

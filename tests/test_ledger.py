@@ -145,3 +145,40 @@ def test_the_meter_counts_the_page_faults_of_a_fresh_buffer():
         pass
     fresh, idle = meter.steps["page_faults"]
     assert fresh >= 32 and idle < fresh
+
+
+def test_the_device_budget_counts_only_the_device():
+    """Offloading to host or disk is how a run fits a device budget: state entered on another
+    device must not take room on the device, however large it is — or offload would raise the
+    very out-of-memory it is meant to avoid."""
+    from minishard.core.ledger import DeviceOutOfMemory
+    MiB = 2**20
+    led = LiveLedger(budget=10 * MiB)
+    led.alloc("params", 6 * MiB, "p")
+    led.alloc("master", 8 * MiB, "m", device="host")             # more than the device has left
+    led.alloc("exp_avg", 64 * MiB, "a", device="disk")           # more than the whole budget
+    assert led.total == 6 * MiB
+    assert led.by_device() == {"device": {"params": 6 * MiB}, "host": {"master": 8 * MiB},
+                               "disk": {"exp_avg": 64 * MiB}}
+    led.alloc("grads", 4 * MiB, "g")                             # the device's last 4 MiB
+    with pytest.raises(DeviceOutOfMemory) as info:               # and not one byte more
+        led.alloc("activations", 1, "act1")
+    assert info.value.would_be == 10 * MiB + 1
+
+
+def test_optimizer_state_of_every_param_group_is_entered():
+    """The usual AdamW set-up has two parameter groups (decayed weights, undecayed biases and
+    norms); both groups' moments are model-sized state. Entering only the first group's (the
+    second's i-th parameter mistaken for the first's) would understate the optimizer's memory."""
+    net = GPT("nano")
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    no_decay = [p for p in net.parameters() if p.dim() < 2]
+    assert decay and no_decay
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
+    net(*batch(net.cfg, 0, 1)).backward()
+    opt.step()
+    ledger = LiveLedger()
+    track_optimizer_state(ledger, opt, net)
+    moment = sum(p.numel() * p.element_size() for p in net.parameters())   # one fp32 copy
+    assert ledger.current() == {"exp_avg": moment, "exp_avg_sq": moment}

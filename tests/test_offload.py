@@ -216,3 +216,20 @@ def test_the_chapters_disk_listing_counts_every_units_folder(pools, tmp_path):
     for r in pools(2).run(disk_tier_files, str(tmp_path), model="nano"):
         assert r["units"] == L + 1 and r["files"] == 4 * (L + 1)
         assert r["bytes"] == 16 * psi // 2 and not r["left_behind"]
+
+
+def test_a_transfer_event_starts_when_the_copy_started():
+    """The timeline draws a transfer from its ``t`` for its ``seconds``: a copy that took 0.25 s
+    and was entered when it ended must start 0.25 s before that — drawn from its end instead,
+    it would sit after the copy, over whatever the rank did next."""
+    from minishard.core.trace import Tracer
+    from minishard.strategies.offload import TransferLog
+    tracer, log = Tracer(), TransferLog()
+    before = tracer.now()
+    log.add("h2d", 4096, 0.25, tracer, tag="blocks.0")             # the copy ended just now
+    after = tracer.now()
+    (ev,) = [e for e in tracer.events if e["kind"] == "transfer"]
+    assert (ev["direction"], ev["bytes"], ev["seconds"], ev["tag"]) == ("h2d", 4096, 0.25, "blocks.0")
+    slack = 1e-6                                                   # t is rounded to 7 digits
+    assert before - 0.25 - slack <= ev["t"] <= after - 0.25 + slack
+    assert log.bytes == {"h2d": 4096, "d2h": 0} and log.seconds == {"h2d": 0.25, "d2h": 0.0}

@@ -292,3 +292,32 @@ def test_the_widget_refuses_a_tier_the_planner_does_not_model(pw, bad):
     with pytest.raises(ValueError, match=f"got {bad!r}"):
         PlannerWidget(offload=bad)
     assert pw.offload is None
+
+
+def test_twice_the_nodes_names_the_gpus_it_would_take(pw):
+    """Llama-3-70B under FSDP on 2 nodes x 8 H100s does not fit; the hint offers twice the
+    nodes. A user reads its GPU count to order hardware: 4 nodes x 8 GPUs is 32 GPUs, and the
+    GiB it quotes is the planner's own figure for that 32-GPU cluster."""
+    pw.set(model="llama3-70b", strategy="fsdp", nodes=2, seq_len=4096)
+    assert not pw.fits
+    hint = next(h for h in pw.hints if h.startswith("Twice the nodes"))
+    m = re.match(r"Twice the nodes \((\d+) GPUs\): (\d+\.\d) GiB per GPU", hint)
+    assert m, hint
+    bigger = plan("llama3-70b", Cluster(DEVICES["h100-80gb"], gpus_per_node=8, nodes=4), "fsdp",
+                  micro_batch=1, seq_len=4096, recompute=True, prefetch=1)
+    assert int(m.group(1)) == 4 * 8 == bigger.world_size
+    assert float(m.group(2)) == round(bigger.total_memory / GiB, 1) and bigger.fits
+
+
+def test_one_node_that_waits_for_the_network_is_not_told_to_shard_hybrid(pw):
+    """On one node (here over PCIe, no NVLink) hybrid sharding changes nothing — the shard group
+    is already the node, so its plan is the same plan — and the widget disables the hybrid box.
+    The network hint must not send the user to a control that does nothing."""
+    pw.set(intra="pcie4-x16", strategy="fsdp", seq_len=4096)
+    p = pw.plan
+    assert p.fits and p.exposed_share > 0.15 and pw._controls["hybrid"].disabled
+    cluster = Cluster(DEVICES["h100-80gb"], gpus_per_node=8, intra=LINKS["pcie4-x16"])
+    same = plan("llama3-8b", cluster, "fsdp", seq_len=4096, recompute=True, prefetch=1, hybrid=True)
+    assert same.exposed_comm_s == p.exposed_comm_s and same.total_memory == p.total_memory
+    network = [h for h in pw.hints if "waits for the network" in h]
+    assert network == [f"{p.exposed_share:.0%} of the step waits for the network."], pw.hints

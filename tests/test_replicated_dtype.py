@@ -6,6 +6,7 @@ counts them at 4 bytes an element."""
 import pytest
 import torch
 
+from minishard.core.comm import Comm
 from minishard.strategies import fsdp
 from minishard.core.model import GPT
 from minishard.strategies.offload import OffloadPolicy
@@ -162,3 +163,27 @@ def test_a_unit_of_whole_parameters_under_hybrid_sharding_trains_like_one_proces
     out = pools(4).run(train, TrainConfig(strategy="hsdp", shard_size=2, micro_batch=2, return_params=True,
                                           param_persistence_threshold=16384, **kw))
     assert_parity(out, reference(4, 2, **kw))
+
+
+def test_full_parameters_of_a_unit_with_nothing_to_shard_are_a_snapshot():
+    """``full_parameters`` hands back values, not the live weights: a user who keeps them (to
+    compare before and after a step, or to export) must find them unchanged after training moves
+    the model on. A unit whose every parameter is kept whole (here a norm) gathers nothing, so
+    its values are the parameters themselves unless they are copied."""
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with torch.no_grad():
+        net[1].weight.add_(torch.linspace(-0.5, 0.5, 8))
+    comm = Comm()
+    fsdp.fully_shard(net[1], name="norm", comm=comm, replicate_params=("weight", "bias"))
+    fsdp.fully_shard(net, name="root", comm=comm)
+    assert isinstance(net[1]._fsdp_unit, fsdp.api.ReplicatedOnlyUnit)
+    opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    kept = {dtype: fsdp.full_parameters(net, dtype) for dtype in (None, FP32)}  # as computed; fp32
+    was = {n: t.clone() for n, t in kept[None].items()}
+    assert all(torch.equal(t, was[n]) for n, t in kept[FP32].items())
+    (net(torch.linspace(-1, 1, 16).view(2, 8)) ** 3).sum().backward()
+    opt.step()
+    assert not torch.equal(net[1].weight, was["1.weight"])    # the step moved the norm
+    for dtype, values in kept.items():
+        for n, t in values.items():
+            assert torch.equal(t, was[n]), f"{n} ({dtype}): the values handed out changed with the model"

@@ -16,6 +16,8 @@ it with the number the report prints or returns. The instruments:
              gradients, Adam's moments, and the payload of each collective
     doctor   the bytes it prints for a collective: minishard's own flight dumps from real ranks,
              the last collective a trace holds, and PyTorch's own flight-recorder dumps
+    meter    what a run reports per step and per collective: the training traffic only (not the
+             set-up's broadcast), and each step's own exposed seconds (not the running total)
 """
 import copy
 import hashlib
@@ -388,3 +390,46 @@ def test_the_doctor_prints_pytorchs_own_dumps_bytes_as_numel_times_element_size(
                    for s, d in zip(raw["input_sizes"], raw["input_dtypes"])]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         assert doctor.describe(e).endswith(f", {fmt_bytes(nbytes)}"), (raw, doctor.describe(e))
+
+
+# =========================================================================== meter: a run's counters
+
+def test_the_meter_counts_the_training_traffic_not_the_set_up():
+    """A run's per-collective table (``by_op``) is what training moved: the broadcast that made
+    the replicas equal happened before the meter started and is not a training collective.
+    Counted in, a run would report a broadcast every step never made, and more bytes."""
+    from minishard.training.meter import Meter
+    comm = Comm(alone=True)
+    weights, grad = torch.zeros(1000), torch.ones(3, 5)
+    comm.broadcast(weights, 0, tag="replicate")                    # the set-up
+    meter = Meter([comm])
+    with meter.step():
+        comm.all_reduce(grad, tag="grad:w")                        # the training
+    nbytes = grad.numel() * grad.element_size()                    # 60
+    assert set(meter.by_op()) == {"all_reduce"}
+    assert meter.by_op()["all_reduce"]["payload"] == nbytes
+    assert meter.by_op()["all_reduce"]["calls"] == 1
+    assert (meter.steps["payload"], meter.steps["calls"]) == ([nbytes], [1])
+
+
+def test_the_meter_reports_each_steps_own_exposed_seconds():
+    """Exposed communication is reported per step: units that waited 0.5 s in all in the first
+    step and 0.25 s in the second report [0.5, 0.25] — the running total [0.5, 0.75] would make
+    every later step look slower on the network than it was. (A unit's counter only grows; these
+    are binary fractions, exact in floating point.)"""
+    from types import SimpleNamespace
+
+    from minishard.strategies.offload import TransferLog
+    from minishard.training.meter import Meter
+    units = [SimpleNamespace(exposed_s=0.0, transfers=TransferLog()) for _ in range(2)]
+    meter = Meter([], units)
+    with meter.step():
+        units[0].exposed_s += 0.5
+        units[0].transfers.add("h2d", 4096, 0.125)
+    with meter.step():
+        units[0].exposed_s += 0.125
+        units[1].exposed_s += 0.125
+        units[1].transfers.add("d2h", 1024, 0.0625)
+    assert meter.steps["exposed_comm"] == [0.5, 0.25]
+    assert sum(meter.steps["exposed_comm"]) == sum(u.exposed_s for u in units)
+    assert [(x["h2d_bytes"], x["d2h_bytes"]) for x in meter.steps["transfer"]] == [(4096, 0), (0, 1024)]

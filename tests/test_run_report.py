@@ -232,3 +232,15 @@ def test_a_watched_pytorch_run_reports_what_the_watch_measured():
     assert "peak - formula" not in line                      # nothing to explain without a formula
     plain = {k: v for k, v in watched.items() if k != "watched"}
     assert "not instrumented" in "\n".join(table([plain]))
+
+
+def test_the_waited_column_is_the_last_steps_wait_in_milliseconds():
+    """The meter measures waits in seconds; the column is headed "waited ms". A last step that
+    waited 12.5 ms (0.0125 s; the first step's 0.1 s is not the one shown) must read 12.5 there,
+    not 12500.0."""
+    from minishard.cli.report import table
+    r = {"rank": 0, "strategy": "fsdp", "wire": [64, 128], "exposed_comm": [0.1, 0.0125],
+         **made_up("fsdp", {"params": 2 ** 20}, {"params": 2 ** 20})}
+    head, row = table([r])[1:3]
+    assert head.split()[-2:] == ["waited", "ms"]
+    assert row.split()[-2:] == ["128", "12.5"], row

@@ -165,3 +165,18 @@ def test_chrome_export_is_in_microseconds_and_each_ranks_memory_is_its_own():
         assert abs(c["dur"] - 1000.0) < 10.0, c          # 1 ms = 1000 µs (times kept to µs)
     counters = {e["pid"]: e["args"] for e in out if e.get("ph") == "C"}
     assert counters == {0: {"params": 100}, 1: {"grads": 200}}
+
+
+def test_collective_in_flight_is_the_one_whose_last_rank_joined():
+    """Every rank records its own event for the same all-reduce; the ring cannot move until the
+    last rank has joined, so the viewer's ring must show the rank that arrived last (rank 1 here,
+    which joined at 1.2 s), not rank 0 that has been waiting since 1.0 s."""
+    evs = trace.merge([
+        _ev(1.0, 0, "collective", op="all_reduce", payload=64, wire=96, dtype="float32", group=2,
+            tag="b0", t_end=1.5),
+        _ev(1.2, 1, "collective", op="all_reduce", payload=64, wire=96, dtype="float32", group=2,
+            tag="b0", t_end=1.5)])
+    rp = trace.Replay(evs)
+    assert rp.collective_at(1.1)["rank"] == 0            # only rank 0 has joined yet
+    assert rp.collective_at(1.3)["rank"] == 1            # both in flight: the later joiner
+    assert rp.collective_at(1.6) is None                 # both finished

@@ -221,3 +221,53 @@ def test_nothing_readable_is_one_error(tmp_path, capsys):
     assert not (tmp_path / DEFAULT_NAME).exists()
     assert main(["view", str(tmp_path / "nowhere")]) == 2
     assert "no such trace directory or file" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- jumps and zoom, by hand
+
+def _two_rank_two_steps() -> list[dict]:
+    """Two steps on two ranks; rank 1 starts and ends every phase later than rank 0 (it is the
+    straggler: its step 0 runs 0.1 s .. 1.3 s, rank 0's 0.0 s .. 1.0 s)."""
+    rows = []
+    for rank, lag, tail in ((0, 0.0, 0.0), (1, 0.1, 0.3)):
+        for step, base in ((0, 0.0), (1, 2.0)):
+            rows += [(base + lag, rank, "step", "begin", step),
+                     (base + lag + 0.2, rank, "forward", "begin", step),
+                     (base + lag + 0.5, rank, "forward", "end", step),
+                     (base + lag + 0.6, rank, "backward", "begin", step),
+                     (base + lag + 0.9, rank, "backward", "end", step),
+                     (base + 1.0 + tail, rank, "step", "end", step)]
+    seq: dict[int, int] = {}
+    evs = []
+    for t, rank, name, edge, step in rows:
+        evs.append({"v": trace.SCHEMA_VERSION, "rank": rank, "seq": seq.setdefault(rank, 0), "t": t,
+                    "kind": "phase", "name": name, "edge": edge, "step": step})
+        seq[rank] += 1
+    return trace.merge(evs)
+
+
+def test_jump_to_phase_lands_where_the_phase_begins_like_the_live_player():
+    """Choosing "forward" in the page's jump menu must show the moment rank 0's forward begins
+    (0.2 s, 2.2 s), as the live ``Player.jump_to_phase`` does, not the moment it is already over."""
+    events = _two_rank_two_steps()
+    data = offline_player.unpack(offline_player.payload(offline_player.encode(events)))
+    live = Player(events)
+    for name, began in (("forward", (0.2, 2.2)), ("backward", (0.6, 2.6))):
+        hits = data["jump_phase"][name]
+        assert [events[i]["t"] for i in hits] == pytest.approx(began), name
+        assert [(events[i]["rank"], events[i]["edge"]) for i in hits] == [(0, "begin")] * 2
+        assert hits == [live.jump_to_phase(name, step=s) for s in (0, 1)]
+
+
+def test_step_zoom_spans_the_step_on_every_rank_up_to_the_last_to_finish():
+    """Zoomed to "the current step", the timeline must show all of step 0: from rank 0's start
+    (0.0 s) to the straggler rank 1's end (1.3 s). Ending it where rank 0 ends (1.0 s) would cut
+    off the last 0.3 s of rank 1's step."""
+    events = _two_rank_two_steps()
+    data = offline_player.unpack(offline_player.payload(offline_player.encode(events)))
+    seconds = {data["S"][int(k)]: [x / data["ticks"] + data["t0"] for x in w]
+               for k, w in data["step_windows"].items()}
+    assert seconds == {"step 0": pytest.approx([0.0, 1.3]), "step 1": pytest.approx([2.0, 3.3])}
+    # the page picks the window by the step of the event shown (d.step[i])
+    last = max(i for i, e in enumerate(events) if e["step"] == 0)
+    assert data["S"][data["step"][last]] == "step 0"

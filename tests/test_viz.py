@@ -389,6 +389,20 @@ def test_ring_figure_shows_op_payload_and_wire():
     assert len(ring_figure(4).data[3].x) == 0
 
 
+
+def test_ring_title_says_each_sender_sends_a_1_over_N_chunk_of_the_payload():
+    """In a ring all-reduce on 4 ranks the payload is cut into 4 chunks and every sender passes
+    one chunk per round: 4096 B / 4 = 1 KiB. The wire total (2(N-1)/N x payload = 6144 B, what
+    a rank sends over all 6 rounds) divided by 4 would claim 1.5 KiB per round, half again too
+    much."""
+    ev = _four_rank_all_reduce()[0]
+    assert ev["wire"] == 2 * 3 * ev["payload"] // 4              # the ring's total, over 6 rounds
+    title = ring_figure(4, ev, round=0).layout.title.text
+    assert title.endswith("each sender sends 1 KiB"), title
+    # a broadcast sends the whole payload along each tree edge
+    bcast = dict(ev, op="broadcast", wire=2 * ev["payload"])
+    assert ring_figure(4, bcast, round=0).layout.title.text.endswith("each sender sends 4 KiB")
+
 def _covered_ranks(fig, view) -> list[str]:
     """Where a chunk's square or label (as plotly places it: ``textposition``, a gap of the
     marker's radius / 0.8 + 1 px) would cover a rank's disc (which holds its label), in the

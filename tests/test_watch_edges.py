@@ -207,6 +207,41 @@ def rs_out_in_bf16(rank):
     return {u: (out[u], rs[u]["payload"] // rank.world_size, rs[u]["dtype"]) for u in rs}
 
 
+
+def given_flight(rank):
+    """A watched DDP step with the caller's own flight recorder: what it holds afterwards."""
+    from minishard.core.flight import FlightRecorder
+    model, opt = _build("ddp")
+    mine = FlightRecorder(rank.rank, rank.world_size)
+    with minishard.watch(model, opt, flight=mine) as w:
+        _step(model, opt, minishard.model_config("nano"), 0, rank)
+        w.step()
+    traced = sorted(e["payload"] for e in w.tracer.events
+                    if e["kind"] == "collective" and e["op"] == "all_reduce")
+    held = sorted(e["bytes"] for e in mine.entries if e["op"] == "all_reduce" and e["state"] == "completed")
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"same": w.flight is mine, "traced": traced, "held": held, "grads": grads}
+
+
+def own_moments(rank):
+    """One AdamW step of minishard's DDP (with a ledger, and a plain torch optimizer), watched:
+    the Adam moments the trace and the ledger end with."""
+    torch.manual_seed(0)
+    net = minishard.GPT("nano")
+    ledger = minishard.LiveLedger()
+    model = minishard.DDP(net, comm=minishard.Comm(ledger=ledger), ledger=ledger, bucket_cap_mb=0.25)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    with minishard.watch(model, opt) as w:
+        _step(model, opt, minishard.model_config("nano"), 0, rank)
+        w.step()
+    evs = trace.merge(w.tracer.events)
+    last = trace.Replay(evs).snapshot(len(evs) - 1)[rank.rank]
+    held = ledger.current()
+    return {"psi": sum(p.numel() for p in net.parameters()),
+            "trace": (last.get("exp_avg", 0), last.get("exp_avg_sq", 0)),
+            "ledger": (held.get("exp_avg", 0), held.get("exp_avg_sq", 0))}
+
+
 # --------------------------------------------------------------------------- the tests
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
@@ -288,3 +323,23 @@ def test_minishards_reduce_scatter_output_is_entered_in_the_reduce_dtype(pools):
         assert set(r) == {"root", "blocks.0", "blocks.1", "blocks.2"}
         for unit, (entered, slice_bytes, dtype) in r.items():
             assert dtype == "bfloat16" and entered == slice_bytes, (unit, entered, slice_bytes)
+
+
+def test_the_flight_recorder_given_to_watch_receives_the_collectives(pools):
+    """``train()`` hands the watch its run's flight recorder (the one it dumps for the doctor);
+    a user may hand their own. The watched job's collectives (DDP's bucket all-reduces) must be
+    entered there: a watch that kept a private recorder would leave the dump the doctor reads
+    empty of them."""
+    for r in pools(N).run(given_flight):
+        assert r["same"]
+        assert r["traced"] and r["held"] == r["traced"], r
+        assert sum(r["held"]) == r["grads"]          # every gradient byte all-reduced once
+
+
+def test_adam_moments_of_minishards_ddp_with_a_torch_optimizer_are_counted(pools):
+    """Watching minishard's DDP with a plain torch AdamW, the watch must enter the moments the
+    optimizer creates at its first step (fp32, 4 bytes per parameter each, on every replica)
+    in the strategy's ledger, as ``train_step`` does; otherwise the trace and the ledger show
+    no optimizer state at all, and the memory the user reads is short by 8 bytes a parameter."""
+    for r in pools(N).run(own_moments):
+        assert r["trace"] == r["ledger"] == (4 * r["psi"], 4 * r["psi"]), r
