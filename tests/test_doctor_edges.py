@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minishard.instruments import causes, doctor, health
-from minishard.training import faults
+from minishard.instruments.faults import Fault
 from minishard.cli import doctor as cli_doctor, main
 from minishard.training.config import TrainConfig
 
@@ -229,8 +229,8 @@ def test_a_fingerprint_sees_dtype_shape_and_every_byte():
 
 @pytest.mark.parametrize("strategy, phase", [("ddp", "backward"), ("ddp_naive", "sync_gradients")])
 def test_skip_collective_skips_from_the_last_steps_first_reduction_on(strategy, phase):
-    skip = faults.skip(TrainConfig(strategy=strategy, fault="skip-collective"), 1, last_step=2)
-    assert faults.skip(TrainConfig(strategy=strategy, fault="skip-collective"), 0, last_step=2) is None
+    skip = Fault("skip-collective", 1).skip(1, last_step=2)
+    assert Fault("skip-collective", 1).skip(0, last_step=2) is None
     assert not skip("all_reduce", "bucket0", 1, phase)                    # an earlier step
     assert not skip("all_gather", "blocks.2", 2, "backward")              # not a reduction
     assert not skip("all_reduce", "grad_norm", 2, "optimizer")            # not the gradients'
@@ -241,5 +241,5 @@ def test_skip_collective_skips_from_the_last_steps_first_reduction_on(strategy, 
 def test_unsynced_init_is_refused_where_pytorch_broadcasts_anyway():
     from minishard.training.config import ConfigError
     with pytest.raises(ConfigError, match="broadcasts rank 0's weights in its constructor"):
-        TrainConfig(strategy="torch_ddp", fault="unsynced-init")
-    TrainConfig(strategy="torch_fsdp", fault="unsynced-init")             # FSDP2 does not
+        Fault("unsynced-init").check(TrainConfig(strategy="torch_ddp"))
+    Fault("unsynced-init").check(TrainConfig(strategy="torch_fsdp"))      # FSDP2 does not

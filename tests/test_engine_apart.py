@@ -54,6 +54,26 @@ def test_the_engine_imports_no_course_or_widget_code():
                         f"code lives in minishard/course, widgets in minishard/viz)"
 
 
+# the engine proper: what trains and saves; the instruments, viewers, planner and CLI stand on it
+CORE_ENGINE = [f for f in ENGINE if f.relative_to(ROOT / "minishard").parts[0] in
+               ("core", "strategies", "checkpoint", "training")]
+
+
+def test_the_engine_knows_nothing_of_the_faults_chapter_11_plants():
+    """A fault is planted by wrapping the object that makes the mistake (minishard.instruments.faults,
+    through the loop's RunHooks), never by a knob the engine reads: no engine module imports the
+    faults or names one of them, and no communicator carries a skip predicate."""
+    from minishard.instruments.faults import FAULTS
+    names = [f'"{n}"' for n in FAULTS] + ["fault_rank", "synced_start", ".skip(", "skip="]
+    assert CORE_ENGINE, "no engine modules found"
+    for path in CORE_ENGINE:
+        text = path.read_text()
+        said = [n for n in names if n in text]
+        assert not said, f"{path.relative_to(ROOT)} names {said}: faults belong to minishard.instruments.faults"
+        assert not any(m.startswith("minishard.instruments.faults") for m in imported_modules(path)), \
+            f"{path.relative_to(ROOT)} imports the faults"
+
+
 def engine_import_graph() -> dict[str, set[str]]:
     """Which engine modules each engine module imports, at run time: lazy imports inside
     functions included, ``if TYPE_CHECKING:`` blocks left out (they never run)."""

@@ -1,4 +1,4 @@
-"""Each planted fault (``minishard.training.faults``) trained on real ranks, then diagnosed by the doctor
+"""Each planted fault (``minishard.instruments.faults``) trained on real ranks, then diagnosed by the doctor
 from the files the ranks left: it names the fault, the rank and the collective, unit or
 parameter; on healthy runs — including ones that look alike (ranks built from their own seeds
 under a strategy that broadcasts rank 0's weights, bf16 with a master) — it finds nothing.
@@ -18,12 +18,13 @@ import pytest
 import fault_tasks as T
 from minishard.instruments import doctor
 from minishard.cli import main
-from minishard.training.config import ConfigError, TrainConfig, check_fault_rank
+from minishard.instruments.faults import Fault
+from minishard.training.config import ConfigError, TrainConfig
 from minishard.training.loop import train
 from minishard.core.model import GPT, config as model_config
 from minishard.viewers.playback import fmt_bytes
 
-WORLD, ODD = 4, 1                   # the fault goes on rank 1 of 4 (TrainConfig's fault_rank)
+WORLD, ODD = 4, 1                   # the fault goes on rank 1 of 4 (Fault's rank)
 RUNS = {
     "healthy_fsdp": dict(strategy="fsdp", clip=1.0, accum=2),
     "healthy_ddp_own_seeds": dict(strategy="ddp", rank_seeds=True, clip=1.0),
@@ -162,8 +163,8 @@ def test_naive_ddp_skips_its_gradient_all_reduces_in_the_last_step():
     alone, in this process: step 0 all-reduces every gradient (one call per parameter tensor,
     its fp32 bytes), the last step none."""
     net = GPT(T.SMALL["model"], device="meta")
-    out = train(None, TrainConfig(strategy="ddp_naive", model=T.SMALL["model"], steps=2,
-                                  micro_batch=1, fault="skip-collective", fault_rank=0))
+    out = train(None, TrainConfig(strategy="ddp_naive", model=T.SMALL["model"], steps=2, micro_batch=1),
+                hooks=Fault("skip-collective", 0))
     tensors = len(list(net.parameters()))
     assert out["calls"] == [tensors, 0]
     assert out["payload"] == [4 * N_PARAMS, 0]
@@ -172,42 +173,60 @@ def test_naive_ddp_skips_its_gradient_all_reduces_in_the_last_step():
 
 # --------------------------------------------------------------------------- refused before any rank starts
 
+@pytest.mark.parametrize("fault, knobs, says", [
+    (("crash",), {}, "fault='crash': unknown fault; expected one of skip-collective, reorder"),
+    (("reorder",), dict(strategy="ddp"), "needs an FSDP strategy with one unit per block"),
+    (("reorder",), dict(strategy="fsdp", wrap="model"), "needs an FSDP strategy with one unit per block"),
+    (("reorder",), dict(strategy="fsdp", model_overrides={"n_layer": 1}), "has one block"),
+    (("local-clip",), dict(strategy="zero2"), "plants a wrong gradient clip: set clip"),
+    (("local-clip",), dict(strategy="ddp", clip=1.0), "its own norm is the global one"),
+    (("skip-collective",), dict(strategy="torch_ddp"), "strategy='torch_ddp' is PyTorch's own and does not use it"),
+    (("no-master",), dict(precision="bf16_mixed"), "keeps one: drop it"),
+    (("unsynced-init",), dict(strategy="single"), "needs ranks that disagree"),
+    (("reorder", -1), dict(strategy="fsdp"), "fault_rank=-1: must be a rank"),
+    (("reorder", True), dict(strategy="fsdp"), "fault_rank=True: must be a rank"),
+])
+def test_a_fault_a_strategy_cannot_have_is_refused_by_name(fault, knobs, says):
+    with pytest.raises(ConfigError) as e:
+        Fault(*fault).check(TrainConfig(**knobs))
+    assert says in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("knobs, says", [
-    (dict(fault="crash"), "fault='crash': unknown fault; expected one of skip-collective, reorder"),
-    (dict(fault="reorder", strategy="ddp"), "needs an FSDP strategy with one unit per block"),
-    (dict(fault="reorder", strategy="fsdp", wrap="model"), "needs an FSDP strategy with one unit per block"),
-    (dict(fault="local-clip", strategy="zero2"), "plants a wrong gradient clip: set clip"),
-    (dict(fault="local-clip", strategy="ddp", clip=1.0), "its own norm is the global one"),
-    (dict(fault="skip-collective", strategy="torch_ddp"), "strategy='torch_ddp' is PyTorch's own and does not use it"),
-    (dict(fault="no-master", precision="bf16_mixed"), "keeps one: drop it"),
-    (dict(fault="unsynced-init", strategy="single"), "needs ranks that disagree"),
-    (dict(fault="reorder", strategy="fsdp", fault_rank=-1), "fault_rank=-1: must be a rank"),
-    (dict(fault_rank=2), "fault_rank=2 is the rank a fault is planted on: set fault, or drop it"),
     (dict(save_background=True), "save_background=True needs save_to"),
     (dict(save_every=2), "save_every=2 needs save_to"),
 ])
-def test_a_fault_a_strategy_cannot_have_is_refused_by_name(knobs, says):
+def test_a_save_knob_without_a_place_to_save_is_refused_by_name(knobs, says):
     with pytest.raises(ConfigError) as e:
         TrainConfig(**knobs)
     assert says in str(e.value), str(e.value)
 
 
+def test_train_refuses_a_fault_its_run_cannot_have_before_anything_is_built():
+    """The hooks are checked first, in train itself: a fault ``demo`` did not vet (a notebook's
+    own call) is refused by name, not planted into a run it cannot break as it says."""
+    with pytest.raises(ConfigError, match="needs an FSDP strategy"):
+        train(None, TrainConfig(strategy="ddp", model="nano", steps=1, micro_batch=1), hooks=Fault("reorder", 0))
+
+
 @pytest.mark.parametrize("rank, world, refused", [(1, 2, False), (2, 2, True), (3, 4, False), (4, 4, True)])
 def test_a_fault_rank_is_checked_against_the_world_the_run_meets(rank, world, refused):
-    """TrainConfig cannot know the world's size; train() checks it first on every rank: a
+    """Only the run knows the world's size; train() checks it first on every rank: a
     fault on rank ``world_size`` would land on no rank and the run would find nothing."""
-    config = TrainConfig(strategy="fsdp", fault="reorder", fault_rank=rank)
+    config, fault = TrainConfig(strategy="fsdp"), Fault("reorder", rank)
     if not refused:
-        check_fault_rank(config, world)
+        fault.check(config, world)
         return
     with pytest.raises(ConfigError) as e:
-        check_fault_rank(config, world)
+        fault.check(config, world)
     assert f"fault_rank={rank}: no such rank in a world of {world}" in str(e.value)
 
 
 def test_the_command_line_names_the_fault_flags(capsys):
     assert main(["demo", "--fault", "crash", "--world-size", "2"]) == 2
     assert "--fault crash: unknown fault" in capsys.readouterr().err
+    assert main(["demo", "--fault-rank", "2", "--world-size", "2"]) == 2
+    assert "--fault-rank 2 is the rank a fault is planted on: set --fault, or drop it" in capsys.readouterr().err
     assert main(["demo", "--strategy", "fsdp", "--fault", "reorder", "--fault-rank", "2",
                  "--world-size", "2"]) == 2
     assert "--fault-rank 2: no such rank in a world of 2" in capsys.readouterr().err

@@ -59,6 +59,24 @@ def test_the_caller_is_the_first_line_outside_minishard_and_torch():
     assert (e["op"], e["shapes"], e["bytes"], e["state"]) == ("all_reduce", [[3]], 12, "completed")
 
 
+def test_a_communicator_subclass_is_not_the_call_site():
+    """A subclass of Comm (chapter 11's faults are one) overrides the communicator's own steps;
+    the line that issued the collective is still its caller's, not the override's."""
+    import torch
+    from minishard.core.comm import Comm
+
+    class Counting(Comm):
+        def _begin(self, *args, **kw):
+            self.began = getattr(self, "began", 0) + 1
+            return super()._begin(*args, **kw)
+
+    comm = Counting(alone=True)
+    comm.all_reduce(torch.ones(3), tag="mine")             # this line is the caller
+    (e,) = comm.flight.entries
+    assert comm.began == 1 and "in test_a_communicator_subclass" in e["where"]
+    assert e["where"] == e["caller"]
+
+
 def test_the_ring_keeps_the_last_capacity_and_an_exception_is_written(tmp_path):
     import torch
     rec = FlightRecorder(capacity=3)

@@ -237,3 +237,17 @@ def test_every_example_runs(doc, pools, tmp_path, monkeypatch):
             words, status = split(line)
             if kind(words, block) in ("demo", "cli"):
                 run_command(words, status, block, pools, tmp_path)
+
+
+def test_every_file_the_documents_name_is_there():
+    """A path the README, the docs, the tutorial or the package's map names (``minishard/x/y.py``,
+    ``minishard/x/``) exists: a file moved without its mentions sends the reader nowhere."""
+    root = Path(__file__).resolve().parent.parent
+    documents = [root / "README.md", root / "minishard" / "__init__.py",
+                 *(root / "docs").glob("*.md"), *(root / "tutorial").rglob("*.md")]
+    missing = []
+    for doc in documents:
+        for m in re.finditer(r"(?<![\w./])(minishard/[\w/]+(?:\.py|\.js|/))", doc.read_text()):
+            if not (root / m.group(1)).exists():
+                missing.append(f"{doc.relative_to(root)}: {m.group(1)}")
+    assert not missing, "named but not there:\n" + "\n".join(sorted(set(missing)))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minishard import strategies
-from minishard.training.faults import FAULTS
+from minishard.instruments.faults import FAULTS
 
 if TYPE_CHECKING:
     from minishard.training.config import TrainConfig
@@ -111,13 +111,29 @@ def config_of(args) -> "TrainConfig":
             loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=_here(args.offload_dir),
             device_budget=None if args.device_budget is None else int(args.device_budget * MiB),
             track_activations=True, trace=True, flight_dir=_here(args.trace), resume_from=_here(args.resume),
-            fault=args.fault, fault_rank=args.fault_rank,
             save_every=args.save_every, save_background=args.save_background,
             save_to=_here(args.save or (str(Path(args.export) / ".checkpoint") if args.export else None)))
         config.refuse_unused()
     except ConfigError as e:
         raise ValueError(e.worded(lambda name, value: _flag(args, name, value))) from None
     return config
+
+
+def fault_of(args, config) -> "Fault | None":
+    """The failure ``--fault`` plants (chapter 11), checked against the run like every flag."""
+    from minishard.instruments.faults import Fault
+    from minishard.training.config import ConfigError
+    try:
+        if args.fault is None:
+            if args.fault_rank != 1:
+                raise ConfigError("{fault_rank} is the rank a fault is planted on: set {fault}, or "
+                                  "drop it", fault_rank=args.fault_rank, fault=...)
+            return None
+        fault = Fault(args.fault, args.fault_rank)
+        fault.check(config)
+    except ConfigError as e:
+        raise ValueError(e.worded(lambda name, value: _flag(args, name, value))) from None
+    return fault
 
 
 def _here(path: str | None) -> str | None:
@@ -138,7 +154,7 @@ def _flag(args, name: str, value) -> str:
     return f"{flag} {typed if typed is not None else value}"
 
 
-def check(args, config, world_size: int) -> None:
+def check(args, config, world_size: int, fault=None) -> None:
     """What TrainConfig cannot know alone: the world size, the files and checkpoints on disk.
     Every refusal names the flag and what to do, before any rank starts."""
     from minishard import checkpoint
@@ -150,8 +166,8 @@ def check(args, config, world_size: int) -> None:
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ValueError(f"--timeout {args.timeout}: a collective's timeout must be a positive, "
                          f"finite number of seconds")
-    if config.fault is not None and config.fault_rank >= world_size:
-        raise ValueError(f"--fault-rank {config.fault_rank}: no such rank in a world of {world_size} "
+    if fault is not None and fault.rank >= world_size:
+        raise ValueError(f"--fault-rank {fault.rank}: no such rank in a world of {world_size} "
                          f"(ranks 0 to {world_size - 1})")
     if strategy.single_process and world_size > 1:
         raise ValueError(f"--strategy {args.strategy} trains one process, not {world_size}; use "
@@ -229,15 +245,16 @@ def run(args, pools=None) -> int:
     """``pools``: warm ranks to run on (``cli.main``'s), unless a run asks for its own collective
     timeout (a pool's is fixed when it starts)."""
     config = config_of(args)
+    fault = fault_of(args, config)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:       # under torchrun
         world_size = int(os.environ["WORLD_SIZE"])
         if args.world_size is not None and args.world_size != world_size:
             raise ValueError(f"--world-size {args.world_size} under torchrun, which started "
                              f"{world_size} ranks: torchrun's --nproc-per-node (times --nnodes) sets "
                              f"the world size; drop --world-size")
-        check(args, config, world_size)
+        check(args, config, world_size, fault)
         try:
-            results, events = _under_torchrun(config, args)
+            results, events = _under_torchrun(config, args, fault)
         except Exception as e:      # as Ranks reports a rank's failure: its rank, its own traceback
             import traceback
 
@@ -245,7 +262,7 @@ def run(args, pools=None) -> int:
             raise RankError(int(os.environ["RANK"]), repr(e), traceback.format_exc()) from None
     else:
         world_size = 1 if args.world_size is None else args.world_size
-        check(args, config, world_size)
+        check(args, config, world_size, fault)
         from contextlib import nullcontext
 
         from minishard.core.launch import Ranks
@@ -254,24 +271,24 @@ def run(args, pools=None) -> int:
         with nullcontext(pools(world_size)) if lent else Ranks(world_size, **_timeout(args)) as ranks:
             # the progress lines are printed here, as the ranks report them: a rank's own
             # stdout is not this process's (warm ranks were started before this command)
-            results = ranks.run(train_reporting, config,
+            results = ranks.run(train_reporting, config, fault,
                                 on_report=None if quiet else lambda rank, info: progress(info))
             events = ranks.last_events
         _finish(args, results, events)
     return 0
 
 
-def train_reporting(rank, config) -> dict:
-    """``train`` on a rank of ``Ranks``, each step's progress handed to the caller."""
+def train_reporting(rank, config, fault=None) -> dict:
+    """``train`` on a rank of ``Ranks`` (``fault`` planted), each step's progress handed to the caller."""
     from minishard.training.loop import train
-    return train(rank, config, on_step=rank.report)
+    return train(rank, config, on_step=rank.report, hooks=fault)
 
 
 def _timeout(args) -> dict:
     return {} if args.timeout is None else {"collective_timeout": args.timeout}
 
 
-def _under_torchrun(config, args):
+def _under_torchrun(config, args, fault=None):
     import torch.distributed as dist
 
     from minishard.core.comm import Comm
@@ -282,7 +299,7 @@ def _under_torchrun(config, args):
     # not in the training group, where its next collective would pair with the others' last
     comm = Comm(group=dist.new_group(list(range(ctx.world_size))))
     try:
-        out = train(ctx, config, on_step=None if (args.quiet or args.json) else progress)
+        out = train(ctx, config, on_step=None if (args.quiet or args.json) else progress, hooks=fault)
     finally:                 # a rank that failed leaves its trace too: the doctor reads it
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)

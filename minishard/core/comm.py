@@ -223,16 +223,12 @@ class Comm:
     """
 
     def __init__(self, tracer: Tracer | None = None, group=None, ledger=None, *, alone: bool = False,
-                 flight: FlightRecorder | None = None, name: str = "world",
-                 skip=None, synced_start: bool = True):
+                 flight: FlightRecorder | None = None, name: str = "world"):
         """``alone``: a world of one even inside a process group (one rank training by itself,
         e.g. the no-communication reference a benchmark measures on every rank at once).
         ``flight``: the rank's flight recorder (one is made if None; ``split`` shares it, each
         group numbering its own collectives under ``name``)."""
         self.tracer, self.group, self.ledger = tracer, group, ledger
-        # a planted fault (minishard.training.faults): skip(op, tag, step, phase) names the collectives this
-        # rank never issues; synced_start=False: the strategies do not broadcast rank 0's weights
-        self.skip, self.synced_start = skip, synced_start
         self.initialized = not alone and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.initialized else 0
         self.world_size = dist.get_world_size(group) if self.initialized else 1
@@ -260,10 +256,8 @@ class Comm:
         tr = self.tracer
         t0 = tr.now() if tr is not None else 0.0
         step, phase = (tr.step, tr.current_phase) if tr is not None else (None, None)
-        if self.skip is not None and self.skip(op, tag, step, phase):
-            return {"_skipped": True}          # never issued: no flight entry, no event, no bytes
         flight = self.flight.issued(op, self.name, self.world_size, (tensor,), nbytes, tag,
-                                    step, phase, t0, **extra)
+                                    step, phase, t0, issuer=self, **extra)
         return {"op": op, "payload": nbytes,
                 "wire": ring_wire_bytes(op, nbytes, self.world_size, self.rank, extra.get("src", 0)),
                 "dtype": str(tensor.dtype).replace("torch.", ""), "group": self.world_size,
@@ -271,8 +265,6 @@ class Comm:
                 **({"members": self.members} if self.members is not None else {}), **extra}
 
     def _record(self, ev: dict) -> None:
-        if ev.get("_skipped"):
-            return
         self.totals["payload"] += ev["payload"]
         self.totals["wire"] += ev["wire"]
         self.totals["calls"] += 1
@@ -294,7 +286,7 @@ class Comm:
         self.by_op = {}
 
     def _run(self, ev: dict, launch, async_op: bool, finish=None) -> Work | None:
-        handle = launch() if self.world_size > 1 and not ev.get("_skipped") else None
+        handle = launch() if self.world_size > 1 else None
         stamp = async_op and self.tracer is not None and self.tracer.enabled
         work = Work(self, handle, ev, finish, stamp=stamp)
         if async_op:
@@ -386,9 +378,6 @@ class Comm:
         tensors = list(tensors)
         if self.world_size == 1 or not tensors:
             return
-        if not self.synced_start:                 # the fault unsynced-init: each keeps its own
-            self.flight.facts.setdefault("start_not_replicated", []).append(len(tensors))
-            return
         self.flight.facts.setdefault("start_replicated", []).append(
             {"group": self.name, "tensors": len(tensors)})
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
@@ -411,6 +400,12 @@ class Comm:
         dist.gather_object(obj, out, group=self.group, group_dst=dst)
         return out
 
+    def _sibling(self, group, name: str, *, alone: bool = False) -> "Comm":
+        """A communicator for a subgroup of this one's ranks: the same tracer, ledger and flight
+        recorder, and the same class — a subclass (chapter 11's faults wrap the collectives this
+        way) reaches its subgroups too."""
+        return type(self)(self.tracer, group, self.ledger, alone=alone, flight=self.flight, name=name)
+
     def split(self, shard_size: int) -> tuple["Comm", "Comm"]:
         """Two communicators for hybrid sharding on a grid of ranks: *shard* groups of
         ``shard_size`` consecutive ranks (a node: fast links) and *replica* groups joining the
@@ -432,9 +427,7 @@ class Comm:
         # each group named by its members: the same name on each of them, another elsewhere
         shard = list(range(self.rank - self.rank % shard_size, self.rank - self.rank % shard_size + shard_size))
         rep = list(range(self.rank % shard_size, N, shard_size))
-        same = dict(flight=self.flight, skip=self.skip, synced_start=self.synced_start)
-        return (Comm(self.tracer, mine_shard, self.ledger, name=f"shard{shard}", **same),
-                Comm(self.tracer, mine_rep, self.ledger, name=f"replicate{rep}", **same))
+        return self._sibling(mine_shard, f"shard{shard}"), self._sibling(mine_rep, f"replicate{rep}")
 
     def consecutive(self, size: int) -> "Comm":
         """This rank's group of ``size`` consecutive members of this group — a node, where ranks
@@ -460,9 +453,7 @@ class Comm:
                 members = list(group[start:start + size])
                 g = dist.new_group(members, timeout=timeout) if self.initialized else None
                 if (dist.get_rank() if self.initialized else 0) in members:
-                    made = Comm(self.tracer, g, self.ledger, name=f"post_forward{members}",
-                                flight=self.flight, skip=self.skip, synced_start=self.synced_start,
-                                alone=not self.initialized)
+                    made = self._sibling(g, f"post_forward{members}", alone=not self.initialized)
         self._consecutive[size] = made
         return made
 

@@ -40,15 +40,17 @@ _TORCH = os.sep + "torch" + os.sep
 _HERE = tuple(os.path.join(_PACKAGE, "core", f) for f in ("comm.py", "flight.py"))
 
 
-def call_sites(depth: int = 2) -> tuple[str, str]:
+def call_sites(depth: int = 2, issuer: object = None) -> tuple[str, str]:
     """(the engine's line that issued the collective, the first line outside minishard and
-    torch), each as ``file:line in function``."""
+    torch), each as ``file:line in function``. ``issuer``: the communicator; its own methods are
+    not the call site, in whichever file a subclass of it lives."""
     f, where, caller = sys._getframe(0), "", ""
     for _ in range(depth):                     # (a shallow stack: a script's top level)
         f = f.f_back or f
     while f is not None and not caller:
         path = f.f_code.co_filename
-        if path not in _HERE and _TORCH not in path and not path.startswith("<frozen"):
+        own = path in _HERE or (issuer is not None and f.f_locals.get("self") is issuer)
+        if not own and _TORCH not in path and not path.startswith("<frozen"):
             site = f"{_short(path)}:{f.f_lineno} in {f.f_code.co_name}"
             where = where or site
             if not path.startswith(_PACKAGE):
@@ -76,10 +78,12 @@ class FlightRecorder:
         self._lock = threading.RLock()   # (SIGTERM's handler may dump while this thread holds it)
 
     def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
-               step: int | None, phase: str | None, t: float, **extra) -> dict:
-        """Enter a collective as it is issued; the entry is completed in place. ``extra``: what
-        else must agree across ranks (a broadcast's ``src``)."""
-        where, caller = call_sites(3)
+               step: int | None, phase: str | None, t: float, *, issuer: object = None,
+               **extra) -> dict:
+        """Enter a collective as it is issued; the entry is completed in place. ``issuer``: the
+        communicator that issues it (see :func:`call_sites`). ``extra``: what else must agree
+        across ranks (a broadcast's ``src``)."""
+        where, caller = call_sites(3, issuer)
         with self._lock:
             seq = self._seq[group] = self._seq.get(group, -1) + 1
             entry = {"seq": seq, "op": op, "group": group, "group_size": group_size,

@@ -1,16 +1,16 @@
 """Chapter 11 (when it breaks): the failures people hit, planted on real ranks, and the doctor's
 word on each.
 
-* :func:`broken` trains the course's GPT with one failure planted (``TrainConfig(fault=...)``,
-  :mod:`minishard.training.faults`) or one memory mistake configured, and leaves what every rank recorded —
+* :func:`broken` trains the course's GPT with one failure planted (``fault=NAME``: a
+  :class:`minishard.instruments.faults.Fault` handed to ``train``) or one memory mistake configured, and leaves what every rank recorded —
   its flight dump and its trace — in a directory for :func:`minishard.instruments.doctor.diagnose`;
   :func:`outcome` does the same for a run that fails on some ranks (a hang that times out), each
   rank's error coming back as data.
 * :func:`doctor_text` is the doctor's printed report, made the same on every machine (see
   :func:`stable`); :func:`summary` is one finding in a line, :func:`verdict` a run's in a line.
 
-Nothing here plants a fault or reads a dump itself: the engine plants, the flight recorder
-writes, the doctor reads.
+Nothing here plants a fault or reads a dump itself: the fault wraps the run's objects, the flight
+recorder writes, the doctor reads.
 """
 from __future__ import annotations
 
@@ -23,14 +23,18 @@ from minishard.core.launch import RankContext
 SMALL = dict(model="nano", steps=2, micro_batch=2)     # a run that breaks in about a second
 
 
-def broken(rank: RankContext, directory: str, **knobs) -> dict[str, Any]:
-    """``train`` with ``TrainConfig(flight_dir=directory, **SMALL, **knobs)``; the rank's trace
+def broken(rank: RankContext, directory: str, fault: str | None = None, fault_rank: int = 1,
+           **knobs) -> dict[str, Any]:
+    """``train`` with ``TrainConfig(flight_dir=directory, **SMALL, **knobs)`` and ``fault`` planted
+    on ``fault_rank`` (``minishard.instruments.faults``); the rank's trace
     is written to ``directory/rank{r}.jsonl`` however the run ends (the doctor's memory findings
     read it). Returns the losses, the bytes sent per step, the ledger's peak and its categories
     (minishard's strategies), the parameters (``return_params=True``) and their count."""
+    from minishard.instruments.faults import Fault
     from minishard.training.loop import TrainConfig, train
     try:
-        out = train(rank, TrainConfig(flight_dir=directory, **SMALL | knobs))
+        out = train(rank, TrainConfig(flight_dir=directory, **SMALL | knobs),
+                    hooks=None if fault is None else Fault(fault, fault_rank))
     finally:
         rank.tracer.write_jsonl(f"{directory}/rank{rank.rank}.jsonl")
     ledger = out.get("ledger") or {}

@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from minishard.strategies.clipping import NORM_TAG
 from minishard.viewers.playback import fmt_bytes
 
 
@@ -133,7 +134,7 @@ def clip(dumps: dict[int, dict]) -> list:
 
 
 def _norm_reduced(dumps: dict[int, dict], step: int) -> bool:
-    return any(e.get("tag") == "grad_norm" and e.get("step") == step
+    return any(e.get("tag") == NORM_TAG and e.get("step") == step
                for d in dumps.values() for e in d["entries"])
 
 

@@ -22,7 +22,7 @@ import torch
 
 RUN_FIELDS = ("strategy", "model", "steps", "micro_batch", "accum", "optimizer", "lr", "precision",
               "clip", "wrap", "reshard_after_forward", "reshard_root", "prefetch",
-              "accumulation", "seed", "rank_seeds", "fault", "fault_rank")
+              "accumulation", "seed", "rank_seeds")   # (a planted fault adds its own)
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

@@ -15,6 +15,10 @@ from typing import Iterable
 import torch
 
 
+# the tag of the squared norm's all-reduce in traces and flight dumps (the doctor looks for it)
+NORM_TAG = "grad_norm"
+
+
 @torch.no_grad()
 def clip_sharded_grad_norm_(shards: Iterable[torch.Tensor], comm, max_norm: float, *,
                             whole: Iterable[torch.Tensor] = ()) -> torch.Tensor:
@@ -25,7 +29,7 @@ def clip_sharded_grad_norm_(shards: Iterable[torch.Tensor], comm, max_norm: floa
     sq = torch.zeros(1, dtype=torch.float64, device=None if first is None else first.device)
     for g in shards:
         sq += g.double().pow(2).sum()
-    comm.all_reduce(sq, tag="grad_norm")
+    comm.all_reduce(sq, tag=NORM_TAG)
     for g in whole:
         sq += g.double().pow(2).sum()
     total = sq.sqrt().to(torch.float32)

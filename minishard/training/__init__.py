@@ -4,5 +4,5 @@
     config.py       ``TrainConfig``: one run, checked before any rank starts
     meter.py        step times, communication per step, losses
     parity.py       how close two trainings ended (drift, bit-equality)
-    faults.py       the failures chapter 11 plants on purpose
+    hooks.py        what a caller may wrap around a run's objects (chapter 11 plants its faults so)
 """

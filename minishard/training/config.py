@@ -133,9 +133,6 @@ class TrainConfig:
     trace: bool = True               # record events (the player replays them)
     flight_dir: str | None = None    # write each rank's flight recorder here (flight.py): at the
                                      # end, on an exception, on SIGTERM
-    # a failure planted on purpose (minishard.training.faults; chapter 11): its name, and the rank it is on
-    fault: str | None = None         # skip-collective, reorder, unsynced-init, no-master, local-clip
-    fault_rank: int = 1
     return_params: bool = False      # the final parameters, gathered (parity tests)
     return_state: bool = False       # this rank's optimizer state_dict
     resume_from: str | None = None   # start from a checkpoint (any world size or strategy)
@@ -193,12 +190,6 @@ class TrainConfig:
             raise ConfigError("{offload_dir} is where {offload} keeps its files; set both, or neither",
                               offload_dir=self.offload_dir, offload="disk")
         self._check_saves()
-        _check_fault(self, strategy)
-        if isinstance(self.fault_rank, bool) or not isinstance(self.fault_rank, int) or self.fault_rank < 0:
-            raise ConfigError("{fault_rank}: must be a rank (an integer >= 0)", fault_rank=self.fault_rank)
-        if self.fault is None and self.fault_rank != 1:
-            raise ConfigError("{fault_rank} is the rank a fault is planted on: set {fault}, or drop it",
-                              fault_rank=self.fault_rank, fault=...)
         for name in ("offload", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
                      "accumulation", "quantized_weights", "quantized_gradients"):
             if name in self.unused():
@@ -303,49 +294,3 @@ def _one_of(name: str, value, allowed: tuple) -> None:
         raise ConfigError("{%s}: unknown %s; expected one of %s"
                           % (name, name, ", ".join(str(a) for a in allowed if a is not None)),
                           **{name: value})
-
-
-def _check_fault(config, strategy) -> None:
-    """Refuse a planted fault (``faults.py``) this strategy or model cannot have, naming why."""
-    from .faults import FAULTS
-    fault = config.fault
-    if fault is None:
-        return
-    if fault not in FAULTS:
-        raise ConfigError("{fault}: unknown fault; expected one of " + ", ".join(FAULTS), fault=fault)
-    if strategy.single_process:
-        raise ConfigError("{fault} needs ranks that disagree: not {strategy}", fault=fault,
-                          strategy=strategy.name)
-    if fault in ("skip-collective", "local-clip") and not strategy.instrumented:
-        raise ConfigError("{fault} is planted in minishard's communicator; {strategy} is PyTorch's "
-                          "own and does not use it: choose one of minishard's strategies",
-                          fault=fault, strategy=strategy.name)
-    if fault == "unsynced-init" and not strategy.instrumented and strategy.stage < 3:
-        raise ConfigError("{fault} cannot be planted under {strategy}: PyTorch's DDP broadcasts "
-                          "rank 0's weights in its constructor (rank_seeds shows it making them "
-                          "equal); FSDP2 (torch_fsdp) does not", fault=fault, strategy=strategy.name)
-    if fault == "reorder" and (strategy.stage != 3 or config.wrap != "block"):
-        raise ConfigError("{fault} swaps two blocks' all-gathers: it needs an FSDP strategy with "
-                          "one unit per block ({wrap})", fault=fault, wrap="block")
-    if fault == "reorder" and config.model_config().n_layer < 2:
-        raise ConfigError("{fault} swaps blocks.0 and blocks.1: {model}%s has one block"
-                          % (" with its model_overrides" if config.model_overrides else ""),
-                          fault=fault, model=config.model)
-    if fault == "local-clip":
-        if config.clip is None:
-            raise ConfigError("{fault} plants a wrong gradient clip: set {clip}", fault=fault, clip=...)
-        if strategy.stage == 0:
-            raise ConfigError("{fault}: under {strategy} every rank holds the whole gradient, so its "
-                              "own norm is the global one; choose a ZeRO or FSDP strategy",
-                              fault=fault, strategy=strategy.name)
-    if fault == "no-master" and config.precision != "fp32":
-        raise ConfigError("{fault} trains bf16 weights without a master; {precision} keeps one: "
-                          "drop it", fault=fault, precision=config.precision)
-
-
-def check_fault_rank(config, world_size: int) -> None:
-    """Refuse a fault planted on a rank the world does not have."""
-    if config.fault is not None and not 0 <= config.fault_rank < world_size:
-        raise ConfigError("{fault_rank}: no such rank in a world of %d" % world_size,
-                          fault_rank=config.fault_rank)
-

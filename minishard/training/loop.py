@@ -19,14 +19,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import faults
 from minishard.instruments import health
 from minishard.core import model as model_mod
 from minishard import strategies
 from minishard.planner.analytic import estimate, gpt_activation_bytes
 from minishard.core.comm import Comm
 from minishard.core.flight import dumping
-from .config import OPTIMIZERS, PRECISIONS, WRAPS, TrainConfig, check_fault_rank
+from .config import OPTIMIZERS, PRECISIONS, WRAPS, TrainConfig
+from .hooks import RunHooks
 from minishard.core.launch import RankContext
 from minishard.core.ledger import STATE_CATEGORIES, LiveLedger
 from .meter import Meter
@@ -73,14 +73,16 @@ def train_step(built: Built, batches: Sequence[tuple[torch.Tensor, torch.Tensor]
 
 
 def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
-          on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
+          on_step: Callable[[dict], None] | None = None, *, hooks: RunHooks | None = None) -> dict[str, Any]:
     """Train ``config.steps`` optimizer steps; each sees ``config.accum`` micro-batches of
     ``config.micro_batch`` sequences per rank. Returns this rank's measurements. ``on_step``
     is called after every step with ``{rank, step, first, steps, loss, loss_resolution, seconds,
-    peak}`` (progress; ``step`` counts on from a resumed checkpoint's)."""
+    peak}`` (progress; ``step`` counts on from a resumed checkpoint's). ``hooks``: what wraps the
+    run's objects (``minishard.training.hooks``)."""
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train(rank, config) takes a TrainConfig, got {type(config).__name__}: "
                         f"train(rank, TrainConfig(strategy='ddp', steps=3))")
+    hooks = RunHooks() if hooks is None else hooks
     alone = rank is None                       # plain single process: no launcher, no group
     rank = RankContext(0, 1, torch.device("cpu"), Tracer(), "none") if alone else rank
     tracer = rank.tracer
@@ -88,15 +90,16 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     strategy = strategies.get(config.strategy)
     cfg = model_mod.config(config.model, **config.model_overrides)
     ledger = LiveLedger(tracer, budget=config.device_budget) if strategy.instrumented else None
-    comm = Comm(tracer, ledger=ledger, alone=alone, synced_start=faults.synced_start(config))
+    hooks.check(config, rank.world_size)
+    comm = hooks.comm(tracer, ledger, alone)
     facts = comm.flight.facts if config.flight_dir is not None else None   # for the doctor
-    built = _build_noted(config, cfg, rank, comm, ledger, facts)
+    built = _build_noted(config, cfg, rank, comm, ledger, facts, hooks)
     first_step, ckpt = 0, {}
     if config.resume_from is not None:
         from minishard import checkpoint
         ckpt["load"] = checkpoint.load(built.model, built.optimizer, config.resume_from, comm=comm)
         first_step = ckpt["load"]["step"]
-    faults.arm(config, rank.rank, {comm, *built.comms}, last_step=first_step + config.steps - 1)
+    hooks.starting([comm, *built.comms], config, rank.rank, first_step, first_step + config.steps - 1)
 
     meter = Meter(built.comms, built.units)
     saves: list[tuple[int, Any]] = []           # (step, what save returned)
@@ -168,16 +171,16 @@ def _outputs(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: B
     return out
 
 
-def _build_noted(config: TrainConfig, cfg, rank: RankContext, comm: Comm, ledger, facts: dict | None) -> Built:
-    """The model built and wrapped, a planted fault in place; ``facts`` (for the doctor): the
-    weights as built and — replicas — as training starts from them."""
-    check_fault_rank(config, rank.world_size)          # (the rest TrainConfig checked)
-    net = _model(config, cfg, rank.device, rank.rank)
+def _build_noted(config: TrainConfig, cfg, rank: RankContext, comm: Comm, ledger, facts: dict | None,
+                 hooks: RunHooks) -> Built:
+    """The model built and wrapped, with what ``hooks`` change in each; ``facts`` (for the
+    doctor): the weights as built and — replicas — as training starts from them."""
+    net = hooks.model(_model(config, cfg, rank.device, rank.rank), config, rank.rank)
     if facts is not None:
         health.note_run(facts, config, rank.world_size)
         facts["weights_built"] = health.fingerprint(net.named_parameters())
     built = build(net, config, comm, ledger)
-    faults.plant_after_build(config, rank.rank, built)
+    hooks.wrapped(built, config, rank.rank)
     if facts is not None and built.strategy.stage < 3:
         facts["weights_start"] = health.fingerprint(net.named_parameters())
     return built
@@ -237,9 +240,7 @@ def _measurements(rank: RankContext, config: TrainConfig, cfg, meter: Meter, bui
 def _model(config: TrainConfig, cfg, device, rank: int = 0) -> torch.nn.Module:
     """The GPT this rank starts from (the same seed everywhere, unless ``rank_seeds``), its
     memory knobs set and the frozen parameters' gradients switched off."""
-    net = model_mod.GPT(cfg, seed=faults.seed(config, rank)).to(device)
-    if faults.weights_dtype(config) is not None:       # no-master: the weights are the bf16 copy
-        net.to(faults.weights_dtype(config))
+    net = model_mod.GPT(cfg, seed=config.seed + (rank if config.rank_seeds else 0)).to(device)
     net.recompute_activations = config.recompute
     net.loss_chunk_tokens = config.loss_chunk_tokens
     for name, p in net.named_parameters():
