@@ -16,6 +16,7 @@ import pytest
 from flight_dumps import (Collective, as_torch, dump, entry, found, named, never_issued_by, play,
                           torch_entry, write, write_played, write_torch)
 from minishard.instruments import doctor, torch_flight
+from minishard.core.trace import TraceFormatError
 
 SHARD = 2                                       # HSDP on 4 ranks: 2 shard groups x 2 replicas
 WORLD = 4
@@ -286,6 +287,26 @@ def test_a_torch_entry_read_in_minishard_words(tmp_path):
     assert (got[1]["dtypes"], got[1]["bytes"]) == (["float8_e4m3fn"], 0)
     (tmp_path / "p2p.json").write_text(json.dumps({"entries": [torch_entry(1, p2p=True)]}))
     assert torch_flight.read(tmp_path / "p2p.json", 0, world)["entries"] == []
+
+
+class _Planted:
+    """What a hostile file would carry: unpickled by ``pickle.loads``, it runs a call."""
+    ran: list = []
+
+    def __reduce__(self):
+        return (_Planted.ran.append, ("ran",))
+
+
+def test_a_torch_dump_that_names_a_class_or_function_is_refused_not_run(tmp_path):
+    """PyTorch writes its dumps with pickle; reading one must not run what a file names: only
+    dicts, lists, strings and numbers are built, anything else is refused with a clear error."""
+    path = tmp_path / "torch_fr_trace_rank_0"
+    path.write_bytes(pickle.dumps({"entries": [torch_entry(1)], "payload": _Planted()}))
+    with pytest.raises(TraceFormatError, match=r"names .*_Planted.ran.append|names builtins"):
+        torch_flight.read(path, 0, 1)
+    assert _Planted.ran == []
+    path.write_bytes(pickle.dumps({"entries": [torch_entry(1)], "pg": ("0", "default_pg")}))
+    assert [e["seq"] for e in torch_flight.read(path, 0, 1)["entries"]] == [1]
 
 
 def test_a_torch_entry_names_the_innermost_frames_outside_torch_and_outside_minishard(tmp_path):

@@ -121,15 +121,14 @@ def test_accumulation_without_sync_names_the_full_gradients_kept(runs):
 
 def test_a_skipped_collective_on_rank_1_of_4_under_torchrun_ends_in_its_timeout(tmp_path):
     trace, timeout = tmp_path / "hung", 4
-    # PyTorch keeps its own flight recorder too (on gloo since 2.7): each rank writes it beside
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]),
-               TORCH_FR_BUFFER_SIZE="256")
+    # PyTorch keeps its own flight recorder too (on gloo since 2.7): --torch-flight writes it beside
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={WORLD}", "-m", "minishard", "demo", "--model", "nano",
                            "--steps", "2", "--micro-batch", "2", "--fault", "skip-collective",
                            "--fault-rank", str(ODD), "--timeout", str(timeout), "--trace", str(trace),
-                           "--quiet"], env=env, capture_output=True, text=True, timeout=120)
+                           "--torch-flight", "--quiet"], env=env, capture_output=True, text=True, timeout=120)
     seconds = time.monotonic() - start
     assert done.returncode != 0, done.stdout[-2000:]
     assert f"minishard doctor {trace}" in done.stderr, done.stderr[-2000:]

@@ -107,3 +107,22 @@ def test_sigterm_writes_the_recorder_then_terminates(tmp_path):
     assert out.returncode == -signal.SIGTERM, out.stderr
     d = json.loads((tmp_path / "flight_rank3.json").read_text())
     assert d["reason"] == "sigterm" and d["entries"][0]["state"] == "issued"
+
+
+def test_pytorchs_own_recorder_is_written_beside_when_asked(pools, tmp_path):
+    """``torch_flight=True`` writes c10d's own ring beside minishard's dumps (the doctor reads it
+    for a job that never imported minishard); without it, no such file — and it is asked for by
+    the config, never by reading an environment variable."""
+    from minishard.instruments import torch_flight
+    for asked in (True, False):
+        d = tmp_path / str(asked)
+        pools(2).run(train, TrainConfig(strategy="ddp", model="nano", steps=1, micro_batch=1,
+                                        flight_dir=str(d), torch_flight=asked))
+        theirs = sorted(p.name for p in d.glob("torch_fr_trace_rank_*"))
+        assert theirs == (["torch_fr_trace_rank_0", "torch_fr_trace_rank_1"] if asked else [])
+    ours = json.loads((tmp_path / "True" / "flight_rank0.json").read_text())["entries"]
+    read = torch_flight.read(tmp_path / "True" / "torch_fr_trace_rank_0", 0, 2)["entries"]
+    # c10d records every collective of the run minishard did (and may keep earlier runs' too)
+    assert [e["op"] for e in read][-len(ours):] == [e["op"] for e in ours]
+    with pytest.raises(ValueError, match="torch_flight=True needs flight_dir"):
+        TrainConfig(torch_flight=True)

@@ -71,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", metavar="DIR", help="start from a checkpoint (any world size, any strategy)")
     g.add_argument("--export", metavar="DIR", help="after training, write complete per-layer weight files here")
     g.add_argument("--trace", metavar="DIR", help="write rank*.jsonl (the player's trace) and trace.json (Perfetto)")
+    g.add_argument("--torch-flight", action="store_true",
+                   help="with --trace: also write PyTorch's own flight recorder there (the doctor reads it)")
     g.add_argument("--world-size", type=int, default=None, help="without torchrun: start this many ranks here")
     g.add_argument("--quiet", action="store_true", help="no per-step lines")
     g.add_argument("--json", action="store_true", help="print the results as JSON (for scripts), not tables")
@@ -110,7 +112,7 @@ def config_of(args) -> "TrainConfig":
             prefetch=args.prefetch, shard_size=args.shard_size, recompute=args.recompute,
             loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=_here(args.offload_dir),
             device_budget=None if args.device_budget is None else int(args.device_budget * MiB),
-            track_activations=True, trace=True, flight_dir=_here(args.trace), resume_from=_here(args.resume),
+            track_activations=True, trace=True, flight_dir=_here(args.trace), torch_flight=args.torch_flight, resume_from=_here(args.resume),
             save_every=args.save_every, save_background=args.save_background,
             save_to=_here(args.save or (str(Path(args.export) / ".checkpoint") if args.export else None)))
         config.refuse_unused()
@@ -144,7 +146,7 @@ def _here(path: str | None) -> str | None:
 
 def _flag(args, name: str, value) -> str:
     """A TrainConfig field as the command line spells it: the flag, and the value as typed."""
-    dest = {"resume_from": "resume", "save_to": "save"}.get(name, name)
+    dest = {"resume_from": "resume", "save_to": "save", "flight_dir": "trace"}.get(name, name)
     flag = "--" + dest.replace("_", "-")
     if value is ...:
         return flag

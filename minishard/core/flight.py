@@ -123,8 +123,9 @@ class dumping:
     one to every rank as soon as the first exits, and ranks that time out together exit
     together): the handler stays ours until the file is whole, then the signal is sent again."""
 
-    def __init__(self, recorder: FlightRecorder, directory):
+    def __init__(self, recorder: FlightRecorder, directory, *, torch_recorder: bool = False):
         self.recorder, self.directory, self._old = recorder, directory, None
+        self.torch_recorder = torch_recorder
         self._writing = self._pending = False
 
     def __enter__(self) -> FlightRecorder:
@@ -143,8 +144,8 @@ class dumping:
 
     def _write(self, reason: str, error: str | None = None) -> None:
         self.recorder.dump(self.directory, reason, error)
-        from minishard.instruments.torch_flight import write          # PyTorch's own, when TORCH_FR_BUFFER_SIZE asks
-        write(self.directory, self.recorder.rank)
+        if self.torch_recorder:
+            write_torch_recorder(self.directory, self.recorder.rank)
 
     def __exit__(self, kind, error, tb) -> None:
         self._writing = True
@@ -162,3 +163,22 @@ class dumping:
                 signal.signal(signal.SIGTERM, self._old)
             if self._pending:
                 os.kill(os.getpid(), signal.SIGTERM)
+
+
+def write_torch_recorder(directory, rank: int) -> Path | None:
+    """PyTorch's own flight recorder (c10d's ring of each group's last collectives, kept on gloo
+    too, by default, in torch 2.13; its size is PyTorch's ``TORCH_FR_BUFFER_SIZE``) as
+    ``torch_fr_trace_rank_{rank}`` — the pickle c10d writes for NCCL on a timeout, with each
+    collective's Python stack; ``minishard doctor`` reads it (``instruments/torch_flight.py``).
+    Nothing is written when no process group is up."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch._C import _distributed_c10d as c10d        # (no public call dumps it on gloo)
+    body = c10d._dump_fr_trace()
+    path = Path(directory) / f"torch_fr_trace_rank_{rank}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(body)
+    os.replace(tmp, path)
+    return path

@@ -1,12 +1,16 @@
 """PyTorch's own Flight Recorder, read in minishard's words.
 
-With ``TORCH_FR_BUFFER_SIZE=N`` in the environment, c10d keeps its own ring of each process
-group's last N collectives — on gloo too (torch 2.13): sequence number per group, op
-(``profiling_name`` ``gloo:all_reduce``), input sizes and dtypes, and whether the work has retired.
-NCCL writes it by itself on a timeout (``TORCH_FR_DUMP_TEMP_FILE`` + rank: a pickle); on gloo a
-process writes it by calling ``torch._C._distributed_c10d._dump_fr_trace()`` (a pickle, with each
-collective's Python stack; ``_dump_fr_trace_json()``: JSON, without), which :func:`write` does for
-minishard's ``dumping`` (``torch_fr_trace_rank_{r}`` beside ``flight_rank{r}.json``).
+c10d keeps its own ring of each process group's last collectives — on gloo too, and by default in
+torch 2.13 (its size: PyTorch's ``TORCH_FR_BUFFER_SIZE``; 0 turns it off): sequence number per
+group, op (``profiling_name`` ``gloo:all_reduce``), input sizes and dtypes, and whether the work
+has retired. NCCL writes it by itself on a timeout (``TORCH_FR_DUMP_TEMP_FILE`` + rank: a pickle);
+on gloo a process writes it by calling ``torch._C._distributed_c10d._dump_fr_trace()`` (a pickle,
+with each collective's Python stack; ``_dump_fr_trace_json()``: JSON, without), which minishard's
+``dumping`` does when asked (``TrainConfig(torch_flight=True)``, ``demo --torch-flight``:
+``torch_fr_trace_rank_{r}`` beside ``flight_rank{r}.json``).
+
+A pickle is read with an unpickler that builds no object but dicts, lists, strings and numbers:
+a dump holds nothing else, and a file that names a class or function is refused, not run.
 
 :func:`read` turns either file into a dump the doctor reads like its own: each collective with its
 ``seq``, op, group (``torch:`` + PyTorch's name for it), shapes, dtypes, bytes and state — the
@@ -15,8 +19,8 @@ minishard's own dump is read (it also knows the unit, the step and the call site
 """
 from __future__ import annotations
 
+import io
 import json
-import os
 import pickle
 import re
 from pathlib import Path
@@ -30,24 +34,17 @@ ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8,
             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
-def enabled() -> bool:
-    return os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) not in ("", "0")
+class _PlainData(pickle.Unpickler):
+    """Builds what pickle encodes by itself (dicts, lists, tuples, strings, bytes, numbers, None);
+    a global — any class or function the file names — is refused before anything runs."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"it names {module}.{name}; a flight-recorder dump holds only "
+                                     f"dicts, lists, strings and numbers, so it is not read")
 
 
-def write(directory, rank: int) -> Path | None:
-    """This process's c10d flight recorder as ``torch_fr_rank{rank}.json`` (when it keeps one)."""
-    if not enabled():
-        return None
-    import torch.distributed as dist
-    from torch._C import _distributed_c10d as c10d
-    if not dist.is_initialized():
-        return None
-    path = Path(directory) / f"torch_fr_trace_rank_{rank}"       # (a pickle, with call stacks)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(c10d._dump_fr_trace())
-    os.replace(tmp, path)
-    return path
+def _unpickle(raw: bytes):
+    return _PlainData(io.BytesIO(raw)).load()
 
 
 def rank_of(path: Path) -> int | None:
@@ -64,7 +61,7 @@ def read(path: Path, rank: int, world_size: int) -> dict:
     from minishard.core.trace import TraceFormatError, not_utf8
     raw = path.read_bytes()
     try:
-        body = json.loads(raw.decode("utf-8")) if path.suffix == ".json" else pickle.loads(raw)
+        body = json.loads(raw.decode("utf-8")) if path.suffix == ".json" else _unpickle(raw)
     except UnicodeDecodeError as e:
         line, where = not_utf8(e, raw)
         raise TraceFormatError(f"{path}:{line}: not UTF-8 text ({where}): a damaged dump, or not a "

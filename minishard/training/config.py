@@ -133,6 +133,7 @@ class TrainConfig:
     trace: bool = True               # record events (the player replays them)
     flight_dir: str | None = None    # write each rank's flight recorder here (flight.py): at the
                                      # end, on an exception, on SIGTERM
+    torch_flight: bool = False       # and PyTorch's own (c10d's) beside it, for the doctor
     return_params: bool = False      # the final parameters, gathered (parity tests)
     return_state: bool = False       # this rank's optimizer state_dict
     resume_from: str | None = None   # start from a checkpoint (any world size or strategy)
@@ -190,6 +191,11 @@ class TrainConfig:
             raise ConfigError("{offload_dir} is where {offload} keeps its files; set both, or neither",
                               offload_dir=self.offload_dir, offload="disk")
         self._check_saves()
+        if not isinstance(self.torch_flight, bool):
+            raise ConfigError("{torch_flight}: must be True or False", torch_flight=self.torch_flight)
+        if self.torch_flight and self.flight_dir is None:
+            raise ConfigError("{torch_flight} needs {flight_dir}: the directory the dumps are "
+                              "written to", torch_flight=True, flight_dir=...)
         for name in ("offload", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
                      "accumulation", "quantized_weights", "quantized_gradients"):
             if name in self.unused():

@@ -201,7 +201,7 @@ def _flight(comm: Comm, config: TrainConfig):
     if not config.flight_dir:
         yield
         return
-    with dumping(comm.flight, config.flight_dir):
+    with dumping(comm.flight, config.flight_dir, torch_recorder=config.torch_flight):
         try:
             yield
         except BaseException:
