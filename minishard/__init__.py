@@ -30,7 +30,8 @@ from .core.comm import Comm, ring_wire_bytes
 from .training.config import TrainConfig
 from .strategies.ddp import DDP, NaiveDDP
 from .strategies.fsdp import MixedPrecisionPolicy, fully_shard
-from .core.launch import RankContext, RankError, Ranks, release_captured_groups, run
+from .core.c10d import release_captured_groups
+from .core.launch import RankContext, RankError, Ranks, run
 from .planner.analytic import conventions, count_params, estimate, gpt_activation_bytes
 from .core.ledger import LiveLedger
 from .core.model import CONFIGS, GPT, GPTConfig, batch
@@ -44,7 +45,7 @@ from .strategies.zero import ZeroOptimizer
 # A process group that torch's own modules captured as a default argument outlives
 # destroy_process_group, and its threads can abort the process at exit; whoever made the group,
 # minishard drops those references (and imports torch.distributed.nn before any group exists, so
-# that the first optimizer's import of torch._dynamo captures nothing): see launch.init_group.
+# that the first optimizer's import of torch._dynamo captures nothing): see core/c10d.py, init_group.
 release_captured_groups()
 
 __version__ = "0.1.0"

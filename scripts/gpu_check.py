@@ -24,7 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minishard.core.launch import RankContext, init_group
+from minishard.core.c10d import init_group
+from minishard.core.launch import RankContext
 from minishard.core.trace import Tracer
 from minishard.training.loop import TrainConfig, train
 

@@ -233,3 +233,25 @@ def one_rank_in_a_collective(rank, waiter: int = 0):
     if rank.rank == waiter:
         Comm(rank.tracer).all_reduce(torch.ones(4))
     return rank.rank
+
+
+def live_private_attributes(rank, names: list[str]) -> dict[str, bool]:
+    """For each ``module.Class#attribute`` the adapters list: whether a live object of that class
+    has the attribute (what torch sets in ``__init__`` is not on the class). The objects: a
+    two-layer model under FSDP2's ``fully_shard`` and one under DDP, on these ranks."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fully_shard(net[0])
+    fully_shard(net)
+    state = net._get_fsdp_state()
+    live = {"FSDPState": state, "FSDPParamGroup": state._fsdp_param_group or
+            net[0]._get_fsdp_state()._fsdp_param_group,
+            "DistributedDataParallel": DistributedDataParallel(nn.Linear(4, 4))}
+    out = {}
+    for name in names:
+        path, _, attribute = name.partition("#")
+        obj = live[path.rsplit(".", 1)[1]]
+        out[name] = hasattr(obj, attribute)
+    return out

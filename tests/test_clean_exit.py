@@ -2,7 +2,7 @@
 
 A user's script makes its own group (``init_process_group("gloo")``), trains two steps with
 minishard's ``DDP`` and ``AdamW`` and destroys the group (``clean_exit_rank.py``). Without
-``launch.release_captured_groups`` the first optimizer's import of ``torch._dynamo`` pinned the
+``c10d.release_captured_groups`` the first optimizer's import of ``torch._dynamo`` pinned the
 group in ``torch.distributed.nn.functional``'s default arguments, ``destroy_process_group`` freed
 nothing, and a gloo worker thread still alive at interpreter exit aborted the process
 ("terminate called without an active exception", exit code -6): in 1 to 13 runs in 100,

@@ -213,7 +213,7 @@ def test_a_fresh_environment_with_only_the_engine_trains_and_reshards(tmp_path):
     # (lines of different ranks may interleave in the output)
     assert len(re.findall(r"rank \d (?:ddp|zero2|fsdp) wire \d+", out)) == 2 * 3, out
     # destroy_process_group ended the group: none of gloo's threads is left to run into the
-    # interpreter's shutdown (minishard.core.launch.init_group)
+    # interpreter's shutdown (minishard.core.c10d.init_group)
     left = re.findall(r"rank \d threads: (\d+) before the group, (\d+) after it", out)
     assert len(left) == 2 and all(a == b for a, b in left), out
     out = run(str(py), str(tmp_path / "task.py"), str(tmp_path), "resume", cwd=tmp_path, env=env).stdout

@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from minishard.core.comm import Comm, _group_timeout
+from minishard.core.c10d import group_timeout
+from minishard.core.comm import Comm
 
 _pending: list["PendingSave"] = []
 # the training's process group -> the checkpoint's group over the same ranks; weak, so that the
@@ -101,11 +102,11 @@ def checkpoint_comm(comm: Comm) -> Comm:
     creates the group); a world of one needs none."""
     if comm.world_size == 1:
         return comm
-    training = comm.group if comm.group is not None else dist.distributed_c10d._get_default_group()
+    training = comm.group if comm.group is not None else dist.group.WORLD
     saver = _groups.get(training)
     if saver is None:
         ranks = dist.get_process_group_ranks(training)
-        group = dist.new_group(ranks, timeout=_group_timeout(comm.group),
+        group = dist.new_group(ranks, timeout=group_timeout(comm.group),
                                use_local_synchronization=len(ranks) < dist.get_world_size())
         saver = _groups[training] = Comm(None, group, name=f"checkpoint{ranks}", flight=comm.flight)
         if saver.rank != comm.rank:          # (rank r writes file r: the same r in both groups)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import quantized
+from .c10d import group_timeout
 from .flight import FlightRecorder
 from .trace import Tracer
 
@@ -415,7 +416,7 @@ class Comm:
         if shard_size < 1 or N % shard_size:
             raise ValueError(f"shard size {shard_size} does not divide the world size {N}")
         mine_shard = mine_rep = None
-        timeout = _group_timeout(self.group)            # (a new group would wait 30 minutes)
+        timeout = group_timeout(self.group)            # (a new group would wait 30 minutes)
         for start in range(0, N, shard_size):            # every rank creates every group
             g = dist.new_group(list(range(start, start + shard_size)), timeout=timeout)
             if start <= self.rank < start + shard_size:
@@ -446,7 +447,7 @@ class Comm:
         if self.initialized:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
-        timeout = _group_timeout(self.group)            # (a new group would wait 30 minutes)
+        timeout = group_timeout(self.group)            # (a new group would wait 30 minutes)
         made = None
         for group in sorted(set(every)):                 # the same order on every rank
             for start in range(0, len(group), size):
@@ -478,13 +479,3 @@ class Comm:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
-
-
-def _group_timeout(group):
-    """The collective timeout of ``group`` (the default group if None) on gloo, else None (the
-    backend's default): groups split from it wait as long as it does."""
-    group = group or dist.distributed_c10d._get_default_group()
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except (RuntimeError, AttributeError):
-        return None

@@ -174,8 +174,8 @@ def write_torch_recorder(directory, rank: int) -> Path | None:
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         return None
-    from torch._C import _distributed_c10d as c10d        # (no public call dumps it on gloo)
-    body = c10d._dump_fr_trace()
+    from .c10d import dump_flight_recorder                # (no public call dumps it on gloo)
+    body = dump_flight_recorder()
     path = Path(directory) / f"torch_fr_trace_rank_{rank}"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -36,7 +36,6 @@ import queue as queue_mod
 import sys
 import time
 import traceback
-import types
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -45,86 +44,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import c10d
+from .c10d import init_group
 from .trace import Tracer
 
 INIT_TIMEOUT_S = 60.0
-
-
-def init_group(backend: str, **kwargs) -> None:
-    """``dist.init_process_group``, so that ``dist.destroy_process_group`` really ends the group.
-
-    Destroying a group frees it only if nothing else holds it; while something does, gloo's
-    worker threads live on, and when the interpreter shuts down a worker still releasing the
-    tensors of the last collectives aborts the process ("terminate called without an active
-    exception", exit code -6: 1 to 13 ``torchrun`` runs in 100 of a 2-rank DDP script). What
-    holds it is the default arguments of ``torch.distributed.nn.functional`` (``all_reduce(...,
-    group=group.WORLD)`` and nine more): evaluated once, at import, they are ``None`` before any
-    group exists and the live group after. torch.optim imports ``torch._dynamo``, which imports
-    that module, the first time an optimizer is built — usually after the group exists.
-    ``import minishard`` therefore imports the module up front and resets defaults already
-    captured (:func:`release_captured_groups`), whoever makes the group and whether minishard is
-    imported before or after it; here ``torch._dynamo`` is also imported before the group, so
-    that the first optimizer does not pay for it mid-run. ``tests/test_clean_exit.py`` checks the
-    exit codes; ``tests/test_engine_apart.py`` that no thread outlives the group."""
-    importlib.import_module("torch._dynamo")
-    release_captured_groups()
-    dist.init_process_group(backend, **kwargs)
-
-
-# torch's Python modules that declare ``group=group.WORLD`` (or ``dist.group.WORLD``) defaults;
-# torch.distributed.distributed_c10d has some too, but it is imported with torch.distributed,
-# before any group can exist
-GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional",
-                         "torch.distributed.optim.zero_redundancy_optimizer",
-                         "torch.distributed.fsdp.sharded_grad_scaler")
-
-
-def release_captured_groups() -> int:
-    """Reset to ``None`` the process groups that torch's modules captured as default arguments
-    (the modules in ``GROUP_DEFAULT_MODULES`` that are imported); return how many functions
-    changed.
-
-    ``def f(..., group=group.WORLD)`` stores the default group *of the moment the module is
-    imported*; a module imported while a group exists (``torch.distributed.nn.functional``, via
-    the first optimizer's import of ``torch._dynamo``) keeps that group alive after
-    ``destroy_process_group`` (see :func:`init_group`). ``None`` is what those defaults are when
-    the module is imported before any group, and every such function hands its ``group`` to a
-    ``torch.distributed`` call that reads ``None`` as "the default group": nothing changes but
-    the lifetime of the group. ``import minishard`` calls it once, having imported
-    ``torch.distributed.nn`` (a few ms), so that a later import captures nothing; one of the other
-    modules imported later, while a group exists, is not covered: call it again then."""
-    if not dist.is_available():
-        return 0
-    importlib.import_module("torch.distributed.nn.functional")
-    changed = 0
-    for name in GROUP_DEFAULT_MODULES:
-        module = sys.modules.get(name)
-        for obj in list(vars(module).values()) if module is not None else ():
-            if issubclass(type(obj), type) and obj.__module__ == name:     # a class: its methods
-                changed += sum(_reset_group_defaults(getattr(m, "__func__", m))
-                               for m in list(vars(obj).values()))
-            else:
-                changed += _reset_group_defaults(obj)
-    return changed
-
-
-def _reset_group_defaults(fn) -> int:
-    """1 if ``fn`` (or a function it decorates) had a process group as a default, now ``None``."""
-    changed = 0
-    for _ in range(8):                                  # through decorators, to the function
-        if type(fn) is not types.FunctionType:
-            break
-        pg = dist.ProcessGroup
-        defaults, kwdefaults = fn.__defaults__ or (), fn.__kwdefaults__ or {}
-        if any(isinstance(v, pg) for v in (*defaults, *kwdefaults.values())):
-            if defaults:
-                fn.__defaults__ = tuple(None if isinstance(v, pg) else v for v in defaults)
-            if kwdefaults:
-                fn.__kwdefaults__ = {k: None if isinstance(v, pg) else v
-                                     for k, v in kwdefaults.items()}
-            changed = 1
-        fn = getattr(fn, "__wrapped__", None)
-    return changed
 
 
 class RankError(RuntimeError):
@@ -236,7 +160,7 @@ class Ranks:
         if start_method == "forkserver":
             # the forkserver imports these once; every rank forked from it starts warm
             # (torch._dynamo: init_group imports it before the group exists)
-            ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "minishard"])
+            ctx.set_forkserver_preload(["torch", c10d.DYNAMO, "torch.distributed", "minishard"])
         self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
                                     wait_for_workers=False, timeout=timedelta(seconds=INIT_TIMEOUT_S))
         self._results = ctx.Queue()
@@ -447,6 +371,6 @@ def context_from_env(trace_sink=None, collective_timeout: float = INIT_TIMEOUT_S
     # a short collective timeout counts from here: torchrun starts processes seconds apart on a
     # busy machine, and the first collective above waited for the last of them
     if collective_timeout != INIT_TIMEOUT_S:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout))
+        dist.group.WORLD.set_timeout(timedelta(seconds=collective_timeout))
     return RankContext(rank, world_size, device, Tracer(rank, world_size, origin=origin.item(),
                                                         sink=trace_sink), backend)

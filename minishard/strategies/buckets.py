@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from minishard.core.autograd_private import queue_callback
 from minishard.core.comm import Work
 from minishard.core.ledger import LiveLedger
 from .local_grad import local
@@ -157,7 +158,7 @@ class BucketedReduction:
     def _mark_ready(self, b: Bucket, k: int) -> None:
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+            queue_callback(self.finish_gradient_synchronization)
         b.ready.add(k)
         while self._next_launch < len(self.buckets):
             nxt = self.buckets[self._next_launch]

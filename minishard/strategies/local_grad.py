@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm, torch._foreach_norm}
+from minishard.core.autograd_private import disabled_torch_function_impl, foreach_norm
+
+_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm, foreach_norm}
 if hasattr(torch.nn.utils, "get_total_norm"):
     _NORMS.add(torch.nn.utils.get_total_norm)
 
@@ -33,7 +35,7 @@ class LocalGradient(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _NORMS:
             raise RuntimeError(MESSAGE)
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        return disabled_torch_function_impl(func, types, args, kwargs or {})
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

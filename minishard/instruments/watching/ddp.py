@@ -11,6 +11,14 @@ from __future__ import annotations
 
 from .basics import WatchError, _bytes, _dtype
 
+# DDP's internals this module reaches, and why no public API serves (checked on CHECKED_ON;
+# tests/test_private_torch.py resolves each, on a live DDP model for "Class#attribute")
+CHECKED_ON = ("2.13.0",)
+PRIVATE = {
+    "torch.nn.parallel.DistributedDataParallel#_comm_hooks": "whether a comm hook is set: DDP "
+        "takes one, and registering a second raises from C++ after the first was kept",
+}
+
 
 class _Relay:
     """The state of the one comm hook a DDP model takes: the watch on now (or None), and DDP's

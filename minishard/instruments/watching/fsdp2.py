@@ -15,6 +15,30 @@ from __future__ import annotations
 
 from .basics import WatchError, _bytes, _dtype
 
+# FSDP2's internals this module reaches, and why no public API serves (checked on CHECKED_ON;
+# tests/test_private_torch.py resolves each, on a live FSDP2 model for "Class#attribute")
+CHECKED_ON = ("2.13.0",)
+_FS = "torch.distributed.fsdp._fully_shard"
+PRIVATE = {
+    f"{_FS}._fsdp_collectives.DefaultAllGather": "FSDP2's own all-gather, subclassed so the "
+        "custom one set with the public set_custom_all_gather passes FSDP2's isinstance checks",
+    f"{_FS}._fsdp_collectives.DefaultReduceScatter": "the same, for set_custom_reduce_scatter",
+    f"{_FS}._fully_shard.FSDPModule._get_fsdp_state": "a module's FSDP state: its parameter "
+        "groups (no public accessor)",
+    f"{_FS}._fsdp_state.FSDPState#_fsdp_param_groups": "the groups, whose states change below",
+    f"{_FS}._fsdp_param_group.FSDPParamGroup#_all_gather_comm": "the all-gather in use, put "
+        "back when the watch ends (no public getter)",
+    f"{_FS}._fsdp_param_group.FSDPParamGroup#_reduce_scatter_comm": "the same, reduce-scatter",
+    f"{_FS}._fsdp_param_group.FSDPParamGroup#_sharded_state": "whether a reshard changed "
+        "anything (the root is asked twice)",
+    f"{_FS}._fsdp_param_group.FSDPParamGroup._to_unsharded": "the unit's memory-state changes, "
+        "patched on the instance as FSDPMemTracker patches them: no public event marks them",
+    f"{_FS}._fsdp_param_group.FSDPParamGroup._to_sharded": "the change back to sharded, patched "
+        "the same way",
+    f"{_FS}._fsdp_param_group.FSDPParamGroup._to_sharded_post_forward": "the change to the "
+        "post-forward shard (reshard_after_forward=int), patched the same way",
+}
+
 
 def _comms():
     """FSDP2's default all-gather and reduce-scatter, subclassed. Built on first use: importing

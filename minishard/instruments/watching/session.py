@@ -54,7 +54,7 @@ def _kind(model: torch.nn.Module, optimizer) -> str:
 
 def _group_name(group) -> str:
     """The same name on every rank: "world" for the default group (however it is passed)."""
-    if group is None or group is dist.group.WORLD or group == dist.distributed_c10d._get_default_group():
+    if group is None or group is dist.group.WORLD:
         return "world"
     return f"pg{group.group_name}"
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+
+from minishard.core.autograd_private import queue_callback, tree_flatten, tree_map
 
 if TYPE_CHECKING:
     from .unit import FSDPUnit
@@ -81,7 +82,7 @@ def _pre_backward(unit: "FSDPUnit") -> None:
     """The first unit backward reaches queues the end of backward on the autograd engine: it
     runs when the engine has finished this backward."""
     if unit.context.first_in_backward():
-        torch.autograd.Variable._execution_engine.queue_callback(unit.context.post_backward)
+        queue_callback(unit.context.post_backward)
     unit.pre_backward()
 
 

@@ -45,10 +45,11 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
+from minishard.core.autograd_private import chunk_cat, preserve_version_counter
 from minishard.strategies.local_grad import local
 from .slots import ParamSlot
 
-_preserve_version = torch.autograd._unsafe_preserve_version_counter
+_preserve_version = preserve_version_counter
 
 
 def _set_storage(t: torch.Tensor, nbytes: int) -> None:
@@ -309,8 +310,8 @@ class PerParamLayout(Accounted):
             # one operation, as FSDP2's chunk_cat: each gradient cut into N shards of c rows
             # (the last padded with zeros), laid rank-major, cast on the way
             packed = torch.empty(self.N, self.per_rank, dtype=dtype, device=self.device)
-            torch._chunk_cat([g.reshape(-1, inner) for g, inner in zip(grads, self.inner)], dim=0,
-                             num_chunks=self.N, out=packed)
+            chunk_cat([g.reshape(-1, inner) for g, inner in zip(grads, self.inner)], dim=0,
+                      num_chunks=self.N, out=packed)
             return packed.view(-1)
         packed = torch.zeros(self.N, self.per_rank, dtype=dtype, device=self.device)
         offset = 0

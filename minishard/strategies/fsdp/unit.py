@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn as nn
 
+from minishard.core.autograd_private import set_version_counter
 from minishard.core.comm import Comm, Work
 from minishard.core.ledger import LiveLedger
 from minishard.strategies.local_grad import local
@@ -192,7 +193,7 @@ class FSDPUnit(ReplicatedParams):
             return
         if gather.work is not None:
             self._wait(gather.work, "wait_unshard")
-        torch._C._autograd._unsafe_set_version_counter((gather.buffer,), (gather.version,))
+        set_version_counter((gather.buffer,), (gather.version,))
         self._all_gather = None
         self.layout.finish_unshard(gather.buffer)    # the module computes with them now
         self._set_state(MemoryState.UNSHARDED)
