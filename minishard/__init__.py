@@ -19,8 +19,8 @@ The parts, one folder each (each folder's ``__init__.py`` is its map)::
 
 What to read, in this order (lines today; ``docs/architecture.md`` has the whole path)::
 
-    DDP        training/loop.py (train_step) -> strategies/ddp.py -> strategies/buckets.py
-               -> core/comm.py -> core/ledger.py                        ~1,430 lines
+    DDP        training/step.py (train_step) -> strategies/ddp.py -> strategies/buckets.py
+               -> core/comm.py -> core/ledger.py                        ~1,130 lines
     ZeRO-1/2   strategies/zero.py -> strategies/clipping.py               ~390 more
     FSDP       strategies/fsdp/: api.py -> state.py -> unit.py -> layout.py -> hooks.py
                -> root.py                                                ~1,500 more

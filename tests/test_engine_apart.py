@@ -74,6 +74,18 @@ def test_the_engine_knows_nothing_of_the_faults_chapter_11_plants():
             f"{path.relative_to(ROOT)} imports the faults"
 
 
+def test_the_step_and_what_it_stands_on_import_no_instrument():
+    """The collectives, the strategies, the checkpoints and the training step import nothing of
+    the instruments (no health note, no watch, no doctor): what the doctor notes about a step is
+    taken by the optimizer's step hooks the run registers (training/loop.py, the one place that
+    wires instruments to a run)."""
+    step = ROOT / "minishard" / "training" / "step.py"
+    engine = [f for f in CORE_ENGINE if f.relative_to(ROOT / "minishard").parts[0] != "training"]
+    for path in [step, *engine]:
+        reached = sorted(m for m in imported_modules(path) if m.startswith("minishard.instruments"))
+        assert not reached, f"{path.relative_to(ROOT)} imports {reached}"
+
+
 def engine_import_graph() -> dict[str, set[str]]:
     """Which engine modules each engine module imports, at run time: lazy imports inside
     functions included, ``if TYPE_CHECKING:`` blocks left out (they never run)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -47,6 +47,29 @@ def stepped_tensors(optimizer) -> list[torch.Tensor]:
     a master)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     return [p for g in inner.param_groups for p in g["params"]]
+
+
+def note_steps(optimizer, facts: dict, step_of: Callable[[], int | None],
+               norm_of: Callable[[], Any] | None = None, *, on=None) -> list[Callable[[], None]]:
+    """A note per optimizer step in ``facts["steps"]`` — the step (``step_of()``), what
+    :class:`StepNotes` finds, and the norm the gradients were clipped by (``norm_of()``, when it
+    is not None) — taken by the step hooks of ``on`` (default: the torch optimizer that does the
+    stepping, inside the wrappers that shard or keep a master): the training step itself knows
+    nothing of it. Returns the hooks' removers."""
+    on = getattr(optimizer, "optimizer", optimizer) if on is None else on
+    held: list[StepNotes] = []
+
+    def before(o, args, kwargs) -> None:
+        held[:] = [StepNotes(optimizer).__enter__()]
+
+    def after(o, args, kwargs) -> None:
+        if held:
+            notes = held.pop()
+            notes.__exit__(None, None, None)
+            norm = norm_of() if norm_of is not None else None
+            facts.setdefault("steps", []).append(
+                {"step": step_of(), **notes.note, **({"grad_norm": float(norm)} if norm is not None else {})})
+    return [on.register_step_pre_hook(before).remove, on.register_step_post_hook(after).remove]
 
 
 class StepNotes:

@@ -48,7 +48,7 @@ class Strategy:
 @dataclass
 class Built:
     """A model wrapped by a strategy, ready to train. Every strategy answers the same questions
-    of :func:`minishard.training.loop.train_step` — :meth:`accumulating`, :meth:`synchronise`,
+    of :func:`minishard.training.step.train_step` — :meth:`accumulating`, :meth:`synchronise`,
     :meth:`clip_grad_norm`, :meth:`track_state` — whatever it does for each (often nothing);
     the builders say what differs through the fields below."""
     strategy: Strategy
@@ -61,6 +61,7 @@ class Built:
     gather: Callable[[], dict] | None = None    # the full parameters, by name
     clip: Callable[[float], torch.Tensor] | None = None   # clip by the global gradient norm
     new_state: Callable[[Any], None] | None = None       # enter new optimizer state in a ledger
+    last_grad_norm: torch.Tensor | None = None  # the global norm the last clip scaled by
 
     def accumulating(self, quiet: bool):
         """The context of one micro-batch's forward and backward: for all but the last of a step
@@ -85,10 +86,13 @@ class Built:
         return {n: p.detach().cpu().float().clone() for n, p in params.items()}
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that their norm *over every rank* is at most ``max_norm``."""
+        """Scale the gradients so that their norm *over every rank* is at most ``max_norm``;
+        the norm is also kept as :attr:`last_grad_norm` (what the step was clipped by)."""
         if self.clip is not None:
-            return self.clip(max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            self.last_grad_norm = self.clip(max_norm)
+        else:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return self.last_grad_norm
 
 
 def get(name: str) -> Strategy:

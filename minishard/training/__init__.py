@@ -1,6 +1,7 @@
 """The training loop every chapter runs, and what it is configured and measured with.
 
-    loop.py         ``train`` and ``train_step``: forward, backward, synchronise, clip, step
+    step.py         ``train_step``: forward, backward, synchronise, clip, step, zero
+    loop.py         ``train``: the run around the step (build, resume, steps, saves, results)
     config.py       ``TrainConfig``: one run, checked before any rank starts
     meter.py        step times, communication per step, losses
     parity.py       how close two trainings ended (drift, bit-equality)

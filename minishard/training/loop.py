@@ -7,8 +7,7 @@ batch with :func:`train_step`, and returns what the course shows: losses, step t
 measured ledger (peak, per phase, by category), the bytes every collective moved — recorded by
 ``comm`` and counted by the OS (``minishard.training.meter``) — and, on request, the final parameters.
 
-``train_step`` is the one training step of the project: the loop below, the lessons and the
-tests all call it, so that every chapter compares like with like.
+The step itself is :func:`minishard.training.step.train_step`; this module is the run around it.
 """
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ from .hooks import RunHooks
 from minishard.core.launch import RankContext
 from minishard.core.ledger import STATE_CATEGORIES, LiveLedger
 from .meter import Meter
+from .step import train_step
 from minishard.strategies.fsdp import wrap_targets
 from minishard.strategies.registry import Built, build
 from minishard.core.trace import Tracer
@@ -37,39 +37,6 @@ from minishard.instruments.watching import watch
 
 __all__ = ["TrainConfig", "train", "train_step", "build", "Built", "wrap_targets",
            "OPTIMIZERS", "PRECISIONS", "WRAPS"]
-
-
-def train_step(built: Built, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
-               clip: float | None = None, ledger: LiveLedger | None = None,
-               tracer: Tracer | None = None, track_activations: bool = True,
-               notes: dict | None = None) -> float:
-    """One optimizer step over ``batches`` (one ``(x, y)`` per micro-batch): forward and
-    backward each, the gradients synchronised once (``no_sync`` around all but the last), the
-    gradient clipped by its global norm, the optimizer step, the gradients zeroed. Returns the
-    step's loss (the mean over its micro-batches). ``notes``: filled with what the doctor reads
-    (``minishard.instruments.health``: the norm clipped by, the precision the optimizer stepped in)."""
-    accum = len(batches)
-    loss_sum = 0.0
-    counting = ledger.activations if (ledger is not None and track_activations) else nullcontext
-    with _phase(None, tracer, "step"):
-        for k, (x, y) in enumerate(batches):
-            with built.accumulating(quiet=k < accum - 1):     # no reduction but after the last
-                with _phase(ledger, tracer, "forward"), counting():
-                    loss = built.model(x, y) / accum            # forward
-                with _phase(ledger, tracer, "backward"):
-                    loss.backward()                             # backward (most reduce meanwhile)
-            loss_sum += loss.item()
-        built.synchronise(tracer)                               # synchronise (naive DDP only)
-        with _phase(ledger, tracer, "optimizer"):
-            norm = built.clip_grad_norm(clip) if clip is not None else None      # clip
-            with health.StepNotes(built.optimizer) if notes is not None else nullcontext() as noted:
-                built.optimizer.step()                          # step
-            if notes is not None:
-                notes.update(noted.note, **({"grad_norm": float(norm)} if norm is not None else {}))
-            built.track_state(ledger)                           # (the moments the first step made)
-            built.optimizer.zero_grad(set_to_none=False)        # zero, in place: the gradient
-            # buffers the ledger counts live for the whole run, as the memory formulas have them
-    return loss_sum
 
 
 def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
@@ -103,17 +70,15 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
 
     meter = Meter(built.comms, built.units)
     saves: list[tuple[int, Any]] = []           # (step, what save returned)
-    with _flight(comm, config), _watching(built, config, tracer, alone, comm) as w:
+    with _flight(comm, config), _noting(built, facts, tracer), \
+            _watching(built, config, tracer, alone, comm) as w:
         for step in range(first_step, first_step + config.steps):
             tracer.step = step
             batches = _batches(cfg, config, step, rank)
-            notes = {"step": step} if facts is not None else None
             with meter.step():
                 loss = train_step(built, batches, clip=config.clip, ledger=ledger,
                                   tracer=None if w else tracer,
-                                  track_activations=config.track_activations, notes=notes)
-            if facts is not None:
-                facts.setdefault("steps", []).append(notes)
+                                  track_activations=config.track_activations)
             if w:
                 w.step()
             meter.loss(loss)
@@ -208,6 +173,19 @@ def _flight(comm: Comm, config: TrainConfig):
             if comm.tracer is not None and comm.tracer.events:
                 comm.tracer.write_jsonl(f"{config.flight_dir}/rank{comm.flight.rank}.jsonl")
             raise
+
+
+@contextlib.contextmanager
+def _noting(built: Built, facts: dict | None, tracer: Tracer):
+    """For the doctor (``facts``: the flight recorder's), a note of every optimizer step — the
+    precision it stepped in, the norm it was clipped by — through the optimizer's step hooks."""
+    removers = [] if facts is None else health.note_steps(
+        built.optimizer, facts, lambda: tracer.step, lambda: built.last_grad_norm)
+    try:
+        yield
+    finally:
+        for remove in removers:
+            remove()
 
 
 def _watching(built: Built, config: TrainConfig, tracer: Tracer, alone: bool, comm: Comm):
@@ -333,9 +311,3 @@ def _loss_resolution(loss: float, config: TrainConfig) -> float:
     eps = torch.finfo(torch.bfloat16 if config.precision == "bf16_mixed" else torch.float32).eps
     per_micro = abs(loss) / config.accum                   # each micro-batch's loss / accum is rounded
     return eps * 2.0 ** math.floor(math.log2(per_micro)) if per_micro > 0 else 0.0
-
-
-def _phase(ledger: LiveLedger | None, tracer: Tracer | None, name: str):
-    if ledger is not None:
-        return ledger.phase(name)
-    return tracer.phase(name) if tracer is not None else contextlib.nullcontext()

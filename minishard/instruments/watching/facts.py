@@ -21,17 +21,7 @@ def attach(w) -> None:
     opt = w._stepped
     if opt is None:
         return
-    held: list = []
-
-    def before(o, args, kwargs) -> None:
-        held[:] = [health.StepNotes(o).__enter__()]
-
-    def after(o, args, kwargs) -> None:
-        if held:
-            notes = held.pop()
-            notes.__exit__(None, None, None)
-            facts.setdefault("steps", []).append({"step": w.tracer.step, **notes.note})
-    w._undo += [opt.register_step_pre_hook(before).remove, opt.register_step_post_hook(after).remove]
+    w._undo += health.note_steps(opt, facts, lambda: w.tracer.step, on=opt)
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
