@@ -93,8 +93,11 @@ def test_zero_padding_is_in_the_formula_and_each_note_is_said_once(pools):
     assert "waited ms: n/a, not measured" in text
 
 
-def test_a_bf16_loss_says_its_resolution(pools):
-    config = TrainConfig(strategy="zero1", precision="bf16_mixed", **NANO)
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_bf16_loss_says_its_resolution(pools, accum):
+    """With accumulation each micro-batch's loss / accum is what bf16 rounds: the step's loss is a
+    sum of numbers half as large, whose spacing is half as large too."""
+    config = TrainConfig(strategy="zero1", precision="bf16_mixed", accum=accum, **NANO)
     results = pools(3).run(train, config)
     for r in results:
         for loss, step in zip(r["losses"], r["loss_resolution"]):

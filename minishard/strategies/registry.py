@@ -85,6 +85,24 @@ class Built:
         params = self.gather() if self.gather is not None else dict(self.model.named_parameters())
         return {n: p.detach().cpu().float().clone() for n, p in params.items()}
 
+    def layout_numel(self) -> dict:
+        """What the strategy laid out on this rank, for the analytic ledger to count the same:
+        ``numel`` — (elements a replicated category holds, elements a sharded one holds) of the
+        trainable parameters, padding included (absent: unpadded) — and ``frozen``, the elements
+        of frozen weights it keeps."""
+        if hasattr(self.optimizer, "shard_numel"):          # ZeRO: its buckets' shards
+            return {"numel": self.optimizer.shard_numel()}
+        if self.units:                                     # FSDP: the shards the units keep
+            trainable, frozen = (sum(n) for n in zip(*(u.shard_numel() for u in self.units)))
+            n = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            return {"numel": (n, trainable), "frozen": frozen}
+        return {"frozen": sum(p.numel() for p in self.model.parameters() if not p.requires_grad)}
+
+    def transfer_bytes(self) -> tuple[int, int]:
+        """Offload's bytes per micro-batch over every FSDP unit: (tier to device, device to tier)."""
+        moves = [u.transfer_bytes() for u in self.units]
+        return sum(h for h, _ in moves), sum(d for _, d in moves)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their norm *over every rank* is at most ``max_norm``;
         the norm is also kept as :attr:`last_grad_norm` (what the step was clipped by)."""

@@ -268,6 +268,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.flat_grad_shards.zero_()
 
     # ------------------------------------------------------------------ sharded state
+    def shard_numel(self) -> tuple[int, int]:
+        """Elements of the bucketed parameters (padding included): (what a replica of them holds,
+        what this rank's shards hold). Frozen parameters stay plain replicas, outside the buckets."""
+        return sum(b.size for b in self.buckets), sum(b.shard_numel for b in self.buckets)
+
     def layout(self) -> dict:
         return {"stage": self.stage, "world_size": self.comm.world_size,
                 "buckets": [(b.start, b.numel, b.shard_numel) for b in self.buckets]}

@@ -12,28 +12,27 @@ The step itself is :func:`minishard.training.step.train_step`; this module is th
 from __future__ import annotations
 
 import contextlib
-import math
 from contextlib import nullcontext
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
-from minishard.instruments import health
-from minishard.core import model as model_mod
 from minishard import strategies
-from minishard.planner.analytic import estimate, gpt_activation_bytes
+from minishard.core import model as model_mod
 from minishard.core.comm import Comm
 from minishard.core.flight import dumping
-from .config import OPTIMIZERS, PRECISIONS, WRAPS, TrainConfig
-from .hooks import RunHooks
 from minishard.core.launch import RankContext
-from minishard.core.ledger import STATE_CATEGORIES, LiveLedger
-from .meter import Meter
-from .step import train_step
+from minishard.core.ledger import LiveLedger
+from minishard.core.trace import Tracer
+from minishard.instruments import health
+from minishard.instruments.watching import watch
 from minishard.strategies.fsdp import wrap_targets
 from minishard.strategies.registry import Built, build
-from minishard.core.trace import Tracer
-from minishard.instruments.watching import watch
+from . import report
+from .config import OPTIMIZERS, PRECISIONS, WRAPS, TrainConfig
+from .hooks import RunHooks
+from .meter import Meter
+from .step import train_step
 
 __all__ = ["TrainConfig", "train", "train_step", "build", "Built", "wrap_targets",
            "OPTIMIZERS", "PRECISIONS", "WRAPS"]
@@ -85,14 +84,14 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
             if on_step is not None:
                 on_step({"rank": rank.rank, "step": step, "first": step == first_step,
                          "steps": first_step + config.steps, "loss": loss, "loss_resolution":
-                         _loss_resolution(loss, config), "seconds": meter.steps["step_times"][-1],
+                         report.loss_resolution(loss, config), "seconds": meter.steps["step_times"][-1],
                          "peak": ledger.peak if ledger else w.peak if w else 0})
             if config.save_every is not None and (step + 1) % config.save_every == 0:
                 saves.append((step + 1, _save(config, built, comm, step + 1)))
     if config.save_to is not None:      # (a last save the loop did not make: of the last step)
         ckpt["save"] = _saved(config, built, comm, first_step + config.steps, saves)
     tracer.step = None
-    return _outputs(rank, config, cfg, meter, built, first_step, w, ledger, comm, ckpt)
+    return report.outputs(rank, config, cfg, meter, built, first_step, w, ledger, comm, ckpt)
 
 
 def _save(config: TrainConfig, built: Built, comm: Comm, step: int):
@@ -113,27 +112,6 @@ def _saved(config: TrainConfig, built: Built, comm: Comm, last: int, saves: list
     checkpoint.wait_for_saves()
     done = [(s, out.wait() if isinstance(out, checkpoint.PendingSave) else out) for s, out in saves]
     return {**done[-1][1], "stalls": [(s, out["stall_seconds"]) for s, out in done]}
-
-
-def _outputs(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: Built, first_step: int,
-             w, ledger: LiveLedger | None, comm: Comm, ckpt: dict) -> dict[str, Any]:
-    """After the last step: the measurements, the ledger against its formula, the checkpoints
-    loaded and saved, the parameters and state asked for."""
-    strategy = built.strategy
-    out = _measurements(rank, config, cfg, meter, built, first_step, w)
-    if ledger is not None:
-        out["ledger"] = _ledger_report(ledger, config, cfg, strategy, rank.world_size, built)
-    if ckpt:
-        out["checkpoint"] = ckpt
-    if config.return_params:
-        out["params"] = built.full_parameters()
-    if config.return_state:
-        out["optimizer_state"] = built.optimizer.state_dict()
-    if ledger is not None:
-        out["ledger"]["by_device"] = ledger.by_device()
-    for unit in built.units:            # the disk tier's files go with the run
-        unit.release_tier()
-    return out
 
 
 def _build_noted(config: TrainConfig, cfg, rank: RankContext, comm: Comm, ledger, facts: dict | None,
@@ -196,25 +174,6 @@ def _watching(built: Built, config: TrainConfig, tracer: Tracer, alone: bool, co
     return watch(built.model, built.optimizer, trace=tracer, flight=comm.flight)
 
 
-def _measurements(rank: RankContext, config: TrainConfig, cfg, meter: Meter, built: Built,
-                  first_step: int, watched=None) -> dict[str, Any]:
-    """What every run returns: the meter's per-step lists, and what they are (PyTorch's own
-    strategies: what the watch measured, too)."""
-    out: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size,
-                           "strategy": built.strategy.name, **meter.steps, "by_op": meter.by_op(),
-                           "n_params": model_mod.GPT(cfg, device="meta").num_params(),
-                           "first_step": first_step,
-                           "loss_resolution": [_loss_resolution(x, config) for x in meter.steps["losses"]],
-                           "exposed_comm_measured": bool(built.units)}   # (only FSDP's units time it)
-    if hasattr(built.optimizer, "layout"):
-        out["layout"] = built.optimizer.layout()
-    if watched is not None:
-        steps = range(first_step, first_step + config.steps)
-        out["watched"] = {"peak": watched.peak, "peak_snapshot": watched.peak_snapshot,
-                          "wire": [watched.wire.get(s, 0) for s in steps]}
-    return out
-
-
 def _model(config: TrainConfig, cfg, device, rank: int = 0) -> torch.nn.Module:
     """The GPT this rank starts from (the same seed everywhere, unless ``rank_seeds``), its
     memory knobs set and the frozen parameters' gradients switched off."""
@@ -227,87 +186,3 @@ def _model(config: TrainConfig, cfg, device, rank: int = 0) -> torch.nn.Module:
     return net
 
 
-def _ledger_report(ledger: LiveLedger, config: TrainConfig, cfg, strategy, world_size: int,
-                   built: Built) -> dict:
-    """The measured ledger, next to the analytic estimate for the same run: every knob it used
-    (hybrid shard groups, recomputation, a chunked loss, offload) and the strategy's layout."""
-    trainable = model_mod.GPT(cfg, device="meta")
-    for name, p in trainable.named_parameters():
-        if config.freeze and name.startswith(config.freeze):
-            p.requires_grad_(False)
-    act = 0
-    if config.track_activations:
-        act = gpt_activation_bytes(cfg, config.micro_batch,
-                                   dtype_bytes=2 if config.precision == "bf16_mixed" else 4,
-                                   recompute=config.recompute, loss_chunk_tokens=config.loss_chunk_tokens,
-                                   train_embedding=trainable.tok_emb.weight.requires_grad)
-    est = estimate(trainable, world_size=world_size, strategy=strategy.name,
-                   precision=strategy.ledger_precision(config.precision), optimizer=config.optimizer,
-                   activation_bytes=act, shard_group=config.shard_size if strategy.hybrid else None,
-                   **_layout_numel(built))
-    formula: dict[str, dict[str, int]] = {}   # offload: FSDP's sharded state moves to the tier together
-    for c, nbytes in est.per_rank.items():
-        formula.setdefault(config.offload if config.offload and c in STATE_CATEGORIES else "device", {})[c] = nbytes
-    out = {"peak": ledger.peak, "peak_snapshot": ledger.peak_snapshot,
-           "category_peaks": {c: b for (c, d), b in ledger.category_peaks.items() if d == ledger.device},
-           "phase_peaks": ledger.phase_peaks, "final": ledger.current(), "estimate": est.per_rank,
-           "formula": formula, "shard_group": est.shard_group}
-    if config.offload is not None:
-        out["transfer_formula"] = _transfer_formula(built, config)
-    if config.track_activations and (config.recompute or config.loss_chunk_tokens):
-        out["unseen"] = _recomputed_bytes(cfg, config)
-    return out
-
-
-def _recomputed_bytes(cfg, config: TrainConfig) -> dict[str, int]:
-    """What backward recomputes lives outside the ledger's saved-tensor hooks: its size, by the
-    same formula (a real device holds it on top of the measured peak)."""
-    from dataclasses import replace
-    x = 2 if config.precision == "bf16_mixed" else 4
-    out = {}
-    if config.recompute:
-        one = [gpt_activation_bytes(replace(cfg, n_layer=n), config.micro_batch, dtype_bytes=x) for n in (0, 1)]
-        out["one block's activations, while backward recomputes them"] = one[1] - one[0]
-    if config.loss_chunk_tokens:
-        tokens = min(config.loss_chunk_tokens, config.micro_batch * cfg.seq_len)
-        out["one loss chunk's log-probabilities, while backward recomputes them"] = tokens * cfg.vocab_size * x
-    return out
-
-
-def _layout_numel(built: Built) -> dict:
-    """What the strategy laid out on this rank: ``numel`` — (elements a replicated category
-    holds, elements a sharded one holds) of the trainable parameters, padding included (absent:
-    unpadded) — and ``frozen``, the elements of frozen weights it keeps."""
-    buckets = getattr(built.optimizer, "buckets", None)
-    if buckets and hasattr(buckets[0], "shard_numel"):   # ZeRO: each bucket N equal shards (frozen
-        # parameters stay plain replicas, outside its buffers and outside its ledger)
-        return {"numel": (sum(b.size for b in buckets), sum(b.shard_numel for b in buckets))}
-    if built.units:                                        # FSDP: the shards the units keep
-        shards = [t for u in built.units for t in u.layout.shard_tensors()]
-        n = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
-        return {"numel": (n, sum(t.numel() for t in shards if t.requires_grad)),
-                "frozen": sum(t.numel() for t in shards if not t.requires_grad)}
-    return {"frozen": sum(p.numel() for p in built.model.parameters() if not p.requires_grad)}
-
-
-def _transfer_formula(built: Built, config: TrainConfig) -> dict[str, int]:
-    """Offload's bytes per step: every gather brings the unit's shard over (h2d) — once in
-    forward, once more in backward if it was freed after forward (not if it kept its part for
-    a gather inside k ranks: ``reshard_after_forward=k`` keeps it on the device) — and every
-    reduce-scatter sends the reduced gradient slice to the tier (d2h); both once per micro-batch."""
-    h2d = d2h = 0
-    for u in built.units:
-        shards = u.layout.shard_tensors()
-        again = bool(u.reshard_after_forward) and u.post_forward_comm is None
-        h2d += sum(t.numel() * t.element_size() for t in shards) * (1 + again)
-        dtype = u.mp_policy.reduce_dtype or u.mp_policy.param_dtype or u.layout.reduce_dtype
-        d2h += sum(t.numel() for t in shards if t.requires_grad) * dtype.itemsize
-    return {"h2d_bytes": h2d * config.accum, "d2h_bytes": d2h * config.accum}
-
-
-def _loss_resolution(loss: float, config: TrainConfig) -> float:
-    """The spacing of the numbers the loss is computed in, near this loss: a change smaller than
-    this does not show (bf16 keeps 8 significant bits: steps of 1/16 near 8)."""
-    eps = torch.finfo(torch.bfloat16 if config.precision == "bf16_mixed" else torch.float32).eps
-    per_micro = abs(loss) / config.accum                   # each micro-batch's loss / accum is rounded
-    return eps * 2.0 ** math.floor(math.log2(per_micro)) if per_micro > 0 else 0.0

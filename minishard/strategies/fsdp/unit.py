@@ -115,6 +115,28 @@ class FSDPUnit(ReplicatedParams):
         offload): the optimizer creates their moments beside them."""
         return {t: self.tier for t in self.layout.shard_tensors()} if self.tier is not None else {}
 
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """What this unit's gradients are reduced in — FSDP2's rule: the policy's
+        ``reduce_dtype``, else the compute dtype (``param_dtype``), else as they are stored."""
+        return self.mp_policy.reduce_dtype or self.mp_policy.param_dtype or self.layout.reduce_dtype
+
+    def shard_numel(self) -> tuple[int, int]:
+        """Elements this rank's shards hold (padding included): (trainable, frozen)."""
+        shards = self.layout.shard_tensors()
+        return (sum(t.numel() for t in shards if t.requires_grad),
+                sum(t.numel() for t in shards if not t.requires_grad))
+
+    def transfer_bytes(self) -> tuple[int, int]:
+        """With offload, the bytes one micro-batch moves (tier to device, device to tier): every
+        gather brings this rank's shard over — in forward, and again in backward if forward freed
+        it (not if it kept a copy to gather over k ranks: ``reshard_after_forward=k``) — and
+        every reduce-scatter sends this rank's slice of the reduced gradient to the tier."""
+        shards = self.layout.shard_tensors()
+        again = bool(self.reshard_after_forward) and self.post_forward_comm is None
+        h2d = sum(t.numel() * t.element_size() for t in shards) * (1 + again)
+        return h2d, self.shard_numel()[0] * self.reduce_dtype.itemsize
+
     def release_tier(self) -> None:
         """Remove what the disk tier wrote for this unit (its folder of memory-mapped files)."""
         if self.tier is not None:
@@ -314,8 +336,7 @@ class FSDPUnit(ReplicatedParams):
         for u in self.context.units or [self]:
             u.wait_for_reduce_scatter()
         self._set_state(MemoryState.REDUCE_SCATTERING)
-        # FSDP2's rule: reduce in reduce_dtype, else in the compute dtype, else as stored
-        dtype = self.mp_policy.reduce_dtype or self.mp_policy.param_dtype or self.layout.reduce_dtype
+        dtype = self.reduce_dtype
         inp = self.layout.reduce_scatter_input(dtype)
         replicas = self.replicate.world_size if self.replicate is not None else 1
         inp.div_(self.comm.world_size * replicas)   # sum / N: the gradient of the global mean loss
