@@ -86,6 +86,14 @@ def test_the_step_and_what_it_stands_on_import_no_instrument():
         assert not reached, f"{path.relative_to(ROOT)} imports {reached}"
 
 
+def test_the_instruments_stand_on_the_core_not_on_the_viewers():
+    """The doctor and the health notes print sizes and dtypes with the core's words
+    (core/words.py), the layer both they and the viewers stand on: no instrument imports a viewer."""
+    for path in sorted((ROOT / "minishard" / "instruments").rglob("*.py")):
+        reached = sorted(m for m in imported_modules(path) if m.startswith("minishard.viewers"))
+        assert not reached, f"{path.relative_to(ROOT)} imports {reached}"
+
+
 def engine_import_graph() -> dict[str, set[str]]:
     """Which engine modules each engine module imports, at run time: lazy imports inside
     functions included, ``if TYPE_CHECKING:`` blocks left out (they never run)."""

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 import xxhash
 
+from minishard.core.words import dtype_name
+
 if TYPE_CHECKING:
     from .regions import Region, ShardedState
 
@@ -45,15 +47,11 @@ HASHES = {"xxh3_64": xxhash.xxh3_64_hexdigest, "sha256": lambda b: hashlib.sha25
 # the per-element optimizer states the format knows (the step count is global: metadata)
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
-DTYPES = {str(d).removeprefix("torch."): d for d in CODES}          # "float32" -> torch.float32
+DTYPES = {dtype_name(d): d for d in CODES}          # "float32" -> torch.float32
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read. The message names the file and the tensor."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def element_size(name: str) -> int:

@@ -7,4 +7,8 @@
     ledger.py       the memory ledger: every allocation by category, live and at its peak
     trace.py        the events every rank emits, and their reader
     model.py        the small GPT every chapter trains; hf_config.py reads real models' configs
+    words.py        how a number of bytes and a dtype are written, everywhere
+    c10d.py         the private c10d it leans on (group timeouts, PyTorch's flight recorder),
+                    and the one thing ``import minishard`` does to torch
+    autograd_private.py   the private autograd the strategies lean on, as PyTorch's DDP and FSDP2 do
 """

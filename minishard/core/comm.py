@@ -42,6 +42,7 @@ import torch.distributed as dist
 from . import quantized
 from .c10d import group_timeout
 from .flight import FlightRecorder
+from .words import dtype_name
 from .trace import Tracer
 
 
@@ -261,7 +262,7 @@ class Comm:
                                     step, phase, t0, issuer=self, **extra)
         return {"op": op, "payload": nbytes,
                 "wire": ring_wire_bytes(op, nbytes, self.world_size, self.rank, extra.get("src", 0)),
-                "dtype": str(tensor.dtype).replace("torch.", ""), "group": self.world_size,
+                "dtype": dtype_name(tensor.dtype), "group": self.world_size,
                 "tag": tag, "t": t0, "_flight": flight,
                 **({"members": self.members} if self.members is not None else {}), **extra}
 

@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from .words import dtype_name
+
 FORMAT_VERSION = 1
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # minishard/
 _TORCH = os.sep + "torch" + os.sep
@@ -88,7 +90,7 @@ class FlightRecorder:
             seq = self._seq[group] = self._seq.get(group, -1) + 1
             entry = {"seq": seq, "op": op, "group": group, "group_size": group_size,
                      "shapes": [list(x.shape) for x in tensors],
-                     "dtypes": [str(x.dtype).removeprefix("torch.") for x in tensors],
+                     "dtypes": [dtype_name(x.dtype) for x in tensors],
                      "bytes": nbytes, "tag": tag, "step": step, "phase": phase,
                      "state": "issued", "where": where, "caller": caller,
                      "t_issued": round(t, 7), "t_completed": None, **extra}

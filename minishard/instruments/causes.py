@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minishard.strategies.clipping import NORM_TAG
-from minishard.viewers.playback import fmt_bytes
+from minishard.core.words import fmt_bytes
 
 
 @dataclass

@@ -32,7 +32,7 @@ from pathlib import Path
 from . import causes, torch_flight
 from .causes import Finding
 from minishard.core.flight import FORMAT_VERSION
-from minishard.viewers.playback import fmt_bytes
+from minishard.core.words import fmt_bytes
 from minishard.core.trace import TraceFormatError, not_utf8, numbered_lines
 
 DUMP = re.compile(r"flight_rank(\d+)\.json")

@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from minishard.core.words import dtype_name
+
 RUN_FIELDS = ("strategy", "model", "steps", "micro_batch", "accum", "optimizer", "lr", "precision",
               "clip", "wrap", "reshard_after_forward", "reshard_root", "prefetch",
               "accumulation", "seed", "rank_seeds")   # (a planted fault adds its own)
@@ -78,7 +80,7 @@ class StepNotes:
 
     def __init__(self, optimizer):
         self.tensors = stepped_tensors(optimizer)
-        self.note: dict = {"param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.tensors})}
+        self.note: dict = {"param_dtypes": sorted({dtype_name(p.dtype) for p in self.tensors})}
         self._before = None
 
     def __enter__(self) -> "StepNotes":

@@ -41,6 +41,7 @@ from typing import Iterable, Sequence
 
 from minishard.core.ledger import CATEGORIES
 from minishard.core.trace import PhaseSpan
+from minishard.core.words import fmt_bytes  # noqa: F401  (the viewers' own import of it)
 
 MiB = 2 ** 20           # memory is in binary units everywhere in the course: the bars' axis too
 
@@ -61,15 +62,6 @@ SHARDED_COLOR = "#f4f4f4"
 
 def color(name: str) -> str:
     return COLORS.get(name, "#BAB0AC")
-
-
-def fmt_bytes(n: float) -> str:
-    """Binary units, as the demo and the chapters print memory, three significant digits:
-    ``870656 -> '850 KiB'``."""
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{int(n)} B"
 
 
 def category_order(categories: Iterable[str]) -> list[str]:

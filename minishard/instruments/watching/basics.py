@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from minishard.core.words import dtype_name
+
 
 class WatchError(RuntimeError):
     """``watch`` cannot watch this job (unsupported wrapper, no process group, no trace file)."""
 
 
 def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+    return dtype_name(t.dtype)
 
 
 def _bytes(t: torch.Tensor) -> int:
