@@ -255,3 +255,34 @@ def live_private_attributes(rank, names: list[str]) -> dict[str, bool]:
         obj = live[path.rsplit(".", 1)[1]]
         out[name] = hasattr(obj, attribute)
     return out
+
+
+def _build_toy(strategy, net, config, comm, ledger):
+    """A strategy written outside minishard: minishard's DDP over a plain torch optimizer."""
+    from minishard.strategies.ddp import DDP
+    from minishard.strategies.registry import Built, optimizer_spec
+    model = DDP(net, comm=comm, ledger=ledger, bucket_cap_mb=config.bucket_cap_mb)
+    opt_class, kwargs = optimizer_spec(config.optimizer, config.lr)
+    return Built(strategy, model, opt_class(net.parameters(), **kwargs), (comm,), no_sync=model.no_sync,
+                 gather=lambda: dict(net.named_parameters()))
+
+
+def a_toy_strategy_trains(rank) -> dict:
+    """Register a strategy with one registry entry (here, on this rank, for this task only) and
+    train with it, then with ``ddp`` from the same start: nothing else had to know of it."""
+    from minishard.strategies import registry
+    from minishard.training.loop import TrainConfig, train
+    toy = registry.Strategy("toy_ddp", "a toy DDP", 0, _build_toy, buckets=True)
+    registry.STRATEGIES[toy.name] = toy
+    try:
+        knobs = dict(model="nano", steps=2, micro_batch=2, rank_seeds=True, return_params=True,
+                     bucket_cap_mb=0.05)
+        config = TrainConfig(strategy="toy_ddp", **knobs)
+        ours = train(rank, config)
+        unused = TrainConfig(strategy="toy_ddp", wrap="linear", **knobs).unused()
+    finally:
+        del registry.STRATEGIES[toy.name]
+    ddp = train(rank, TrainConfig(strategy="ddp", **knobs))
+    return {"strategy": ours["strategy"], "losses": (ours["losses"], ddp["losses"]),
+            "equal": all(torch.equal(ours["params"][n], ddp["params"][n]) for n in ddp["params"]),
+            "unused": unused, "calls": sum(ours["calls"])}

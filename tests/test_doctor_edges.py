@@ -243,3 +243,23 @@ def test_unsynced_init_is_refused_where_pytorch_broadcasts_anyway():
     with pytest.raises(ConfigError, match="broadcasts rank 0's weights in its constructor"):
         Fault("unsynced-init").check(TrainConfig(strategy="torch_ddp"))
     Fault("unsynced-init").check(TrainConfig(strategy="torch_fsdp"))      # FSDP2 does not
+
+
+def test_a_new_finding_is_one_function_and_one_line_in_causes(tmp_path, monkeypatch, capsys):
+    """Adding a kind of finding touches one module: a function that reads the run and decides,
+    and its line in ``causes.CAUSES``. The doctor runs it, orders it after the existing ones,
+    ``minishard doctor`` prints it with its evidence and fix and exits 1, ``--json`` carries it."""
+    def steps_noted(report):
+        lacking = sorted(r for r, d in report.dumps.items() if not (d.get("facts") or {}).get("steps"))
+        return [causes.Finding("unnoted", lacking, "no step was noted", [f"rank {r}: no steps" for r in lacking],
+                               "note every step")] if lacking else []
+    monkeypatch.setattr(causes, "CAUSES", [*causes.CAUSES, causes.Cause("unnoted", steps_noted)])
+    facts = {"weights_start": {"p": "0" * 16}}
+    d = write(tmp_path, [dump(r, alike(), facts=facts) for r in range(WORLD)])
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks, doctor.kinds()[-1]) == ("unnoted", list(range(WORLD)), "unnoted")
+    assert main(["doctor", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "[unnoted] no step was noted" in out and "rank 0: no steps" in out and "note every step" in out
+    assert main(["doctor", str(d), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["findings"][0]["kind"] == "unnoted"

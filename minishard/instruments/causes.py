@@ -12,6 +12,12 @@ collective matched.
     memory     what kept the peak up, from the ledger: one FSDP unit holding most parameters (no
                wrap policy: every rank gathers the whole model at once), unsharded gradients kept
                from one micro-batch to the next (accumulation without reduce-scatter)
+
+Each is a :class:`Cause` in ``CAUSES`` (the end of this module): its kind, and the function that
+reads the run (``doctor.Report``: the dumps, the traces) and decides, returning its findings with
+their words — the title, the evidence, the fix. A new finding is one such function and one line in
+``CAUSES``: the doctor runs it, reports it after the collectives' findings in the list's order,
+and ``minishard doctor`` prints it and exits 1 (``tests/test_doctor_edges.py`` adds a toy one).
 """
 from __future__ import annotations
 
@@ -20,14 +26,18 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from minishard.strategies.clipping import NORM_TAG
 from minishard.core.words import fmt_bytes
 
+if TYPE_CHECKING:
+    from .doctor import Report
+
 
 @dataclass
 class Finding:
-    """What the doctor reports: a kind of fault (``doctor.KINDS``), the ranks it concerns, a
+    """What the doctor reports: a kind of fault (``doctor.kinds()``), the ranks it concerns, a
     one-line title, the evidence read from the dumps and traces, and the fix."""
     kind: str
     ranks: list[int]
@@ -325,3 +335,20 @@ def out_of_memory(folds: dict[int, dict], dumps: dict[int, dict]) -> list:
 
 def _split(at_peak: dict[str, int]) -> str:
     return ", ".join(f"{c} {fmt_bytes(b)}" for c, b in sorted(at_peak.items(), key=lambda cb: -cb[1]) if b)
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One kind of finding beyond the collectives: the word it is reported under, and how it is
+    found — ``find(report)``, the run's dumps and traces in, its findings out (none: nothing)."""
+    kind: str
+    find: Callable[["Report"], list[Finding]]
+
+
+# the doctor's findings beyond the collectives, in the order it reports them
+CAUSES: list[Cause] = [
+    Cause("weights", lambda report: weights(report.dumps)),
+    Cause("clip", lambda report: clip(report.dumps)),
+    Cause("precision", lambda report: precision(report.dumps)),
+    Cause("memory", lambda report: memory(report.traces, report.dumps)),
+]

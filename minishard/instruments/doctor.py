@@ -39,9 +39,9 @@ DUMP = re.compile(r"flight_rank(\d+)\.json")
 TRACE = re.compile(r"rank(\d+)\.jsonl")
 ENTRY_NEEDS = ("seq", "op", "group", "group_size", "shapes", "dtypes", "bytes", "state")
 DUMP_NEEDS = ("rank", "world_size", "reason", "entries")
-# most important first: the cause before its consequences (a timeout is what a hang raises)
-KINDS = ("desync", "exception", "missing_dump", "hang", "timeout", "weights", "clip", "precision",
-         "memory")
+# the collectives' findings, most important first: the cause before its consequences (a timeout
+# is what a hang raises); then the causes.CAUSES, in their order (kinds())
+COLLECTIVE_KINDS = ("desync", "exception", "missing_dump", "hang", "timeout")
 # what a rank raises when the collective it waits in never completes, or its peer went away
 TIMED_OUT = re.compile(r"^TimeoutError\b|timed out waiting|timed out after|collective operation "
                        r"timeout|timeout caused pair closure|connection (closed|reset) by peer",
@@ -437,7 +437,13 @@ def diagnose(directory: str | Path) -> Report:
                 group, held, ranks, lost[group], report.dumps)
         if f is not None:
             found.append(f)
-    found += causes.weights(report.dumps) + causes.clip(report.dumps) + causes.precision(report.dumps)
-    found += causes.memory(report.traces, report.dumps)
-    report.findings = sorted(found, key=lambda f: KINDS.index(f.kind))
+    for cause in causes.CAUSES:
+        found += cause.find(report)
+    order = kinds()
+    report.findings = sorted(found, key=lambda f: order.index(f.kind))
     return report
+
+
+def kinds() -> tuple[str, ...]:
+    """Every kind of finding, in the order the doctor reports them."""
+    return COLLECTIVE_KINDS + tuple(c.kind for c in causes.CAUSES)
