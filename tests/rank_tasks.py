@@ -286,3 +286,16 @@ def a_toy_strategy_trains(rank) -> dict:
     return {"strategy": ours["strategy"], "losses": (ours["losses"], ddp["losses"]),
             "equal": all(torch.equal(ours["params"][n], ddp["params"][n]) for n in ddp["params"]),
             "unused": unused, "calls": sum(ours["calls"])}
+
+
+def companions(rank) -> dict:
+    """A communicator's companion: its ranks in a group of their own, made once per name (a
+    background save's exchange runs there, never in the training's group)."""
+    import torch.distributed as dist
+    comm = Comm(rank.tracer)
+    first, again, other = comm.companion("checkpoint"), comm.companion("checkpoint"), comm.companion("x")
+    x = torch.ones(2) * (rank.rank + 1)
+    first.all_reduce(x, tag="companion")
+    return {"same": first is again, "own_group": first.group is not comm.group and other.group is not first.group,
+            "rank": first.rank == comm.rank, "ranks": dist.get_process_group_ranks(first.group),
+            "sum": x.tolist(), "name": first.name, "entries": [e["group"] for e in comm.flight.entries]}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minishard import checkpoint
+from minishard.core.comm import Comm
 from minishard.viewers import offline_player
 from minishard.cli import main
 from minishard.core.trace import write_dir
@@ -79,19 +80,23 @@ def test_an_error_on_one_rank_is_raised_by_every_ranks_wait(pools, tmp_path):
 
 def test_in_one_process_the_copy_is_what_is_written(tmp_path):
     net, opt = checkpoint_tasks.one_process_model()
+    comm = Comm(alone=True)
     checkpoint.save(net, opt, tmp_path / "sync", step=1)
+    with pytest.raises(ValueError, match=r"background=True\) needs comm=: the run's communicator keeps"):
+        checkpoint.save(net, opt, tmp_path / "bg", step=1, background=True)
     with checkpoint_tasks.held_writes() as gate:
-        pending = checkpoint.save(net, opt, tmp_path / "bg", step=1, background=True)
+        pending = checkpoint.save(net, opt, tmp_path / "bg", comm=comm, step=1, background=True)
+        assert comm.in_flight == [pending]
         with torch.no_grad():
             for p in net.parameters():
                 p.mul_(-1.0)
         assert not pending.done()
         gate.set()
         assert pending.wait()["stall_seconds"] <= pending.wait()["seconds"]
-    assert checkpoint.wait_for_saves() == []
+    assert checkpoint.wait_for_saves(comm) == [] and comm.in_flight == []
     assert _files(tmp_path / "bg") == _files(tmp_path / "sync")
     with pytest.raises(TypeError, match="background must be True or False"):
-        checkpoint.save(net, opt, tmp_path / "x", step=1, background="yes")
+        checkpoint.save(net, opt, tmp_path / "x", comm=comm, step=1, background="yes")
 
 
 @pytest.mark.parametrize("argv, words", [

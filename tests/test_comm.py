@@ -110,3 +110,13 @@ def test_bytes_by_collective_are_each_ops_wire_and_payload(pools):
                          "all_gather": {"payload": 3 * S, "wire": 9600, "calls": 1},
                          "reduce_scatter": {"payload": S, "wire": 3200, "calls": 1},
                          "broadcast": {"payload": S, "wire": 2 * S if r == 0 else 0, "calls": 1}}, r
+
+
+def test_a_companion_group_is_made_once_per_name_over_the_same_ranks(pools):
+    """``Comm.companion(name)``: the same ranks in a process group of their own (a background
+    save's exchange must not pair up with the training's collectives), made at the first call
+    and kept with the communicator — not a new group for every save."""
+    for r in pools(2).run(rank_tasks.companions):
+        assert r["same"] and r["own_group"] and r["rank"] and r["ranks"] == [0, 1]
+        assert r["sum"] == [3.0, 3.0] and r["name"] == "checkpoint[0, 1]"
+        assert r["entries"] == ["checkpoint[0, 1]"]        # numbered under its own name, in the rank's recorder

@@ -94,6 +94,56 @@ def test_the_instruments_stand_on_the_core_not_on_the_viewers():
         assert not reached, f"{path.relative_to(ROOT)} imports {reached}"
 
 
+MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update",
+            "setdefault", "add", "discard"}
+CONTAINERS = {"list", "dict", "set", "defaultdict", "WeakKeyDictionary", "WeakValueDictionary",
+              "OrderedDict", "deque", "Counter"}
+
+
+def module_state_changes(source: str) -> list[tuple[int, str]]:
+    """Where a function changes state its module holds: ``global`` names, and the module's own
+    lists, dicts and sets appended to, updated or assigned into."""
+    tree = ast.parse(source)
+    held = set()
+    for node in tree.body:
+        target = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+        value = getattr(node, "value", None)
+        literal = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp))
+        made = isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", "")) in CONTAINERS
+        if literal or made:
+            held |= {t.id for t in target if isinstance(t, ast.Name)}
+    out = []
+    for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Global):
+                out += [(n.lineno, f"global {g}") for g in n.names]
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS \
+                    and isinstance(n.func.value, ast.Name) and n.func.value.id in held:
+                out.append((n.lineno, f"{n.func.value.id}.{n.func.attr}(...)"))
+            elif isinstance(n, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for t in n.targets if isinstance(n, (ast.Assign, ast.Delete)) else [n.target]:
+                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in held:
+                        out.append((n.lineno, f"{t.value.id}[...] changed"))
+    return out
+
+
+def test_no_module_keeps_state_that_changes_as_it_runs():
+    """State belongs to the object that owns it (the communicator keeps the background save in
+    flight and its group; the tracer is passed explicitly): no module of minishard changes a
+    list, dict or set it holds, or a global, at run time — but the one the style rules name,
+    the notebook kernel's shared Plotly library widget (viz/live_figure.py)."""
+    allowed = {"minishard/viz/live_figure.py": {"global _library"}}
+    found = []
+    for path in sorted((ROOT / "minishard").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        found += [f"{rel}:{line}: {what}" for line, what in module_state_changes(path.read_text())
+                  if what not in allowed.get(rel, ())]
+    assert not found, "module-level state changed at run time:\n" + "\n".join(found)
+    planted = "_pending: list = []\n\ndef save(x):\n    _pending.append(x)\n"
+    assert module_state_changes(planted) == [(4, "_pending.append(...)")]
+
+
 def engine_import_graph() -> dict[str, set[str]]:
     """Which engine modules each engine module imports, at run time: lazy imports inside
     functions included, ``if TYPE_CHECKING:`` blocks left out (they never run)."""

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from minishard.core.comm import Comm
 from .agreement import agree, raise_if_any
-from .background import PendingSave, checkpoint_comm, wait_for_saves
+from .background import PendingSave, wait_for_saves
 from .format import (BLOCK_BYTES, CHECKSUM, HASHES, METADATA, CheckpointError, build_metadata,
                      dtype_name, fsync_dir, plan_file, tensor_bytes, write_safetensors)
 from .regions import ShardedState, describe
@@ -48,16 +48,21 @@ def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm | N
     to host memory, and the save returns a :class:`PendingSave` while a thread of its own writes
     them, exchanges and commits; training may change every tensor meanwhile. Its ``wait()``
     returns the same numbers, or raises the same error on every rank. A save — either kind —
-    first waits for the one in flight (and raises its error, if it failed); so does
-    :func:`wait_for_saves`, which a run calls before it ends."""
+    first waits for the one in flight over ``comm`` (and raises its error, if it failed); so does
+    :func:`wait_for_saves`, which a run calls before it ends. A background save needs
+    ``comm``: the communicator keeps the save in flight and the group it writes with."""
     t0 = time.perf_counter()
-    comm = Comm() if comm is None else comm
+    comm_given, comm = comm, Comm() if comm is None else comm
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 8 or block_bytes % 8:
         raise ValueError(f"block_bytes must be a positive multiple of 8 (whole elements of every "
                          f"dtype in one checksum block), got {block_bytes!r}")
     if not isinstance(background, bool):
         raise TypeError(f"background must be True or False, got {background!r}")
-    wait_for_saves()                          # one save at a time, in the order they were asked
+    if background and comm_given is None:
+        raise ValueError("save(..., background=True) needs comm=: the run's communicator keeps "
+                         "the save in flight (the next save waits for it) and the process group "
+                         "it writes with; pass the Comm the model was wrapped with")
+    wait_for_saves(comm)                      # one save at a time, in the order they were asked
     path = Path(path)
     tmp = path.parent / f".{path.name}.saving"
     tracer = comm.tracer
@@ -66,11 +71,11 @@ def save(model: nn.Module, optimizer, path: str | os.PathLike, *, comm: Comm | N
             own = _own_part(model, optimizer, comm, path, tmp, host_copy=False)
             out = _write_and_commit(comm, own, path, tmp, step, block_bytes, t0)
         return {**out, "stall_seconds": out["seconds"]}
-    saver = checkpoint_comm(comm)             # (a collective: before any rank can fail alone)
+    saver = comm.companion("checkpoint")      # (a collective: before any rank can fail alone)
     with _phase(tracer, "checkpoint_copy"):
         own = _own_part(model, optimizer, comm, path, tmp, host_copy=True)
     return PendingSave(lambda: _write_and_commit(saver, own, path, tmp, step, block_bytes, t0),
-                       tracer, own.host_bytes, time.perf_counter() - t0)
+                       comm, own.host_bytes, time.perf_counter() - t0)
 
 
 @dataclass
@@ -128,7 +133,7 @@ def _write_and_commit(comm: Comm, own: _OwnPart, path: Path, tmp: Path, step: in
                       block_bytes: int, t0: float) -> dict:
     """The rest of the protocol: this rank's file written with a checksum per block, one
     exchange, rank 0's metadata and renames, a last agreement. In the background ``comm`` is the
-    save's own group (:func:`.background.checkpoint_comm`)."""
+    save's own group (``Comm.companion("checkpoint")``)."""
     error, sums, write_s = own.error, [], 0.0
     if error is None:
         try:

@@ -240,6 +240,10 @@ class Comm:
         self.members = (dist.get_process_group_ranks(group) if self.initialized and group is not None
                         and self.world_size < dist.get_world_size() else None)
         self._consecutive: dict[int, Comm] = {}
+        self._companions: dict[str, Comm] = {}
+        # what a thread does over these ranks while this communicator's collectives go on (a
+        # background checkpoint), not yet waited for: whoever starts more waits for it first
+        self.in_flight: list = []
         self.flight = flight if flight is not None else FlightRecorder(
             dist.get_rank() if self.initialized else 0,
             dist.get_world_size() if self.initialized else 1)
@@ -430,6 +434,26 @@ class Comm:
         shard = list(range(self.rank - self.rank % shard_size, self.rank - self.rank % shard_size + shard_size))
         rep = list(range(self.rank % shard_size, N, shard_size))
         return self._sibling(mine_shard, f"shard{shard}"), self._sibling(mine_rep, f"replicate{rep}")
+
+    def companion(self, name: str) -> "Comm":
+        """These ranks in a process group of their own, for the collectives a thread issues while
+        this communicator's go on: ranks must issue a group's collectives in one order, and a
+        thread's land between the training's wherever each rank's thread happens to be, so the
+        two would pair up wrong in one group (DCP's ``async_save`` takes a ``process_group`` for
+        this). Made at the first call under ``name`` — a collective: every rank calls it at the
+        same point — and kept with this communicator; a world of one needs none."""
+        if self.world_size == 1:
+            return self
+        if name not in self._companions:
+            own = self.group if self.group is not None else dist.group.WORLD
+            ranks = dist.get_process_group_ranks(own)
+            group = dist.new_group(ranks, timeout=group_timeout(self.group),
+                                   use_local_synchronization=len(ranks) < dist.get_world_size())
+            other = Comm(None, group, name=f"{name}{ranks}", flight=self.flight)
+            if other.rank != self.rank:          # (rank r writes file r: the same r in both groups)
+                raise RuntimeError(f"the {name} group numbers rank {self.rank} as {other.rank}")
+            self._companions[name] = other
+        return self._companions[name]
 
     def consecutive(self, size: int) -> "Comm":
         """This rank's group of ``size`` consecutive members of this group — a node, where ranks

@@ -109,7 +109,7 @@ def _saved(config: TrainConfig, built: Built, comm: Comm, last: int, saves: list
     from minishard import checkpoint
     if not saves or saves[-1][0] != last:
         saves.append((last, _save(config, built, comm, last)))
-    checkpoint.wait_for_saves()
+    checkpoint.wait_for_saves(comm)
     done = [(s, out.wait() if isinstance(out, checkpoint.PendingSave) else out) for s, out in saves]
     return {**done[-1][1], "stalls": [(s, out["stall_seconds"]) for s, out in done]}
 
