@@ -491,7 +491,7 @@ BUGS = [
     second_reader("flight: every group's seq counts on from the world's", 'minishard/core/flight.py',
         'seq = self._seq[group] = self._seq.get(group, -1) + 1',
         'seq = self._seq[group] = self._seq.get("world", -1) + 1',
-        'tests/test_flight.py -k numbered_alike'),
+        'tests/test_flight.py tests/test_comm.py -k "numbered_alike or companion"'),
     second_reader("flight: the dump's error without the exception's type", 'minishard/core/flight.py',
         'self._write("exception", f"{kind.__name__}: {error}")',
         'self._write("exception", str(error))',
@@ -1116,7 +1116,8 @@ def plant(dest: Path, bug: Bug) -> None:
 def run_tests(dest: Path, selection: str) -> tuple[bool, list[str], float]:
     """Run a pytest selection against the copy; (passed, failed test ids, seconds)."""
     env = dict(os.environ, PYTHONPATH=str(dest), MINISHARD_REQUIRE_BROWSER="")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--maxfail=3",
+    # -rfE: a bug that breaks a fixture is caught too (an ERROR line), not a reason to stop
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--maxfail=3",
            *shlex.split(selection)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=1800)

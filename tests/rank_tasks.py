@@ -295,7 +295,8 @@ def companions(rank) -> dict:
     comm = Comm(rank.tracer)
     first, again, other = comm.companion("checkpoint"), comm.companion("checkpoint"), comm.companion("x")
     x = torch.ones(2) * (rank.rank + 1)
+    comm.all_reduce(torch.ones(1), tag="world")
     first.all_reduce(x, tag="companion")
     return {"same": first is again, "own_group": first.group is not comm.group and other.group is not first.group,
             "rank": first.rank == comm.rank, "ranks": dist.get_process_group_ranks(first.group),
-            "sum": x.tolist(), "name": first.name, "entries": [e["group"] for e in comm.flight.entries]}
+            "sum": x.tolist(), "name": first.name, "entries": [(e["group"], e["seq"]) for e in comm.flight.entries]}

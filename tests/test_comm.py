@@ -119,4 +119,5 @@ def test_a_companion_group_is_made_once_per_name_over_the_same_ranks(pools):
     for r in pools(2).run(rank_tasks.companions):
         assert r["same"] and r["own_group"] and r["rank"] and r["ranks"] == [0, 1]
         assert r["sum"] == [3.0, 3.0] and r["name"] == "checkpoint[0, 1]"
-        assert r["entries"] == ["checkpoint[0, 1]"]        # numbered under its own name, in the rank's recorder
+        # one recorder per rank; each group numbers its own collectives from 0
+        assert r["entries"] == [("world", 0), ("checkpoint[0, 1]", 0)]

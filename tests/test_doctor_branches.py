@@ -15,6 +15,7 @@ import pytest
 
 from flight_dumps import (Collective, as_torch, dump, entry, found, named, never_issued_by, play,
                           torch_entry, write, write_played, write_torch)
+from minishard.cli import doctor as cli_doctor
 from minishard.instruments import doctor, torch_flight
 from minishard.core.trace import TraceFormatError
 
@@ -338,3 +339,18 @@ def test_the_same_run_read_from_torch_dumps_names_the_same_rank(tmp_path):
     want = {(f"torch:pg{pg_of[g]}", s + 1) for g, s in never_issued_by(played, stopper, program)}
     assert {(g, s) for _, _, g, s in hangs} == want
     assert all((kind, ranks) == ("hang", [stopper]) for kind, ranks, _, _ in hangs), hangs
+
+
+def test_what_was_read_says_which_dumps_are_minishards_and_which_pytorchs(tmp_path):
+    """The report's first line counts the dumps by how they were written: minishard's by their
+    reason (the end of the run, an exception), PyTorch's own flight recorder's as such."""
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    for r in range(2):
+        (ours / f"flight_rank{r}.json").write_text(json.dumps(dump(r, [entry(0, size=2)], world=2,
+                                                   reason=("end", "exception")[r])))
+    assert cli_doctor.what_was_read(doctor.read_dir(ours)) == \
+        "2 flight dumps of a world of 2 (written on end: 1, exception: 1), 0 traces"
+    theirs = write_torch(tmp_path / "theirs", {0: [torch_entry(1)], 1: [torch_entry(1)]})
+    assert cli_doctor.what_was_read(doctor.read_dir(theirs)) == \
+        "2 flight dumps of a world of 2 (written on PyTorch's own: 2), 0 traces"

@@ -225,6 +225,9 @@ def test_torch_ddp(pools, tmp_path):
     last = rp.snapshot(rp.n - 1)[0]
     assert last["exp_avg"] == last["exp_avg_sq"] == 4 * psi
     assert last["comm_buffers"] == 4 * psi                      # the rebuilt buckets; step 0's freed
+    # on gloo the CPU is the device the job computes on: no byte is host memory
+    allocs = [e for e in events if e["kind"] == "alloc"]
+    assert allocs and {e["device"] for e in allocs} == {"device"}
     # beside the trace, the facts the doctor reads: DDP's replicas start equal, fp32 stepped
     facts = [json.loads((out / f"flight_rank{r}.json").read_text())["facts"] for r in range(N)]
     assert facts[0]["weights_start"] == facts[1]["weights_start"] and len(facts[0]["weights_start"]) == 41
