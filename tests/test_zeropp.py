@@ -137,6 +137,10 @@ def test_the_demo_reads_a_bare_flag_as_int8_and_a_number_as_its_bits():
                        (["--quantized-weights", "4", "--quantized-gradients", "8"], (4, 8))):
         c = config_of(parser().parse_args(["demo", "--strategy", "fsdp", *argv]))
         assert (c.quantized_weights, c.quantized_gradients) == want and all(type(v) in (bool, int) for v in want)
+    # and what the collectives are then told to send: the bits asked for, a bare flag int8
+    from minishard.core.quantized import scheme_of
+    assert [scheme_of(v, "quantized_weights").bits for v in (True, 8, 4)] == [8, 8, 4]
+    assert scheme_of(False, "quantized_weights") is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
