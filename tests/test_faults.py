@@ -133,13 +133,17 @@ def test_a_skipped_collective_on_rank_1_of_4_under_torchrun_ends_in_its_timeout(
     assert done.returncode != 0, done.stdout[-2000:]
     assert f"minishard doctor {trace}" in done.stderr, done.stderr[-2000:]
     reasons = {r: json.loads((trace / f"flight_rank{r}.json").read_text())["reason"] for r in range(WORLD)}
-    assert reasons == {0: "exception", 1: "end", 2: "exception", 3: "exception"}, reasons
+    # the waiting ranks time out together; on a loaded machine torchrun may stop one (SIGTERM,
+    # written as such) after another's timeout ended it, before its own timeout fires
+    waiting = [r for r in range(WORLD) if r != ODD]
+    raised = [r for r in waiting if reasons[r] == "exception"]
+    assert reasons[ODD] == "end" and raised and all(reasons[r] in ("exception", "sigterm") for r in waiting), reasons
     hang, timed_out = found(trace)
     assert (hang["kind"], hang["ranks"]) == ("hang", [ODD])
     assert f"rank {ODD} never issued seq" in hang["title"] and "(all_reduce of bucket0)" in hang["title"]
     assert "ranks 0, 2, 3 wait in it" in hang["title"]
     assert any("step 1, phase backward" in e for e in hang["evidence"]), hang["evidence"]
-    assert (timed_out["kind"], timed_out["ranks"]) == ("timeout", [0, 2, 3])
+    assert timed_out["kind"] == "timeout" and timed_out["ranks"] == raised
     print(f"hung run ended in {seconds:.1f} s (collective timeout {timeout} s)")
     # within its timeout: starting 4 processes (~15 s on a busy 2-core machine), the timeout,
     # the dumps; without the timeout, gloo would wait 30 minutes

@@ -241,9 +241,7 @@ class Comm:
                         and self.world_size < dist.get_world_size() else None)
         self._consecutive: dict[int, Comm] = {}
         self._companions: dict[str, Comm] = {}
-        # what a thread does over these ranks while this communicator's collectives go on (a
-        # background checkpoint), not yet waited for: whoever starts more waits for it first
-        self.in_flight: list = []
+        self.in_flight: list = []     # a thread's work over these ranks (a background save), unwaited
         self.flight = flight if flight is not None else FlightRecorder(
             dist.get_rank() if self.initialized else 0,
             dist.get_world_size() if self.initialized else 1)
@@ -436,22 +434,18 @@ class Comm:
         return self._sibling(mine_shard, f"shard{shard}"), self._sibling(mine_rep, f"replicate{rep}")
 
     def companion(self, name: str) -> "Comm":
-        """These ranks in a process group of their own, for the collectives a thread issues while
-        this communicator's go on: ranks must issue a group's collectives in one order, and a
-        thread's land between the training's wherever each rank's thread happens to be, so the
-        two would pair up wrong in one group (DCP's ``async_save`` takes a ``process_group`` for
-        this). Made at the first call under ``name`` — a collective: every rank calls it at the
-        same point — and kept with this communicator; a world of one needs none."""
+        """These ranks in a group of their own, for a thread's collectives (a background save's:
+        in one group they would pair up wrong with this one's). Made at the first call under
+        ``name`` — every rank calls it at the same point — and kept; a world of one needs none."""
         if self.world_size == 1:
             return self
         if name not in self._companions:
-            own = self.group if self.group is not None else dist.group.WORLD
-            ranks = dist.get_process_group_ranks(own)
+            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
             group = dist.new_group(ranks, timeout=group_timeout(self.group),
                                    use_local_synchronization=len(ranks) < dist.get_world_size())
             other = Comm(None, group, name=f"{name}{ranks}", flight=self.flight)
-            if other.rank != self.rank:          # (rank r writes file r: the same r in both groups)
-                raise RuntimeError(f"the {name} group numbers rank {self.rank} as {other.rank}")
+            if other.rank != self.rank:
+                raise RuntimeError(f"the {name} group renumbers rank {self.rank} as {other.rank}")
             self._companions[name] = other
         return self._companions[name]
 
