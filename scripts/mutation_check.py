@@ -1,6 +1,6 @@
 """Plant one-line bugs in a copy of minishard and check that the test suite catches each one.
 
-    python scripts/mutation_check.py              # every bug below (about 15 minutes on 2 cores)
+    python scripts/mutation_check.py              # every bug below (well over an hour on 2 cores)
     python scripts/mutation_check.py ddp fsdp     # only the bugs whose name contains a word
     python scripts/mutation_check.py --list       # the bugs, and the tests each one runs
     python scripts/mutation_check.py --by "second reader"   # only one planter's bugs
