@@ -261,7 +261,7 @@ class Comm:
         t0 = tr.now() if tr is not None else 0.0
         step, phase = (tr.step, tr.current_phase) if tr is not None else (None, None)
         flight = self.flight.issued(op, self.name, self.world_size, (tensor,), nbytes, tag,
-                                    step, phase, t0, issuer=self, **extra)
+                                    step, phase, t0, issuer=type(self), **extra)
         return {"op": op, "payload": nbytes,
                 "wire": ring_wire_bytes(op, nbytes, self.world_size, self.rank, extra.get("src", 0)),
                 "dtype": dtype_name(tensor.dtype), "group": self.world_size,

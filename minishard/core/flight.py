@@ -26,6 +26,7 @@ one rank fails) and at the end of a run. ``python -m minishard doctor DIR`` read
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import signal
@@ -42,23 +43,30 @@ _TORCH = os.sep + "torch" + os.sep
 _HERE = tuple(os.path.join(_PACKAGE, "core", f) for f in ("comm.py", "flight.py"))
 
 
-def call_sites(depth: int = 2, issuer: object = None) -> tuple[str, str]:
+def call_sites(depth: int = 2, issuer: type = object) -> tuple[str, str]:
     """(the engine's line that issued the collective, the first line outside minishard and
-    torch), each as ``file:line in function``. ``issuer``: the communicator; its own methods are
-    not the call site, in whichever file a subclass of it lives."""
+    torch), each as ``file:line in function``. ``issuer``: the communicator's class; its methods
+    are not the call site, in whichever file a subclass of it lives."""
+    own = _methods(issuer)
     f, where, caller = sys._getframe(0), "", ""
     for _ in range(depth):                     # (a shallow stack: a script's top level)
         f = f.f_back or f
     while f is not None and not caller:
         path = f.f_code.co_filename
-        own = path in _HERE or (issuer is not None and f.f_locals.get("self") is issuer)
-        if not own and _TORCH not in path and not path.startswith("<frozen"):
+        if path not in _HERE and f.f_code not in own and _TORCH not in path and not path.startswith("<frozen"):
             site = f"{_short(path)}:{f.f_lineno} in {f.f_code.co_name}"
             where = where or site
             if not path.startswith(_PACKAGE):
                 caller = site
         f = f.f_back
     return where, caller
+
+
+@functools.cache
+def _methods(cls: type) -> frozenset:
+    """The code of every method of ``cls`` and its bases: looked up once per class, so that a
+    collective's call site costs a set lookup per frame."""
+    return frozenset(v.__code__ for c in cls.__mro__ for v in vars(c).values() if hasattr(v, "__code__"))
 
 
 def _short(path: str) -> str:
@@ -80,11 +88,11 @@ class FlightRecorder:
         self._lock = threading.RLock()   # (SIGTERM's handler may dump while this thread holds it)
 
     def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
-               step: int | None, phase: str | None, t: float, *, issuer: object = None,
+               step: int | None, phase: str | None, t: float, *, issuer: type = object,
                **extra) -> dict:
         """Enter a collective as it is issued; the entry is completed in place. ``issuer``: the
-        communicator that issues it (see :func:`call_sites`). ``extra``: what else must agree
-        across ranks (a broadcast's ``src``)."""
+        class of the communicator that issues it (see :func:`call_sites`). ``extra``: what else
+        must agree across ranks (a broadcast's ``src``)."""
         where, caller = call_sites(3, issuer)
         with self._lock:
             seq = self._seq[group] = self._seq.get(group, -1) + 1
