@@ -20,10 +20,10 @@ The parts, one folder each (each folder's ``__init__.py`` is its map)::
 What to read, in this order (lines today; ``docs/architecture.md`` has the whole path)::
 
     DDP        training/step.py (train_step) -> strategies/ddp.py -> strategies/buckets.py
-               -> core/comm.py -> core/ledger.py                        ~1,130 lines
-    ZeRO-1/2   strategies/zero.py -> strategies/clipping.py               ~390 more
+               -> core/comm.py -> core/ledger.py                        ~1,260 lines
+    ZeRO-1/2   strategies/zero.py -> strategies/clipping.py               ~440 more
     FSDP       strategies/fsdp/: api.py -> state.py -> unit.py -> layout.py -> hooks.py
-               -> root.py                                                ~1,500 more
+               -> recipe.py                                              ~1,640 more
 """
 from . import checkpoint, strategies
 from .core.comm import Comm, ring_wire_bytes

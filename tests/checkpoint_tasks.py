@@ -213,14 +213,15 @@ def save_with_replicated_norms(rank, path: str, layout: str) -> dict:
     """FSDP with every norm kept whole on every rank (``replicate_params``), 2 AdamW steps, saved
     to ``path``; returns what this rank holds."""
     from minishard.strategies import fsdp
-    from minishard.strategies import Built, get
+    from minishard.strategies import get
+    from minishard.strategies.fsdp.recipe import FSDPBuilt
     cfg = config(MODEL)
     comm = Comm(rank.tracer)
     net = GPT(cfg, seed=0)
     fsdp.apply_fsdp(net, comm=comm, layout=layout, blocks=dict(replicate_params=("ln1", "ln2")),
                     root=dict(replicate_params=("ln_f",)))
     opt = fsdp.ShardedOptimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-    built = Built(get("fsdp"), net, opt, (comm,), units=fsdp.units(net))
+    built = FSDPBuilt(get("fsdp"), net, opt, (comm,))
     for step in range(2):
         train_step(built, [batch(cfg, step, MICRO_BATCH, rank.rank, rank.world_size)])
     checkpoint.save(net, opt, path, comm=comm, step=2)

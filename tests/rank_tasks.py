@@ -1,4 +1,5 @@
 """Small rank-side tasks the tests run on warm pools (importable by the rank processes)."""
+import contextlib
 import os
 import time
 
@@ -258,13 +259,20 @@ def live_private_attributes(rank, names: list[str]) -> dict[str, bool]:
 
 
 def _build_toy(strategy, net, config, comm, ledger):
-    """A strategy written outside minishard: minishard's DDP over a plain torch optimizer."""
+    """A strategy written outside minishard: minishard's DDP over a plain torch optimizer, as a
+    ``Built`` that answers one question of its own (how to accumulate) and inherits the rest."""
     from minishard.strategies.ddp import DDP
     from minishard.strategies.registry import Built, optimizer_spec
+
+    class ToyBuilt(Built):
+        def accumulating(self, quiet):
+            return self.model.no_sync() if quiet else contextlib.nullcontext()
+
+        def _parameters(self):
+            return dict(net.named_parameters())
     model = DDP(net, comm=comm, ledger=ledger, bucket_cap_mb=config.bucket_cap_mb)
     opt_class, kwargs = optimizer_spec(config.optimizer, config.lr)
-    return Built(strategy, model, opt_class(net.parameters(), **kwargs), (comm,), no_sync=model.no_sync,
-                 gather=lambda: dict(net.named_parameters()))
+    return ToyBuilt(strategy, model, opt_class(net.parameters(), **kwargs), (comm,))
 
 
 def a_toy_strategy_trains(rank) -> dict:
@@ -300,3 +308,11 @@ def companions(rank) -> dict:
     return {"same": first is again, "own_group": first.group is not comm.group and other.group is not first.group,
             "rank": first.rank == comm.rank, "ranks": dist.get_process_group_ranks(first.group),
             "sum": x.tolist(), "name": first.name, "entries": [(e["group"], e["seq"]) for e in comm.flight.entries]}
+
+
+def companion_timeouts(rank) -> dict:
+    """The collective timeout of a communicator's group and of its companion's."""
+    from minishard.core.c10d import group_timeout
+    comm = Comm(rank.tracer)
+    mate = comm.companion("checkpoint")
+    return {"world": group_timeout(comm.group), "companion": group_timeout(mate.group)}

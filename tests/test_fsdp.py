@@ -220,7 +220,8 @@ NORMS = {"blocks": ("ln1", "ln2"), "root": ("ln_f",)}
 def replicated_norms_run(rank, layout: str, accum: int, no_sync: bool) -> dict:
     """Rank task: the nano GPT with every norm kept replicated (``replicate_params``), trained
     with plain SGD through ``train_step`` as the ``fsdp`` strategy would."""
-    from minishard.strategies import Built, get
+    from minishard.strategies import get
+    from minishard.strategies.fsdp.recipe import FSDPBuilt
     from minishard.training.loop import train_step
     cfg = config("nano")
     comm = Comm(rank.tracer)
@@ -228,9 +229,7 @@ def replicated_norms_run(rank, layout: str, accum: int, no_sync: bool) -> dict:
     fsdp.apply_fsdp(net, comm=comm, layout=layout, blocks=dict(replicate_params=NORMS["blocks"]),
                     root=dict(replicate_params=NORMS["root"]))
     opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=SGD["lr"]))
-    built = Built(get("fsdp"), net, opt, (comm,), units=fsdp.units(net),
-                  no_sync=(lambda: fsdp.no_sync(net)) if no_sync else None,
-                  gather=lambda: fsdp.full_parameters(net))
+    built = FSDPBuilt(get("fsdp"), net, opt, (comm,), accumulation="no_sync" if no_sync else None)
     comm.reset_counters()
     losses = [train_step(built, [batch(cfg, s * accum + k, MB, rank.rank, rank.world_size)
                                  for k in range(accum)]) for s in range(SGD["steps"])]
@@ -388,7 +387,7 @@ def test_every_hook_is_registered_in_hooks_py():
 
 def test_calls_go_one_way_hooks_to_unit_to_context_and_layout():
     """The hooks call the unit; the unit never calls a hook (it does not import ``hooks``), and
-    holds none of the root's fields: those live on the root's context (``root.py``)."""
+    holds none of the root's fields: those live on the root's context (``state.py``)."""
     import ast
     from pathlib import Path
     here = Path(fsdp.__file__).parent

@@ -4,7 +4,7 @@ rely on, each pinned where an outsider's planted change went unseen."""
 import pytest
 
 from minishard.course import side_by_side as sbs
-from minishard.strategies.registry import _torch_prefetch
+from minishard.strategies.torch_native import torch_prefetch
 from minishard.viz.pair import PlayerPair, shared_moments
 
 
@@ -110,7 +110,7 @@ class Unit:
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
 def test_torch_fsdp_prefetch_lists_are_minishards_schedule(depth):
     root, units = Unit("root"), [Unit(f"u{i}") for i in range(4)]
-    _torch_prefetch(root, units, depth)
+    torch_prefetch(root, units, depth)
     order = [root] + units
     for i, m in enumerate(order):          # forward: the next `depth` units, the root first
         want = [u.name for u in units[i:i + depth]]

@@ -24,7 +24,7 @@ from minishard.core.model import GPTConfig, config
 
 GiB = 2**30
 PLANNED = strategies.PLANNED                     # one per ZeRO stage, from least to most sharded
-LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "ZeRO-3 / FSDP"}
+LABELS = {name: strategies.get(name).label for name in PLANNED}   # the registry's short names
 
 
 def _gib(b: float) -> str:

@@ -26,7 +26,8 @@ import torch.nn as nn
 from . import buckets as _buckets
 from .buckets import Bucket, BucketedReduction, offsets_of
 from minishard.core.comm import Comm
-from minishard.core.ledger import LiveLedger
+from minishard.core.ledger import LiveLedger, track_optimizer_state
+from .registry import Built, optimizer_spec
 
 
 class NaiveDDP(nn.Module):
@@ -41,6 +42,10 @@ class NaiveDDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def recorders(self) -> tuple[list, list]:
+        """What records this wrapper's collectives and bytes (for ``minishard.watch``)."""
+        return [self.comm], []
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
@@ -106,6 +111,10 @@ class DDP(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def recorders(self) -> tuple[list, list]:
+        """What records this wrapper's collectives and bytes (for ``minishard.watch``)."""
+        return [self.comm], [self.ledger]
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no communication) for the backwards inside."""
@@ -122,3 +131,106 @@ class DDP(nn.Module):
     def _all_reduce(self, b: Bucket) -> None:
         b.buffer.div_(self.comm.world_size)           # sum of grads / N = grad of the mean loss
         b.work = self.comm.all_reduce(b.buffer, async_op=True, tag=f"bucket{b.index}")
+
+
+# ---------------------------------------------------------------------------- as a strategy
+
+class MasterWeights:
+    """Mixed precision without sharding: bf16 working weights, an fp32 master copy that the
+    optimizer updates, rounded back to bf16 after every step (what ZeRO then shards)."""
+
+    def __init__(self, net: nn.Module, optimizer_class, ledger=None, **kwargs):
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.master = [nn.Parameter(p.detach().float()) for p in self.params]
+        self.optimizer = optimizer_class(self.master, **kwargs)
+        if ledger is not None:
+            for i, m in enumerate(self.master):
+                ledger.track("master", m, f"master:{i}")
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = p.grad.float()
+        self.optimizer.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = False):
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def checkpoint_regions(self, h) -> None:
+        """For ``minishard.checkpoint``: replicas of everything; each bf16 weight is saved as its
+        fp32 master (the weight is the master's rounded working copy)."""
+        h.strategy = h.layout_name(0)
+        masters = dict(zip(self.params, self.master))
+        for p, fqn in h.names.items():
+            h.order.append(fqn)
+            h.add_replicated_param(fqn, p, self.optimizer, masters.get(p))
+
+
+class ReplicasBuilt(Built):
+    """single, ddp_naive, ddp: every rank holds everything. ``model`` is the wrapper (DDP,
+    NaiveDDP) or the network itself; ``net`` is always the network."""
+
+    def __init__(self, strategy, model, optimizer, comm: Comm, net: nn.Module):
+        super().__init__(strategy, model, optimizer, (comm,))
+        self.net = net
+
+    def accumulating(self, quiet: bool):
+        # DDP's no_sync holds the buckets back; naive DDP and one process reduce nothing in backward
+        if quiet and isinstance(self.model, DDP):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def synchronise(self, tracer=None) -> None:
+        # naive DDP's one all-reduce per gradient, after backward: a phase of its own in the trace
+        if isinstance(self.model, NaiveDDP):
+            with tracer.phase("sync_gradients") if tracer is not None else contextlib.nullcontext():
+                self.model.sync_gradients()
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm)
+
+    def track_state(self, ledger) -> None:
+        if ledger is None:
+            return
+        if isinstance(self.optimizer, MasterWeights):
+            track_optimizer_state(ledger, self.optimizer.optimizer, prefix="master_")
+        else:
+            track_optimizer_state(ledger, self.optimizer, self.net)
+
+    def _parameters(self) -> dict[str, torch.Tensor]:
+        return dict(self.net.named_parameters())
+
+
+def build_replicas(strategy, net: nn.Module, config, comm: Comm, ledger: LiveLedger | None,
+                   *, wrapper: str | None = None) -> ReplicasBuilt:
+    """single, ddp_naive, ddp: ``wrapper`` averages the gradients — ``"naive"`` one all-reduce
+    per tensor after backward, ``"buckets"`` DDP's buckets during backward, none for the single
+    process. Mixed precision keeps an fp32 master next to bf16 weights."""
+    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
+    if config.precision == "bf16_mixed":
+        net.to(torch.bfloat16)
+    if wrapper == "buckets":
+        model = DDP(net, comm=comm, ledger=ledger, bucket_cap_mb=config.bucket_cap_mb)
+    elif wrapper == "naive":
+        model = NaiveDDP(net, comm=comm, ledger=ledger)
+    else:
+        model = net
+        if ledger is not None:
+            ledger.track_parameters(net)
+    if not getattr(model, "owns_gradients", False):   # (DDP's gradients live in its buckets)
+        for name, p in net.named_parameters():        # grads allocated up front, so that the
+            if not p.requires_grad:                   # ledger sees them; a frozen weight has
+                continue                              # none (a zero one would be decayed)
+            p.grad = torch.zeros_like(p)
+            if ledger is not None:
+                ledger.track("grads", p.grad, f"grad:{name}")
+    if config.precision == "bf16_mixed":
+        opt = MasterWeights(net, opt_class, ledger, **opt_kwargs)
+    else:
+        opt = opt_class(net.parameters(), **opt_kwargs)
+    return ReplicasBuilt(strategy, model, opt, comm, net)

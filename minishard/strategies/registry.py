@@ -5,7 +5,10 @@ Every other module asks this registry instead of comparing strategy names: the t
 under a strategy would hold, and what a layout is called: :func:`layout_name`) and the command
 line (which names exist). A :class:`Strategy` is a small record; :func:`build` turns a freshly
 made model into a :class:`Built` — the model to call, the optimizer to step, the communicators
-to count, the FSDP units (each with its offload tier, if any).
+to count, the FSDP units — whose methods are what a training step asks of a strategy.
+
+Adding a strategy: a builder in its own module (or folder) that returns a :class:`Built` (a
+subclass, where the strategy does something of its own in a step), and one line in ``_ALL``.
 
     ddp   zero1   zero2   fsdp (ZeRO-3, per-parameter, as FSDP2)   fsdp_flat (FSDP1)   hsdp
     single (one process: the reference)   ddp_naive   zero1_allreduce
@@ -14,8 +17,8 @@ to count, the FSDP units (each with its offload tier, if any).
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -32,8 +35,13 @@ class Strategy:
     name: str                          # the one spelling code uses
     course_name: str                   # what the course calls it
     stage: int                         # the ZeRO stage the analytic ledger applies (0: replicas)
-    builder: Callable[..., "Built"] = field(repr=False, compare=False)
+    # what wraps a model: "module:function" in minishard.strategies (imported when a model is
+    # built, so that naming a strategy imports none), or the function itself
+    builder: str | Callable[..., "Built"] = field(repr=False, compare=False)
+    options: dict = field(default_factory=dict, repr=False, compare=False)   # the builder's keywords
     aliases: tuple[str, ...] = ()      # other accepted spellings
+    label: str = ""                    # the planner's short name (a planned strategy's)
+    planned: bool = False              # one per ZeRO stage: what the planner and its advice compare
     instrumented: bool = True          # minishard's code: every allocation and byte is recorded
     single_process: bool = False       # only on one rank
     offloads: bool = False             # can keep its sharded state in host memory or on disk
@@ -44,73 +52,70 @@ class Strategy:
     def ledger_precision(self, precision: str) -> str:
         return self.mixed_precision if precision == "bf16_mixed" else precision
 
+    def build(self, net: nn.Module, config: "TrainConfig", comm: "Comm", ledger=None) -> "Built":
+        make = self.builder
+        if isinstance(make, str):
+            module, _, function = make.partition(":")
+            make = getattr(importlib.import_module(f"minishard.strategies.{module}"), function)
+        return make(self, net, config, comm, ledger, **self.options)
 
-@dataclass
+
 class Built:
-    """A model wrapped by a strategy, ready to train. Every strategy answers the same questions
-    of :func:`minishard.training.step.train_step` — :meth:`accumulating`, :meth:`synchronise`,
-    :meth:`clip_grad_norm`, :meth:`track_state` — whatever it does for each (often nothing);
-    the builders say what differs through the fields below."""
-    strategy: Strategy
-    model: nn.Module                   # call it: model(x, y) -> loss
-    optimizer: Any                     # step it: .step(), .zero_grad(); may shard its state
-    comms: tuple = ()                  # every process group's Comm (hybrid: shard and replica group)
-    units: list = field(default_factory=list)   # FSDP units (empty for other strategies)
-    no_sync: Callable[[], Any] | None = None    # context: accumulate without communicating
-    sync_gradients: Callable[[], None] | None = None   # explicit sync after backward (naive DDP)
-    gather: Callable[[], dict] | None = None    # the full parameters, by name
-    clip: Callable[[float], torch.Tensor] | None = None   # clip by the global gradient norm
-    new_state: Callable[[Any], None] | None = None       # enter new optimizer state in a ledger
-    last_grad_norm: torch.Tensor | None = None  # the global norm the last clip scaled by
+    """A model wrapped by a strategy, ready to train: the questions
+    :func:`minishard.training.step.train_step` and the report ask of every strategy, each
+    answered here for a strategy that does nothing special, and by the strategy's own subclass
+    where it does (``ReplicasBuilt`` in ddp.py, ``ZeroBuilt`` in zero.py, ``FSDPBuilt`` in
+    fsdp/recipe.py, PyTorch's own in torch_native.py)."""
+
+    def __init__(self, strategy: Strategy, model: nn.Module, optimizer: Any, comms: tuple = (),
+                 units: list | None = None):
+        self.strategy = strategy
+        self.model = model                 # call it: model(x, y) -> loss
+        self.optimizer = optimizer         # step it: .step(), .zero_grad(); may shard its state
+        self.comms = tuple(comms)          # every process group's Comm (hybrid: shard and replica)
+        self.units = list(units or [])     # FSDP units (empty for other strategies)
+        self.last_grad_norm: torch.Tensor | None = None   # the norm the last clip scaled by
 
     def accumulating(self, quiet: bool):
         """The context of one micro-batch's forward and backward: for all but the last of a step
-        (``quiet``), the strategy's way of holding its gradients back (``no_sync``), if it has
-        one; otherwise the gradients reduce as backward makes them."""
-        return self.no_sync() if quiet and self.no_sync is not None else contextlib.nullcontext()
+        (``quiet``), the strategy's way of holding its gradients back, if it has one; otherwise
+        the gradients reduce as backward makes them."""
+        return contextlib.nullcontext()
 
     def synchronise(self, tracer=None) -> None:
-        """The gradients summed over ranks after backward — naive DDP's one all-reduce, a phase
-        of its own in the trace. Every other strategy reduced them while backward ran."""
-        if self.sync_gradients is not None:
-            with tracer.phase("sync_gradients") if tracer is not None else contextlib.nullcontext():
-                self.sync_gradients()
+        """The gradients summed over ranks after backward: nothing to do for a strategy that
+        reduced them while backward ran (all but naive DDP)."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their norm *over every rank* is at most ``max_norm``;
+        the norm is also kept as :attr:`last_grad_norm` (what the step was clipped by)."""
+        self.last_grad_norm = self._clip(max_norm)
+        return self.last_grad_norm
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def track_state(self, ledger) -> None:
         """Enter in ``ledger`` (if any) the optimizer state the first step created (the moments)."""
-        if ledger is not None and self.new_state is not None:
-            self.new_state(ledger)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        params = self.gather() if self.gather is not None else dict(self.model.named_parameters())
-        return {n: p.detach().cpu().float().clone() for n, p in params.items()}
+        """Every parameter's full value by name, in fp32 on the CPU (a collective where the
+        strategy shards them: every rank calls it)."""
+        return {n: p.detach().cpu().float().clone() for n, p in self._parameters().items()}
+
+    def _parameters(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
 
     def layout_numel(self) -> dict:
         """What the strategy laid out on this rank, for the analytic ledger to count the same:
         ``numel`` — (elements a replicated category holds, elements a sharded one holds) of the
         trainable parameters, padding included (absent: unpadded) — and ``frozen``, the elements
         of frozen weights it keeps."""
-        if hasattr(self.optimizer, "shard_numel"):          # ZeRO: its buckets' shards
-            return {"numel": self.optimizer.shard_numel()}
-        if self.units:                                     # FSDP: the shards the units keep
-            trainable, frozen = (sum(n) for n in zip(*(u.shard_numel() for u in self.units)))
-            n = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            return {"numel": (n, trainable), "frozen": frozen}
         return {"frozen": sum(p.numel() for p in self.model.parameters() if not p.requires_grad)}
 
     def transfer_bytes(self) -> tuple[int, int]:
-        """Offload's bytes per micro-batch over every FSDP unit: (tier to device, device to tier)."""
-        moves = [u.transfer_bytes() for u in self.units]
-        return sum(h for h, _ in moves), sum(d for _, d in moves)
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that their norm *over every rank* is at most ``max_norm``;
-        the norm is also kept as :attr:`last_grad_norm` (what the step was clipped by)."""
-        if self.clip is not None:
-            self.last_grad_norm = self.clip(max_norm)
-        else:
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        return self.last_grad_norm
+        """Offload's bytes per micro-batch: (tier to device, device to tier); none without offload."""
+        return 0, 0
 
 
 def get(name: str) -> Strategy:
@@ -161,7 +166,7 @@ def build(net: nn.Module, config: "TrainConfig", comm: "Comm", ledger: "LiveLedg
     if config.offload is not None and not strategy.offloads:
         raise ValueError(f"offload={config.offload!r} needs an FSDP strategy; {strategy.name!r} "
                          f"keeps its state on the device")
-    return strategy.builder(strategy, net, config, comm, ledger)
+    return strategy.build(net, config, comm, ledger)
 
 
 def optimizer_spec(name: str, lr: float) -> tuple[type, dict]:
@@ -174,234 +179,35 @@ def optimizer_spec(name: str, lr: float) -> tuple[type, dict]:
     raise ValueError(f"unknown optimizer {name!r}; expected adamw, sgd or sgd_momentum")
 
 
-class MasterWeights:
-    """Mixed precision without sharding: bf16 working weights, an fp32 master copy that the
-    optimizer updates, rounded back to bf16 after every step (what ZeRO then shards)."""
-
-    def __init__(self, net: nn.Module, optimizer_class, ledger=None, **kwargs):
-        self.params = [p for p in net.parameters() if p.requires_grad]
-        self.master = [nn.Parameter(p.detach().float()) for p in self.params]
-        self.optimizer = optimizer_class(self.master, **kwargs)
-        if ledger is not None:
-            for i, m in enumerate(self.master):
-                ledger.track("master", m, f"master:{i}")
-
-    @torch.no_grad()
-    def step(self):
-        for p, m in zip(self.params, self.master):
-            m.grad = p.grad.float()
-        self.optimizer.step()
-        for p, m in zip(self.params, self.master):
-            p.copy_(m)
-            m.grad = None
-
-    def zero_grad(self, set_to_none: bool = False):
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_()
-
-    def checkpoint_regions(self, h) -> None:
-        """For ``minishard.checkpoint``: replicas of everything; each bf16 weight is saved as its
-        fp32 master (the weight is the master's rounded working copy)."""
-        h.strategy = layout_name(0, h.world_size)
-        masters = dict(zip(self.params, self.master))
-        for p, fqn in h.names.items():
-            h.order.append(fqn)
-            h.add_replicated_param(fqn, p, self.optimizer, masters.get(p))
-
-
-# ---------------------------------------------------------------------------- the builders
-
-def _replicated(strategy, net, config, comm, ledger, *, wrapper=None) -> Built:
-    """single, ddp_naive, ddp: every rank holds everything; ``wrapper`` averages the gradients
-    (none for the single process). Mixed precision keeps an fp32 master next to bf16 weights."""
-    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
-    if config.precision == "bf16_mixed":
-        net.to(torch.bfloat16)
-    model = wrapper(net, comm, ledger, config) if wrapper is not None else net
-    if model is net and ledger is not None:
-        ledger.track_parameters(net)
-    if not getattr(model, "owns_gradients", False):   # (DDP's gradients live in its buckets)
-        for name, p in net.named_parameters():        # grads allocated up front, so that the
-            if not p.requires_grad:                   # ledger sees them; a frozen weight has
-                continue                              # none (a zero one would be decayed)
-            p.grad = torch.zeros_like(p)
-            if ledger is not None:
-                ledger.track("grads", p.grad, f"grad:{name}")
-    from minishard.core.ledger import track_optimizer_state
-    if config.precision == "bf16_mixed":
-        opt = MasterWeights(net, opt_class, ledger, **opt_kwargs)
-        track = lambda led: track_optimizer_state(led, opt.optimizer, prefix="master_")   # noqa: E731
-    else:
-        opt = opt_class(net.parameters(), **opt_kwargs)
-        track = lambda led: track_optimizer_state(led, opt, net)                          # noqa: E731
-    return Built(strategy, model, opt, (comm,), no_sync=getattr(model, "no_sync", None),
-                 sync_gradients=getattr(model, "sync_gradients", None),
-                 gather=lambda: dict(net.named_parameters()),
-                 clip=lambda c: torch.nn.utils.clip_grad_norm_(net.parameters(), c), new_state=track)
-
-
-def _ddp(net, comm, ledger, config):
-    from .ddp import DDP
-    return DDP(net, comm=comm, ledger=ledger, bucket_cap_mb=config.bucket_cap_mb)
-
-
-def _naive_ddp(net, comm, ledger, config):
-    from .ddp import NaiveDDP
-    return NaiveDDP(net, comm=comm, ledger=ledger)
-
-
-def _zero(strategy, net, config, comm, ledger, *, reduce="reduce_scatter") -> Built:
-    """ZeRO-1 and ZeRO-2: replicas of the weights, the optimizer state (and gradients) sharded."""
-    from .zero import ZeroOptimizer
-    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
-    mixed = config.precision == "bf16_mixed"
-    if mixed:
-        net.to(torch.bfloat16)
-    opt = ZeroOptimizer([p for p in net.parameters()], opt_class, stage=strategy.stage, comm=comm,
-                        ledger=ledger, reduce=reduce, master_dtype=torch.float32 if mixed else None,
-                        bucket_cap_mb=config.bucket_cap_mb, **opt_kwargs)
-    # ZeRO-1 accumulates full gradients and reduces once; ZeRO-2 reduce-scatters every
-    # micro-batch unless told to hold the full gradients (accumulation="no_sync")
-    quiet = strategy.stage == 1 or config.accumulation == "no_sync"
-    return Built(strategy, net, opt, (comm,), no_sync=opt.no_sync if quiet else None,
-                 clip=opt.clip_grad_norm_)
-
-
-def _fsdp(strategy, net, config, comm, ledger, *, layout="per_param", hybrid=False) -> Built:
-    """ZeRO-3 / FSDP: every block a unit, the root takes the rest; hybrid shards inside groups
-    of ``shard_size`` ranks and replicates across them."""
-    from . import fsdp
-    from .offload import OffloadPolicy, check_room, state_bytes
-    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
-    mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed" else None
-    comms, replica_group = (comm,), None
-    if hybrid:
-        if comm.world_size % config.shard_size:
-            raise ValueError(f"hsdp: world size {comm.world_size} is not a multiple of shard_size "
-                             f"{config.shard_size}")
-        comm, replica_group = comm.split(config.shard_size)
-        comms = (comm, replica_group)
-    offload = None
-    if config.offload is not None:      # room for the whole state first: no unit half-made
-        offload = OffloadPolicy(config.offload, config.offload_dir)
-        check_room(offload, state_bytes(sum(p.numel() for p in net.parameters()) // comm.world_size))
-    kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload_policy=offload, replicate=replica_group,
-              layout=layout, param_persistence_threshold=config.param_persistence_threshold,
-              quantized_weights=config.quantized_weights, quantized_gradients=config.quantized_gradients)
-    fsdp.apply_fsdp(net, wrap=config.wrap, blocks=dict(reshard_after_forward=config.reshard_after_forward),
-                    root=dict(reshard_after_forward=True if config.reshard_root else None), **kw)
-    fsdp.set_prefetch(net, config.prefetch, config.prefetch)
-    fsdp.set_stage3_limits(net, config.prefetch_bucket_size, config.max_live_parameters)
-    # the step on the shards (with offload: the moments are made in the tier, the step runs there)
-    opt = fsdp.ShardedOptimizer(net, opt_class([p for p in net.parameters() if p.requires_grad],
-                                               **opt_kwargs))
-    from minishard.core.ledger import track_optimizer_state
-    no_sync = {"no_sync": lambda: fsdp.no_sync(net),
-               "gathered": lambda: fsdp.keep_gathered(net)}.get(config.accumulation)
-    return Built(strategy, net, opt, comms, units=fsdp.units(net), no_sync=no_sync,
-                 gather=lambda: fsdp.full_parameters(net),
-                 clip=lambda c: fsdp.clip_grad_norm_(net, c),
-                 new_state=lambda led: track_optimizer_state(led, opt.optimizer, net, device=config.offload))
-
-
-def _torch_fsdp(strategy, net, config, comm, ledger) -> Built:
-    """PyTorch's FSDP2 ``fully_shard``, one unit per block and the root (the oracle)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from .fsdp import wrap_targets
-    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
-    mp = (MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed"
-          else MixedPrecisionPolicy())
-    units = [m for _, m in wrap_targets(net, config.wrap)]
-    for m in units:
-        fully_shard(m, reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
-    fully_shard(net, mp_policy=mp)
-    _torch_prefetch(net, units, config.prefetch)
-    opt = opt_class([p for p in net.parameters() if p.requires_grad], **opt_kwargs)
-    no_sync = {None: lambda: _torch_fsdp_no_sync(net), "no_sync": lambda: _torch_fsdp_no_sync(net),
-               "gathered": lambda: _torch_fsdp_keep_gathered(net)}.get(config.accumulation)
-    return Built(strategy, net, opt, (comm,), no_sync=no_sync,
-                 gather=lambda: {n: p.full_tensor() for n, p in net.named_parameters()})
-
-
-def _torch_prefetch(net, units: list, depth: int) -> None:
-    """minishard's ``prefetch`` depth on FSDP2's explicit lists, so that both run one schedule:
-    in forward the root and each unit gather the next ``depth`` units; in backward FSDP2 gathers
-    the unit before by itself (depth 1 even at ``prefetch=0``), and a deeper ``depth`` gives each
-    unit the ``depth`` before it."""
-    for i, m in enumerate([net, *units] if depth else []):
-        if units[i:i + depth]:
-            m.set_modules_to_forward_prefetch(units[i:i + depth])
-    for i, m in enumerate(units if depth > 1 else []):
-        if i:
-            m.set_modules_to_backward_prefetch(units[max(0, i - depth):i][::-1])
-
-
-def _torch_ddp(strategy, net, config, comm, ledger, *, zero=False) -> Built:
-    """PyTorch's DistributedDataParallel, with ZeroRedundancyOptimizer when ``zero``."""
-    from torch.nn.parallel import DistributedDataParallel
-    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
-    if config.precision == "bf16_mixed":
-        net.to(torch.bfloat16)
-    model = DistributedDataParallel(net, bucket_cap_mb=config.bucket_cap_mb)
-    if zero:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt_class = partial(ZeroRedundancyOptimizer, optimizer_class=opt_class)
-    # bf16 weights are stepped through an fp32 master, as minishard's DDP does (PyTorch's DDP and
-    # ZeroRedundancyOptimizer keep none: stepping the bf16 weights would round updates away)
-    if config.precision == "bf16_mixed":
-        opt = MasterWeights(net, opt_class, **opt_kwargs)
-    else:
-        opt = opt_class(net.parameters(), **opt_kwargs)
-    return Built(strategy, model, opt, (comm,), no_sync=model.no_sync,
-                 gather=lambda: dict(net.named_parameters()),
-                 clip=lambda c: torch.nn.utils.clip_grad_norm_(net.parameters(), c))
-
-
-@contextlib.contextmanager
-def _torch_fsdp_no_sync(net):
-    net.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        net.set_requires_gradient_sync(True)
-
-
-@contextlib.contextmanager
-def _torch_fsdp_keep_gathered(net):
-    net.set_reshard_after_backward(False)
-    try:
-        yield
-    finally:
-        net.set_reshard_after_backward(True)
-
-
 _ALL = [
-    Strategy("single", "one process (the reference)", 0, _replicated, single_process=True),
-    Strategy("ddp_naive", "naive DDP (one all-reduce per tensor)", 0,
-             partial(_replicated, wrapper=_naive_ddp)),
-    Strategy("ddp", "DDP", 0, partial(_replicated, wrapper=_ddp), buckets=True),
-    Strategy("zero1", "ZeRO-1", 1, _zero, aliases=("zero-1",), buckets=True),
-    Strategy("zero1_allreduce", "ZeRO-1 (all-reduce, as first told)", 1,
-             partial(_zero, reduce="all_reduce"), aliases=("zero1-allreduce",), buckets=True),
-    Strategy("zero2", "ZeRO-2", 2, _zero, aliases=("zero-2",), buckets=True),
-    Strategy("fsdp", "ZeRO-3 / FSDP (per-parameter, as FSDP2)", 3, _fsdp, aliases=("zero3", "zero-3"),
-             offloads=True, mixed_precision="bf16_fsdp"),
-    Strategy("fsdp_flat", "FSDP with flat parameters (as FSDP1)", 3, partial(_fsdp, layout="flat"),
-             aliases=("fsdp-flat",), offloads=True, mixed_precision="bf16_fsdp"),
-    Strategy("hsdp", "hybrid sharding (HSDP)", 3, partial(_fsdp, hybrid=True), offloads=True,
+    Strategy("single", "one process (the reference)", 0, "ddp:build_replicas", single_process=True),
+    Strategy("ddp_naive", "naive DDP (one all-reduce per tensor)", 0, "ddp:build_replicas",
+             dict(wrapper="naive")),
+    Strategy("ddp", "DDP", 0, "ddp:build_replicas", dict(wrapper="buckets"), label="DDP", planned=True,
+             buckets=True),
+    Strategy("zero1", "ZeRO-1", 1, "zero:build_zero", aliases=("zero-1",), label="ZeRO-1", planned=True,
+             buckets=True),
+    Strategy("zero1_allreduce", "ZeRO-1 (all-reduce, as first told)", 1, "zero:build_zero",
+             dict(reduce="all_reduce"), aliases=("zero1-allreduce",), buckets=True),
+    Strategy("zero2", "ZeRO-2", 2, "zero:build_zero", aliases=("zero-2",), label="ZeRO-2", planned=True,
+             buckets=True),
+    Strategy("fsdp", "ZeRO-3 / FSDP (per-parameter, as FSDP2)", 3, "fsdp.recipe:build_fsdp",
+             aliases=("zero3", "zero-3"), label="ZeRO-3 / FSDP", planned=True, offloads=True,
+             mixed_precision="bf16_fsdp"),
+    Strategy("fsdp_flat", "FSDP with flat parameters (as FSDP1)", 3, "fsdp.recipe:build_fsdp",
+             dict(layout="flat"), aliases=("fsdp-flat",), offloads=True, mixed_precision="bf16_fsdp"),
+    Strategy("hsdp", "hybrid sharding (HSDP)", 3, "fsdp.recipe:build_fsdp", dict(hybrid=True), offloads=True,
              hybrid=True, mixed_precision="bf16_fsdp"),
-    Strategy("torch_ddp", "PyTorch DistributedDataParallel", 0, _torch_ddp, aliases=("torch-ddp",),
-             instrumented=False, buckets=True),
-    Strategy("torch_zero1", "PyTorch DDP + ZeroRedundancyOptimizer", 1, partial(_torch_ddp, zero=True),
-             aliases=("torch-zero1",), instrumented=False, buckets=True),
-    Strategy("torch_fsdp", "PyTorch FSDP2 fully_shard", 3, _torch_fsdp, aliases=("torch-fsdp",),
-             instrumented=False, mixed_precision="bf16_fsdp"),
+    Strategy("torch_ddp", "PyTorch DistributedDataParallel", 0, "torch_native:build_torch_ddp",
+             aliases=("torch-ddp",), instrumented=False, buckets=True),
+    Strategy("torch_zero1", "PyTorch DDP + ZeroRedundancyOptimizer", 1, "torch_native:build_torch_ddp",
+             dict(zero=True), aliases=("torch-zero1",), instrumented=False, buckets=True),
+    Strategy("torch_fsdp", "PyTorch FSDP2 fully_shard", 3, "torch_native:build_torch_fsdp",
+             aliases=("torch-fsdp",), instrumented=False, mixed_precision="bf16_fsdp"),
 ]
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
 _ALIASES: dict[str, Strategy] = {a: s for s in _ALL for a in s.aliases}
-# one per ZeRO stage, in the course's order: the planner compares these four; the ledger's
-# calculator names them by stage (zero3 is fsdp's alias)
-PLANNED = ("ddp", "zero1", "zero2", "fsdp")
-STAGES = ("ddp", "zero1", "zero2", "zero3")
+# one per ZeRO stage, in the course's order: the planner compares these; the ledger's calculator
+# names them by stage (a stage-3 strategy by its alias ``zero3``, the course's name for ZeRO-3)
+PLANNED = tuple(s.name for s in _ALL if s.planned)
+STAGES = tuple("zero3" if STRATEGIES[n].stage == 3 else n for n in PLANNED)

@@ -39,6 +39,7 @@ from .buckets import Bucket, BucketedReduction, offsets_of, plan_buckets
 from minishard.core.comm import Comm
 from .clipping import clip_sharded_grad_norm_
 from minishard.core.ledger import LiveLedger, track_optimizer_state
+from .registry import Built, optimizer_spec
 
 # Optimizers whose update is element-wise, so running them on flat shards is exact. Their state
 # keys are the ones the sharder knows how to keep per shard.
@@ -268,6 +269,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.flat_grad_shards.zero_()
 
     # ------------------------------------------------------------------ sharded state
+    def recorders(self) -> tuple[list, list]:
+        """What records this optimizer's collectives and bytes (for ``minishard.watch``)."""
+        return [self.comm], [self.ledger]
+
     def shard_numel(self) -> tuple[int, int]:
         """Elements of the bucketed parameters (padding included): (what a replica of them holds,
         what this rank's shards hold). Frozen parameters stay plain replicas, outside the buckets."""
@@ -356,3 +361,40 @@ def _copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:
     """Group by group, every hyperparameter of ``src`` into ``dst`` (parameters stay)."""
     for s, d in zip(src, dst):
         d.update(_hyperparameters(s))
+
+
+# ---------------------------------------------------------------------------- as a strategy
+
+class ZeroBuilt(Built):
+    """ZeRO-1 and ZeRO-2: replicas of the weights, the optimizer state (and gradients) sharded
+    by the :class:`ZeroOptimizer`, which also clips and counts its shards."""
+
+    def __init__(self, strategy, model: nn.Module, optimizer: ZeroOptimizer, comm: Comm, *, quiet: bool):
+        super().__init__(strategy, model, optimizer, (comm,))
+        self.quiet = quiet
+
+    def accumulating(self, quiet: bool):
+        # ZeRO-1 accumulates full gradients and reduces once; ZeRO-2 reduce-scatters every
+        # micro-batch unless told to hold the full gradients (accumulation="no_sync")
+        return self.optimizer.no_sync() if quiet and self.quiet else contextlib.nullcontext()
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        return self.optimizer.clip_grad_norm_(max_norm)
+
+    def layout_numel(self) -> dict:
+        return {"numel": self.optimizer.shard_numel()}
+
+
+def build_zero(strategy, net: nn.Module, config, comm: Comm, ledger: LiveLedger | None,
+               *, reduce: str = "reduce_scatter") -> ZeroBuilt:
+    """ZeRO-1 and ZeRO-2 (``strategy.stage``), on bf16 weights with an fp32 master under mixed
+    precision."""
+    opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
+    mixed = config.precision == "bf16_mixed"
+    if mixed:
+        net.to(torch.bfloat16)
+    opt = ZeroOptimizer([p for p in net.parameters()], opt_class, stage=strategy.stage, comm=comm,
+                        ledger=ledger, reduce=reduce, master_dtype=torch.float32 if mixed else None,
+                        bucket_cap_mb=config.bucket_cap_mb, **opt_kwargs)
+    return ZeroBuilt(strategy, net, opt, comm,
+                     quiet=strategy.stage == 1 or config.accumulation == "no_sync")

@@ -13,21 +13,23 @@ from __future__ import annotations
 
 def recorders(model, optimizer) -> tuple[list, list]:
     """The communicators and ledgers of minishard's strategies in this job (each once); empty
-    lists when nothing in it is minishard's."""
-    from minishard.strategies.ddp import DDP, NaiveDDP
-    from minishard.strategies.zero import ZeroOptimizer
+    lists when nothing in it is minishard's. Each of minishard's wrappers answers
+    ``recorders()`` itself — ``DDP``, ``NaiveDDP``, ``ZeroOptimizer``, every FSDP unit — so a
+    strategy built from new classes is watched once its classes answer it too."""
+    from minishard.strategies.fsdp import units
     comms, ledgers = [], []
 
     def add(found: list, obj) -> None:
         if obj is not None and all(o is not obj for o in found):
             found.append(obj)
-    owners = [m for m in model.modules() if hasattr(m, "_fsdp_unit")]
-    for u in (m._fsdp_unit for m in owners):
-        add(comms, u.comm), add(comms, u.replicate), add(ledgers, u.ledger)
-    if isinstance(model, (DDP, NaiveDDP)):
-        add(comms, model.comm), add(ledgers, getattr(model, "ledger", None))
-    if isinstance(optimizer, ZeroOptimizer):
-        add(comms, optimizer.comm), add(ledgers, optimizer.ledger)
+    for owner in [*units(model), *model.modules(), optimizer]:
+        ask = getattr(owner, "recorders", None)
+        if callable(ask):
+            its_comms, its_ledgers = ask()
+            for c in its_comms:
+                add(comms, c)
+            for led in its_ledgers:
+                add(ledgers, led)
     for c in list(comms):
         add(ledgers, c.ledger)
     return comms, ledgers

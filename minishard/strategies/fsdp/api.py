@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -16,8 +17,17 @@ from .layout import FlatLayout, PerParamLayout
 from .slots import ParamSlot, collect_slots
 from .limits import persistent_names
 from .replicated import NoShards, NothingToShard, dtype_boundaries
-from .state import MixedPrecisionPolicy
 from .unit import FSDPUnit
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """As PyTorch's: ``param_dtype`` for the gathered parameters and compute, ``reduce_dtype`` for
+    the gradient reduce-scatter (None: in ``param_dtype``, as FSDP2 does — so a policy that names
+    only bf16 compute also reduces in bf16). The sharded parameters keep their own dtype (fp32):
+    they are the master weights the optimizer updates."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
 def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedger | None = None,

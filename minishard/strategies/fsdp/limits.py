@@ -26,16 +26,7 @@ same way, per unit (a unit's elements are those of its sharded parameters, whole
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .state import MemoryState
-
-
-@dataclass
-class Stage3Limits:
-    """The root's bounds, in elements; None: unbounded (FSDP's depth rule alone)."""
-    prefetch_bucket_size: int | None = None
-    max_live_parameters: int | None = None
+from .state import MemoryState, Stage3Limits
 
 
 def elements(unit) -> int:
@@ -44,7 +35,7 @@ def elements(unit) -> int:
 
 
 def live_elements(context) -> int:
-    """Elements gathered now under the root (``context``: the root's, ``root.py``): every unit
+    """Elements gathered now under the root (``context``: the root's, ``state.py``): every unit
     not back to its shard (unsharding, unsharded, or reduce-scattering with its parameters
     still whole)."""
     return sum(elements(u) for u in context.units if u.memory_state is not MemoryState.SHARDED)

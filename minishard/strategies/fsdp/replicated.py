@@ -133,8 +133,8 @@ class ReplicatedParams:
         for k, pending in enumerate(self._all_reduces):
             if pending.work is not None:
                 self._wait(pending.work, "wait_reduce_scatter")
-            if self.replicate is not None:
-                self.replicate.all_reduce(pending.flat, tag=self.name)
+            if self.replica_group is not None:
+                self.replica_group.all_reduce(pending.flat, tag=self.name)
             offset = 0
             for g in pending.grads:
                 g.copy_(pending.flat[offset:offset + g.numel()].view_as(g))
@@ -161,7 +161,7 @@ class NothingToShard:
         for u in self.context.units or [self]:
             u.wait_for_reduce_scatter()
         self._set_state(MemoryState.REDUCE_SCATTERING)
-        replicas = self.replicate.world_size if self.replicate is not None else 1
+        replicas = self.replica_group.world_size if self.replica_group is not None else 1
         self._all_reduce_replicated(self.comm.world_size * replicas)
         if not async_op:
             self.wait_for_reduce_scatter()

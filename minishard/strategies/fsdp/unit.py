@@ -12,13 +12,14 @@
 Hooks call these (``hooks.py``), and nothing here calls a hook; with ``manual=True`` a notebook
 calls ``unshard``, ``reshard`` and ``reduce_scatter_grads`` itself. What only the root holds
 and does — the units, the forward order, prefetch bounds, the end of backward — is the root's
-context (``root.py``). How the parameters are laid out is the layout's business: this file
+context (``state.py``). How the parameters are laid out is the layout's business: this file
 asks its questions through ``layout.Layout`` and never looks inside one.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -31,9 +32,11 @@ from minishard.strategies.offload import Tier, TransferLog
 from . import limits
 from .layout import Layout
 from .replicated import ReplicatedParams
-from .root import RootContext
 from .slots import ParamSlot
-from .state import AllGatherState, MemoryState, MixedPrecisionPolicy, ReduceScatterState, TrainingState
+from .state import AllGatherState, MemoryState, ReduceScatterState, RootContext, TrainingState
+
+if TYPE_CHECKING:
+    from .api import MixedPrecisionPolicy
 
 _IN_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -41,7 +44,7 @@ _IN_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 class FSDPUnit(ReplicatedParams):
     """One unit: its parameters' layout, its two states — ``memory_state`` (a
     :class:`MemoryState`, traced) and ``training_state`` — and the lifecycle steps as methods;
-    ``context``, the root's context once the first forward has run (``root.py``).
+    ``context``, the root's context once the first forward has run (``state.py``).
 
     ``replicated``: parameters of the module the unit keeps whole on every rank (norms, say):
     never gathered nor freed, computing in their own dtype, their gradients all-reduced in it
@@ -53,7 +56,7 @@ class FSDPUnit(ReplicatedParams):
                  replicated: list[ParamSlot] = (), originals: set[int] = frozenset()):
         self.module, self.name, self.layout = module, name, layout
         self.comm, self.ledger = comm, ledger
-        self.replicate = replicate                 # hybrid sharding: the same shard elsewhere
+        self.replica_group = replicate             # hybrid sharding: the ranks with the same shard
         # True / False / None (the root decides), or k: keep 1/k of the full parameters after
         # forward and gather them in backward over ``post_forward_comm``, k consecutive ranks
         self.reshard_after_forward = reshard_after_forward
@@ -121,6 +124,10 @@ class FSDPUnit(ReplicatedParams):
         ``reduce_dtype``, else the compute dtype (``param_dtype``), else as they are stored."""
         return self.mp_policy.reduce_dtype or self.mp_policy.param_dtype or self.layout.reduce_dtype
 
+    def recorders(self) -> tuple[list, list]:
+        """What records this unit's collectives and bytes (for ``minishard.watch``)."""
+        return [self.comm, self.replica_group], [self.ledger]
+
     def shard_numel(self) -> tuple[int, int]:
         """Elements this rank's shards hold (padding included): (trainable, frozen)."""
         shards = self.layout.shard_tensors()
@@ -131,7 +138,7 @@ class FSDPUnit(ReplicatedParams):
         """With offload, the bytes one micro-batch moves (tier to device, device to tier): every
         gather brings this rank's shard over — in forward, and again in backward if forward freed
         it (not if it kept a copy to gather over k ranks: ``reshard_after_forward=k``) — and
-        every reduce-scatter sends this rank's slice of the reduced gradient to the tier."""
+        every reduce-scatter sends this rank's shard of the reduced gradient to the tier."""
         shards = self.layout.shard_tensors()
         again = bool(self.reshard_after_forward) and self.post_forward_comm is None
         h2d = sum(t.numel() * t.element_size() for t in shards) * (1 + again)
@@ -338,7 +345,7 @@ class FSDPUnit(ReplicatedParams):
         self._set_state(MemoryState.REDUCE_SCATTERING)
         dtype = self.reduce_dtype
         inp = self.layout.reduce_scatter_input(dtype)
-        replicas = self.replicate.world_size if self.replicate is not None else 1
+        replicas = self.replica_group.world_size if self.replica_group is not None else 1
         inp.div_(self.comm.world_size * replicas)   # sum / N: the gradient of the global mean loss
         self._release_full_grads()                  # packed into ``inp``: not needed
         out = self.layout.reduce_scatter_output(dtype)
@@ -362,8 +369,8 @@ class FSDPUnit(ReplicatedParams):
         work, out = self._reduce_scatter.work, self._reduce_scatter.output
         if work is not None:
             self._wait(work, "wait_reduce_scatter")
-        if self.replicate is not None:      # hybrid: sum the shard with its replicas' (slow link)
-            self.replicate.all_reduce(out, tag=self.name)
+        if self.replica_group is not None:      # hybrid: sum the shard with its replicas' (slow link)
+            self.replica_group.all_reduce(out, tag=self.name)
         t0 = time.perf_counter()
         if self.tier is not None:           # zero_grad(set_to_none=True) dropped them: the
             for t in self.layout.shard_tensors():   # gradients live in the tier, not the device
