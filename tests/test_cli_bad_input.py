@@ -275,9 +275,9 @@ def test_every_trace_reader_names_the_file_line_and_byte_it_could_not_decode(tmp
             read(tmp_path / name)
         assert str(e.value).startswith(f"{tmp_path / name}:2: not UTF-8 text {where}"), str(e.value)
     events, problems = view.read_file(tmp_path / "rank0.jsonl")
-    assert problems == [f"{tmp_path / 'rank0.jsonl'}:2: not UTF-8 text {where}: a damaged line, or not "
+    assert problems == [f"{tmp_path / 'rank0.jsonl'}:2: not UTF-8 text {where}: a damaged trace, or not "
                         f"a trace (skipped)"], problems
-    assert "damaged at line 2 (byte 0xf6 at column 3 is not UTF-8)" in doctor.trace_end(tmp_path / "rank0.jsonl")
+    assert "stops at line 2 (not UTF-8 text (byte 0xf6 at column 3)" in doctor.trace_end(tmp_path / "rank0.jsonl")
 
 
 def test_debug_adds_the_traceback_of_the_rank_that_failed(files, capsys):

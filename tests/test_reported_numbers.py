@@ -32,6 +32,7 @@ import torch.distributed as dist
 import minishard
 from minishard.instruments import causes, doctor, health
 from minishard.core.comm import Comm
+from minishard.core.trace import SCHEMA_VERSION
 from minishard.viewers.playback import fmt_bytes
 
 MiB = 2 ** 20
@@ -136,6 +137,8 @@ def _oom_events(spec: dict) -> list[dict]:
     alloc("grads", "blocks.0:grad_full1", spec["full"] / 2)
     alloc("comm_buffers", "blocks.1:ag", spec["comm"])
     alloc("activations", "act1", spec["activations"])
+    for i, e in enumerate(ev):           # what every event of a trace file carries
+        e.update(v=SCHEMA_VERSION, rank=0, seq=i, t=i * 1e-3)
     return ev
 
 
@@ -433,3 +436,21 @@ def test_the_meter_reports_each_steps_own_exposed_seconds():
     assert meter.steps["exposed_comm"] == [0.5, 0.25]
     assert sum(meter.steps["exposed_comm"]) == sum(u.exposed_s for u in units)
     assert [(x["h2d_bytes"], x["d2h_bytes"]) for x in meter.steps["transfer"]] == [(4096, 0), (0, 1024)]
+
+
+def test_the_optimizers_step_hooks_take_the_same_note_around_each_step():
+    """``note_steps``, as a run takes its notes: the copy before the step by the optimizer's
+    pre-step hook, the count after it by its post-step hook, with the step and the norm the
+    gradients were clipped by; once removed, a step is not noted."""
+    w16 = torch.nn.Parameter(torch.ones(4, 8, dtype=torch.bfloat16))
+    w16.grad = torch.full_like(w16, 0.25)
+    w16.grad[0, :3] = 1e-4                                         # 3 updates rounded away
+    opt = torch.optim.SGD([w16], lr=1.0)
+    facts: dict = {}
+    removers = health.note_steps(opt, facts, lambda: 7, lambda: torch.tensor(2.5))
+    opt.step()
+    for remove in removers:
+        remove()
+    opt.step()
+    assert facts["steps"] == [{"step": 7, "param_dtypes": ["bfloat16"], "low_precision_elements": 32,
+                               "unchanged": 3, "grad_norm": 2.5}]

@@ -180,3 +180,26 @@ def test_collective_in_flight_is_the_one_whose_last_rank_joined():
     assert rp.collective_at(1.1)["rank"] == 0            # only rank 0 has joined yet
     assert rp.collective_at(1.3)["rank"] == 1            # both in flight: the later joiner
     assert rp.collective_at(1.6) is None                 # both finished
+
+
+def test_every_reader_reads_a_cut_trace_by_its_own_policy(tmp_path):
+    """One reader (``trace.read_events``), three meanings of a bad line: a replay refuses the
+    file, naming the line; the doctor reads up to the cut (a rank that died); the viewer reads
+    around it. The doctor's account of where the trace stops names the line and the last
+    collective before it."""
+    from minishard.instruments import doctor
+    evs = [e for e in _two_rank_events() if e["rank"] == 0]
+    lines = [json.dumps(e) for e in evs]
+    lines.insert(3, lines[3][: len(lines[3]) // 2])             # a line cut mid-event
+    path = tmp_path / "rank0.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceFormatError, match=r"rank0.jsonl:4: not JSON"):
+        trace.read_events(path)
+    before, bad = trace.read_events(path, damaged="stop")
+    assert before == evs[:3] and [n for n, _ in bad] == [4]
+    around, bad = trace.read_events(path, damaged="skip")
+    assert around == evs and [n for n, _ in bad] == [4] and bad[0][1].startswith("not JSON")
+    end = doctor.trace_end(path)
+    assert "stops at line 4 (not JSON" in end and "all_reduce" in end, end
+    with pytest.raises(ValueError, match="damaged='ignore'"):
+        trace.read_events(path, damaged="ignore")

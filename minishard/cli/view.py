@@ -12,7 +12,6 @@ line naming the file and line; the player shows what could be read and says what
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -52,20 +51,10 @@ def problem(path: Path, line: int, what: str) -> str:
 def read_file(path: Path) -> tuple[list[dict], list[str]]:
     """The events of one file that this minishard can read, and one line per kind of problem
     (the first line it happened on, how many lines it skipped)."""
-    events, skipped = [], defaultdict(list)        # reason -> line numbers
-    for n, raw in trace.numbered_lines(path):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            skipped[f"not UTF-8 text ({trace.not_utf8(e, raw)[1]}): a damaged line, or not a trace"].append(n)
-            continue
-        if not line.strip():
-            continue
-        reason = _unreadable(line)
-        if reason is None:
-            events.append(json.loads(line.strip()))
-        else:
-            skipped[reason].append(n)
+    events, bad = trace.read_events(path, damaged="skip", also=_not_replayable)
+    skipped = defaultdict(list)                    # reason -> line numbers
+    for n, why in bad:
+        skipped[why].append(n)
     out = []
     for reason, lines in skipped.items():
         more = f" ({len(lines)} lines skipped, the last at line {lines[-1]})" if len(lines) > 1 else " (skipped)"
@@ -73,21 +62,11 @@ def read_file(path: Path) -> tuple[list[dict], list[str]]:
     return events, out
 
 
-def _unreadable(line: str) -> str | None:
-    """Why one line cannot be replayed, or None."""
-    try:
-        ev = json.loads(line.strip())
-    except json.JSONDecodeError as e:
-        return f"not JSON ({trace.json_problem(e)}): a line cut short, or not a trace"
-    if not isinstance(ev, dict):
-        return "not a trace event (a JSON object per line)"
-    if ev.get("v") != trace.SCHEMA_VERSION:
-        newer = isinstance(ev.get("v"), int) and ev["v"] > trace.SCHEMA_VERSION
-        return (f"trace schema version {ev.get('v')!r}, but this minishard reads version "
-                f"{trace.SCHEMA_VERSION}" + ("; a newer minishard wrote it: upgrade to read it" if newer else ""))
-    missing = [k for k in ("rank", "seq", "t", "kind") + NEEDS.get(ev.get("kind"), ()) if k not in ev]
+def _not_replayable(ev: dict) -> str | None:
+    """Why an event cannot be replayed (what the player needs of its kind), or None."""
     if ev.get("kind") not in NEEDS:
         return f"unknown event kind {ev.get('kind')!r}"
+    missing = [k for k in NEEDS[ev["kind"]] if k not in ev]
     return f"a {ev['kind']} event without {', '.join(missing)}" if missing else None
 
 

@@ -114,19 +114,16 @@ class Tracer:
 
 # --------------------------------------------------------------------------- reading traces
 
-def _check(ev: dict, where: str) -> dict:
+def not_an_event(ev) -> str | None:
+    """Why a decoded line is not an event this minishard reads, or None."""
     if not isinstance(ev, dict):
-        raise TraceFormatError(f"{where}: a JSON {type(ev).__name__}, not a trace event (a JSON "
-                               f"object per line)")
-    v = ev.get("v")
-    if v != SCHEMA_VERSION:
-        raise TraceFormatError(
-            f"{where}: trace schema version {v!r}, but this minishard reads version "
-            f"{SCHEMA_VERSION}; re-record the trace with this version")
-    for key in ("rank", "seq", "t", "kind"):
-        if key not in ev:
-            raise TraceFormatError(f"{where}: event has no {key!r} field: {ev}")
-    return ev
+        return f"a JSON {type(ev).__name__}, not a trace event (a JSON object per line)"
+    if (v := ev.get("v")) != SCHEMA_VERSION:
+        newer = isinstance(v, int) and v > SCHEMA_VERSION
+        return (f"trace schema version {v!r}, but this minishard reads version {SCHEMA_VERSION}; "
+                + ("a newer minishard wrote it: upgrade to read it" if newer else "re-record it with this one"))
+    missing = [k for k in ("rank", "seq", "t", "kind") if k not in ev]
+    return f"event has no {missing[0]!r} field: {ev}" if missing else None
 
 
 def json_problem(e: json.JSONDecodeError) -> str:
@@ -150,23 +147,51 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
         yield from enumerate(f, 1)
 
 
+def read_events(path: str | Path, *, damaged: str = "raise",
+                also: Callable[[dict], str | None] | None = None) -> tuple[list[dict], list[tuple[int, str]]]:
+    """One trace file's events, and its bad lines as ``(line number, why)``. Every reader of a
+    trace reads it here; they differ in what a bad line means (``damaged``): ``"raise"`` — a
+    trace that must be whole: :class:`TraceFormatError` naming the line; ``"stop"`` — a rank that
+    died cut it: the events before it; ``"skip"`` (the viewer): every good event. ``also``: a
+    reader's own test of an event (what it needs of each kind), answering like the others."""
+    if damaged not in ("raise", "stop", "skip"):
+        raise ValueError(f"damaged={damaged!r}: expected 'raise', 'stop' or 'skip'")
+    events: list[dict] = []
+    bad: list[tuple[int, str]] = []
+    for n, raw in numbered_lines(Path(path)):
+        why, ev = _line_problem(raw)
+        if why is None and ev is not None and also is not None:
+            why = also(ev)
+        if why is None:
+            events += [ev] if ev is not None else []       # (None: a blank line)
+            continue
+        if damaged == "raise":
+            raise TraceFormatError(f"{path}:{n}: {why}")
+        bad.append((n, why))
+        if damaged == "stop":
+            break
+    return events, bad
+
+
+def _line_problem(raw: bytes) -> tuple[str | None, dict | None]:
+    """(why the line is not an event, None), (None, the event), or (None, None) if blank."""
+    try:
+        line = raw.decode("utf-8").strip()   # (a line cut inside a string reads as unterminated)
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text ({not_utf8(e, raw)[1]}): a damaged trace, or not a trace", None
+    if not line:
+        return None, None
+    try:
+        ev = json.loads(line)
+    except json.JSONDecodeError as e:
+        return f"not JSON ({json_problem(e)}): a line cut short, or not a trace", None
+    why = not_an_event(ev)
+    return (why, None) if why is not None else (None, ev)
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
-    events = []
-    for n, raw in numbered_lines(path):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TraceFormatError(f"{path}:{n}: not UTF-8 text ({not_utf8(e, raw)[1]}): a damaged "
-                                   f"trace, or not a trace") from None
-        if line.strip():
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceFormatError(f"{path}:{n}: not JSON ({json_problem(e)}): a line cut "
-                                       f"short, or not a trace") from None
-            events.append(_check(ev, f"{path}:{n}"))
-    return events
+    """A whole trace file's events (a bad line raises :class:`TraceFormatError`)."""
+    return read_events(path)[0]
 
 
 def load(source: str | Path | Iterable[dict]) -> list[dict]:
@@ -184,7 +209,10 @@ def load(source: str | Path | Iterable[dict]) -> list[dict]:
         else:
             raise FileNotFoundError(f"{p}: no such trace directory or file (demo --trace DIR writes one)")
     else:
-        events = [_check(ev, "event") for ev in source]
+        events = list(source)
+        for ev in events:
+            if (why := not_an_event(ev)) is not None:
+                raise TraceFormatError(f"event: {why}")
     return merge(events)
 
 

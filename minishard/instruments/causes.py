@@ -21,7 +21,6 @@ and ``minishard doctor`` prints it and exits 1 (``tests/test_doctor_edges.py`` a
 """
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from minishard.strategies.clipping import NORM_TAG
+from minishard.core import trace
 from minishard.core.words import fmt_bytes
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def weights(dumps: dict[int, dict]) -> list:
     if len(built) > 1 and sharded and not synced and (odd := _differ_from_rank0(built)):
         return [_weights_finding(
             built, odd, facts, "built other weights than rank {base}, and each rank sharded its own: "
-            "the model trained is made of each rank's slice of a different model",
+            "the model trained is made of each rank's shard of a different model",
             "built differently from", "", ["no broadcast of rank 0's weights was recorded before sharding"],
             "FSDP2's fully_shard does not broadcast: build the model from the same seed on every "
             "rank (or on the meta device and load one checkpoint), or broadcast rank 0's weights "
@@ -176,16 +176,8 @@ def precision(dumps: dict[int, dict]) -> list:
 # --------------------------------------------------------------------------- memory, from the traces
 
 def _read(path: Path) -> list[dict]:
-    out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError:
-                break                       # a rank that died cut its trace: read what is there
-            if isinstance(ev, dict):
-                out.append(ev)
-    return out
+    """A rank's events as far as its trace goes: a rank that died cut it short."""
+    return trace.read_events(path, damaged="stop")[0]
 
 
 def _unit_of(tag: str, patterns) -> str | None:

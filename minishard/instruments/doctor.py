@@ -33,7 +33,7 @@ from . import causes, torch_flight
 from .causes import Finding
 from minishard.core.flight import FORMAT_VERSION
 from minishard.core.words import fmt_bytes
-from minishard.core.trace import TraceFormatError, not_utf8, numbered_lines
+from minishard.core.trace import TraceFormatError, not_utf8, numbered_lines, read_events
 
 DUMP = re.compile(r"flight_rank(\d+)\.json")
 TRACE = re.compile(r"rank(\d+)\.jsonl")
@@ -398,19 +398,18 @@ def missing_dumps(report: Report) -> Finding | None:
 
 def trace_end(path: Path) -> str:
     """Where a rank's trace stops (read as far as it goes: a rank that died cuts it short)."""
-    last, step, n = None, None, 0
-    for n, line in numbered_lines(path):
-        try:
-            ev = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            return (f"its trace {path.name} is damaged at line {n} ({not_utf8(e, line)[1]} is not "
-                    f"UTF-8)" + _after(last, step))
-        except json.JSONDecodeError:
-            return f"its trace {path.name} is cut at line {n}" + _after(last, step)
-        step = ev.get("step", step) if isinstance(ev, dict) else step
-        if isinstance(ev, dict) and ev.get("kind") == "collective":
-            last = ev
-    return f"its trace {path.name} ends at line {n}" + _after(last, step)
+    events, bad = read_events(path, damaged="stop")
+    collectives = [ev for ev in events if ev["kind"] == "collective"]
+    last = collectives[-1] if collectives else None
+    step = next((ev["step"] for ev in reversed(events) if "step" in ev), None)
+    if bad:
+        n, why = bad[0]
+        return f"its trace {path.name} stops at line {n} ({why})" + _after(last, step)
+    return f"its trace {path.name} ends at line {_lines(path)}" + _after(last, step)
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for _ in numbered_lines(path))
 
 
 def _after(last: dict | None, step) -> str:

@@ -29,6 +29,9 @@ def attach(w) -> None:
                              "one at a time")
         sig = inspect.signature(orig)
 
+        # A call from minishard's own modules (its Comm, the watch) is recorded where it is made;
+        # counting it here too would count it twice. The caller's module is the only signal:
+        # torch.distributed passes no caller, and the engine must not tell the watch it is on.
         def wrapped(*args, fname=fname, orig=orig, op=op, sig=sig, arg=payload_arg, **kwargs):
             if w._quiet() or sys._getframe(1).f_globals.get("__name__", "").startswith("minishard."):
                 return orig(*args, **kwargs)

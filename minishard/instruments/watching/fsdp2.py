@@ -50,7 +50,7 @@ def _comms():
         """FSDP2's own all-gather, recorded under the unit it gathers (also a prefetch)."""
 
         def __init__(self, w, unit):
-            self.w, self.unit, self.n = w, unit, 0
+            self.w, self.unit = w, unit
 
         def allocate(self, size, *, dtype, device):
             out, w = super().allocate(size, dtype=dtype, device=device), self.w
@@ -74,20 +74,17 @@ def _comms():
     class WatchedReduceScatter(DefaultReduceScatter):
         """FSDP2's own reduce-scatter; its output holds the unit's sharded gradients."""
 
-        __init__ = WatchedAllGather.__init__
+        def __init__(self, w, unit):
+            self.w, self.unit, self.allocated = w, unit, []
 
         def allocate(self, size, *, dtype, device):
-            out, w = super().allocate(size, dtype=dtype, device=device), self.w
-            # FSDP2 allocates the input (the unit's full gradients) first, then the output
-            self.n += 1
-            if self.n % 2:
-                w._track("comm_buffers", out.untyped_storage(), f"reduce_scatter_in:{self.unit}")
-            else:
-                w._track("grads", out.untyped_storage(), f"grads:{self.unit} (the reduce-scatter output)")
+            out = super().allocate(size, dtype=dtype, device=device)
+            self.allocated.append(out)         # which buffer it is, the call below tells
             return out
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             w = self.w
+            _enter_buffers(w, self.unit, self.allocated, input_tensor, output_tensor)
             t0, step = w.tracer.now(), w.tracer.step
             nbytes, dtype = _bytes(input_tensor), _dtype(input_tensor)
             entry = w._issued("reduce_scatter", input_tensor, nbytes, group, self.unit, t0)
@@ -98,6 +95,19 @@ def _comms():
             return work
 
     return WatchedAllGather, WatchedReduceScatter
+
+
+def _enter_buffers(w, unit: str, allocated: list, input_tensor, output_tensor) -> None:
+    """FSDP2 allocates a reduce-scatter's buffers just before it calls it: the input holds the
+    unit's full gradients (a communication buffer), the output its sharded ones (the gradients
+    the optimizer steps). Each buffer is entered once the call tells which it is, by storage."""
+    kinds = {input_tensor.untyped_storage().data_ptr(): ("comm_buffers", f"reduce_scatter_in:{unit}"),
+             output_tensor.untyped_storage().data_ptr(): ("grads", f"grads:{unit} (the reduce-scatter output)")}
+    for buffer in allocated:
+        category, tag = kinds.get(buffer.untyped_storage().data_ptr(),
+                                  ("comm_buffers", f"reduce_scatter_buffer:{unit}"))
+        w._track(category, buffer.untyped_storage(), tag)
+    allocated.clear()
 
 
 def attach(w, model) -> None:
