@@ -119,7 +119,7 @@ assert (tot_b, tot_a) == (16 * PSI, 4 * PSI + 12 * PSI // 4)
 # they were — 12 bytes per parameter down to 3 — and the total goes from 16 to 7 bytes per
 # parameter. Stepping rank 0 through that first optimizer phase shows where the difference comes
 # from: DDP's AdamW creates a moment for every one of the model's parameter tensors; ZeRO-1's
-# creates one for the rank's slice of the flat parameter buffer, and nothing else.
+# creates one for the rank's shard of the flat parameter buffer, and nothing else.
 
 # %%
 # NBVAL_CHECK_OUTPUT

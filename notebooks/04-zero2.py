@@ -129,9 +129,9 @@ timeline_figure([e for e in events if e.get("step") == 1]).update_layout(
 # Follow rank 0's gradient memory through the backward pass of step 1. A bucket's gradients are
 # copied into a temporary buffer (`grad_bucket`) as autograd produces them, and each parameter's
 # own `.grad` is dropped at once. When the bucket is complete its reduce-scatter is launched (on
-# two ranks the other rank's slice arrives straight into the rank's own; with more ranks a
+# two ranks the other rank's chunk arrives straight into the rank's own; with more ranks a
 # receive buffer, `rs_recv`, holds the rest, see `Comm.reduce_scatter`). The buffer is freed
-# once the rank's slice of the sum has been added to its gradient shard — and ZeRO-2 waits for
+# once the rank's chunk of the sum has been added to its gradient shard — and ZeRO-2 waits for
 # the oldest bucket before launching a third, so at most two are in flight.
 
 # %%

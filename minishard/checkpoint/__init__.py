@@ -1,4 +1,4 @@
-"""Checkpoints after sharding: every rank saves its own slice, and any layout can load them back.
+"""Checkpoints after sharding: every rank saves its own shards, and any layout can load them back.
 
 A sharded run has no rank that holds the whole training state, so the state is saved the way it
 is held: each rank writes the part it owns, all ranks in parallel. The package, one idea a file,

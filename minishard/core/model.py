@@ -5,7 +5,7 @@ head (untied by default). The same class builds real sizes (``CONFIGS["llama3-8b
 so the ledger can count an 8B model without allocating it.
 
 Determinism is part of the contract: ``GPT(cfg, seed)`` gives identical weights in every
-process, and :func:`batch` gives each rank its own slice of one global batch, so a strategy on
+process, and :func:`batch` gives each rank its own micro-batch of one global batch, so a strategy on
 N ranks can be compared with one process training on the whole batch.
 """
 from __future__ import annotations
@@ -227,7 +227,7 @@ class GPT(nn.Module):
 
 def batch(cfg: GPTConfig, step: int, micro_batch: int, rank: int = 0, world_size: int = 1,
           seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s slice of the global batch for ``step``: (inputs, targets), each (B, T).
+    """Rank ``rank``'s micro-batch of the global batch for ``step``: (inputs, targets), each (B, T).
 
     The global batch (micro_batch * world_size sequences) depends only on (seed, step), so a
     single process training on all of it sees exactly what the N ranks see together.

@@ -8,9 +8,9 @@ sending fewer bits, and pays in rounding:
   int8, / 7 in int4) and each element as the nearest integer multiple of it; every rank
   dequantizes what arrives. Every rank, its own block included, computes with the dequantized
   values, so the ranks' full parameters stay identical.
-* **qgZ** — the gradient reduction through an all-to-all: each rank quantizes the slice meant
-  for every rank, the slices cross once (an all-to-all: each rank sends (N − 1)/N of its
-  buffer, as a reduce-scatter does), and each rank dequantizes the N contributions to its slice
+* **qgZ** — the gradient reduction through an all-to-all: each rank quantizes the chunk meant
+  for every rank, the chunks cross once (an all-to-all: each rank sends (N − 1)/N of its
+  buffer, as a reduce-scatter does), and each rank dequantizes the N contributions to its chunk
   and sums them in fp32, in rank order. (DeepSpeed's qgZ does this in two hops, int8 inside the
   node then int4 across; one hop here, in the bits asked for.)
 
@@ -127,7 +127,7 @@ def all_gather(comm, output: torch.Tensor, input: torch.Tensor, scheme: Scheme, 
 
 def reduce_scatter(comm, output: torch.Tensor, input: torch.Tensor, scheme: Scheme, async_op: bool,
                    tag: str):
-    """qgZ: ``output`` receives slice ``rank`` of the sum over ranks of ``input`` (N slices),
+    """qgZ: ``output`` receives chunk ``rank`` of the sum over ranks of ``input`` (N chunks),
     each contribution quantized on its way."""
     N, n = comm.world_size, output.numel()
     per = packed_bytes(n, scheme)

@@ -14,10 +14,12 @@ if TYPE_CHECKING:
 
 def fmt_bytes(n: float) -> str:
     """Binary units, as the demo and the chapters print memory, three significant digits:
-    ``870656 -> '850 KiB'``."""
+    ``870656 -> '850 KiB'`` — or the whole number where three would need an exponent
+    (``1023 KiB``, ``5120 GiB``)."""
     for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
+            v = n / size
+            return f"{v:.0f} {unit}" if abs(v) >= 999.5 else f"{v:.3g} {unit}"
     return f"{int(n)} B"
 
 

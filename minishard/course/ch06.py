@@ -95,7 +95,7 @@ def manual_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
         _grads_arrived(u)
         grad = a.grad
         observe(f"{u.name} backward")
-        u.reduce_scatter_grads()   # sum the full gradients, keep this rank's slice
+        u.reduce_scatter_grads()   # sum the full gradients, keep this rank's shard
         observe(f"{u.name}.reduce_scatter_grads()")
         u.reshard()
         observe(f"{u.name}.reshard()")

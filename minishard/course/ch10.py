@@ -190,7 +190,7 @@ def compare_with_fsdp(rank: RankContext, micro_batch: int = 2, model: str = "tin
     tx = x.clone().requires_grad_(True)
     y = tp(tx)
     y.sum().backward()
-    # this rank's slices of the unsharded MLP's weight gradients (proj.bias: whole on every rank)
+    # this rank's shards of the unsharded MLP's weight gradients (proj.bias: whole on every rank)
     N, F_ = comm.world_size, full.fc.out_features
     part = slice(rank.rank * F_ // N, (rank.rank + 1) * F_ // N)
     want = {"fc_w": full.fc.weight.grad[part], "fc_b": full.fc.bias.grad[part],

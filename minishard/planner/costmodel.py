@@ -386,7 +386,7 @@ def _check_job(micro_batch: int, seq_len: int, mfu: float, wrap: str, offload) -
 def offload_transfers(s: _Sizes) -> tuple[float, float]:
     """(bytes crossing PCIe per step, the seconds they and the CPU optimizer add). What the
     engine moves (tests/test_offload.py): every unshard fetches the fp32 shard — each block
-    twice (forward, backward), the root once — and every reduced slice goes back."""
+    twice (forward, backward), the root once — and every reduced gradient shard goes back."""
     pcie = LINKS["pcie5-x16"].bandwidth
     fetched = 4 * (2 * s.n_layer * s.block + s.root) / s.shard_n
     returned = 4 * s.n_params / s.shard_n

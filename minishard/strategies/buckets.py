@@ -22,7 +22,7 @@ gradient *in* its bucket (``.grad`` is a view into the bucket's buffer, so there
 copy); ``zero_grad(set_to_none=True)`` drops those views, autograd then allocates a fresh
 ``.grad``, and the hook moves it back into the bucket. ZeRO-2 keeps no full gradient: the hook
 copies each gradient into a temporary bucket buffer and drops it, and the buffer is freed once
-its reduce-scatter has delivered this rank's slice.
+its reduce-scatter has delivered this rank's shard.
 
 What differs between the strategies — the collective (all-reduce or reduce-scatter) and where
 the reduced values go — is passed in as two functions, ``reduce(bucket)`` and ``land(bucket)``.

@@ -12,7 +12,7 @@ only the moments off the device, every step would bring them in and send them ba
 still cross over each step:
 
     before each all-gather   the unit's parameter shard      tier -> device   (h2d)
-    after each reduce-scatter the reduced gradient slice     device -> tier   (d2h)
+    after each reduce-scatter the reduced gradient shard     device -> tier   (d2h)
 
 so the *transfer* bytes per step are exactly: shard bytes x (number of unshards) in, and
 gradient-shard bytes out. A capacity problem becomes a bandwidth problem: PCIe moves tens of

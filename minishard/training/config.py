@@ -14,10 +14,12 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from minishard.strategies.offload import TIERS
+
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
 PRECISIONS = ("fp32", "bf16_mixed")
 WRAPS = ("block", "model", "linear")
-OFFLOADS = (None, "host", "disk")
+OFFLOADS = (None, *TIERS)                 # no offload, or the tier offload keeps the state in
 # gradient accumulation under FSDP and ZeRO-2 (accum > 1), between the micro-batches of a step
 ACCUMULATIONS = ("sync", "no_sync", "gathered")
 

@@ -2,7 +2,7 @@
 
 ``train(rank, TrainConfig(strategy=..., steps=...))`` is a task for :class:`minishard.core.launch.Ranks`
 (and the body of ``python -m minishard demo`` under torchrun). It builds the GPT from its config,
-wraps it with the strategy (``minishard.strategies``), trains on this rank's slice of each global
+wraps it with the strategy (``minishard.strategies``), trains on this rank's micro-batch of each global
 batch with :func:`train_step`, and returns what the course shows: losses, step times, the
 measured ledger (peak, per phase, by category), the bytes every collective moved — recorded by
 ``comm`` and counted by the OS (``minishard.training.meter``) — and, on request, the final parameters.

@@ -120,4 +120,6 @@ def loss_resolution(loss: float, config: TrainConfig) -> float:
     this does not show (bf16 keeps 8 significant bits: steps of 1/16 near 8)."""
     eps = torch.finfo(torch.bfloat16 if config.precision == "bf16_mixed" else torch.float32).eps
     per_micro = abs(loss) / config.accum                   # each micro-batch's loss / accum is rounded
-    return eps * 2.0 ** math.floor(math.log2(per_micro)) if per_micro > 0 else 0.0
+    if not (0 < per_micro < math.inf):                     # (a diverged loss has no spacing to state)
+        return 0.0
+    return eps * 2.0 ** math.floor(math.log2(per_micro))

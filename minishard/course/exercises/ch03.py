@@ -36,7 +36,7 @@ def zero1_step(comm, flat_param: torch.Tensor, flat_grad: torch.Tensor, shard: t
     * ``optimizer`` — an optimizer over ``[shard]`` only.
 
     Collectives: ``comm.reduce_scatter(out, inp)`` (``out``: 1/N of ``inp``, the *sum* over ranks
-    of slice ``rank``), ``comm.all_gather(out, inp)`` (``out``: every rank's ``inp``, in rank order;
+    of chunk ``rank``), ``comm.all_gather(out, inp)`` (``out``: every rank's ``inp``, in rank order;
     pass a copy, not a view of ``out``), ``comm.all_reduce(t)``.
     """
     raise NotImplementedError("zero1_step: your code here")
@@ -125,4 +125,4 @@ def check_zero1_step(fn=None, ranks=None) -> None:
             expect(o["wire"] <= ddp_volume * STEPS + 8 * n * STEPS,
                    f"N={n}: right numbers, but you sent {o['wire'] / STEPS:,.0f} bytes per step "
                    f"where DDP sends {ddp_volume:,}: an all-reduce of the gradient gives every "
-                   f"rank the whole sum; a reduce-scatter gives it only the slice it updates.")
+                   f"rank the whole sum; a reduce-scatter gives it only the shard it updates.")

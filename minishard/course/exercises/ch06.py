@@ -4,7 +4,7 @@ The model's units were made with ``fully_shard(..., manual=True)``: no hooks, so
 gathered or freed unless you say so. Write one training step (forward, loss, backward, gradient
 reduction) calling the lifecycle methods yourself:
 ``unit.unshard()`` (all-gather the full parameters), ``unit.reshard()`` (free them, keep the
-shard), ``unit.reduce_scatter_grads()`` (sum the full gradients over ranks, keep your slice).
+shard), ``unit.reduce_scatter_grads()`` (sum the full gradients over ranks, keep your shard).
 
 The check runs your step on 1 and 2 real ranks next to minishard's ``course.ch06.manual_step`` on an
 identical model and batch, compares the loss and every gradient shard, counts the collectives,

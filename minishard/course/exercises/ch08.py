@@ -1,7 +1,7 @@
 """Chapter 08 exercise: what offload moves every step.
 
 With the sharded state offloaded (``offload="host"``), a unit's parameter shard comes in from
-host memory before each of its all-gathers (host → device), and its reduced gradient slice goes
+host memory before each of its all-gathers (host → device), and its reduced gradient shard goes
 out after each reduce-scatter (device → host). Blocks are gathered twice per step (forward and
 backward), the root once (it stays gathered from forward to backward); every unit's gradients
 are reduced once. Write the bytes that cross, per step and rank.

@@ -16,7 +16,7 @@ class ShardedOptimizer:
     Position: after backward (the root's end-of-backward callback has waited for every
     reduce-scatter and resharded every unit), before the next forward. Every unit is SHARDED:
     ``model.parameters()`` are this rank's shards (the fp32 master weights under mixed
-    precision), each ``.grad`` is this rank's slice of the reduced gradient, and the optimizer
+    precision), each ``.grad`` is this rank's shard of the reduced gradient, and the optimizer
     state is born the shards' shape, 1/N of the model's. Parameters a unit keeps replicated are
     whole, with all-reduced gradients. The step communicates nothing: the next forward's
     all-gathers carry the updated shards to every rank.
