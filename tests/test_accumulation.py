@@ -129,3 +129,47 @@ def test_every_step_sees_new_micro_batches_on_every_rank():
             seen += [tuple(x.flatten().tolist()) for x, _ in batches]
     # (whole micro-batches compared: with nano's small vocabulary two single sequences may agree)
     assert len(seen) == steps * N * A and len(set(seen)) == len(seen)
+
+
+def _one_process(lr: float = 0.5):
+    """A built run of one process with plain SGD (an update linear in the gradient): the
+    registry's ``Built`` itself, which holds nothing back and synchronises nothing."""
+    from minishard.strategies import Built, get
+    net = GPT("nano", seed=0)
+    return Built(get("single"), net, torch.optim.SGD(net.parameters(), lr=lr))
+
+
+def _micro_batches():
+    from minishard.core.model import batch
+    return [batch(model_config("nano"), k, 1) for k in range(A)]
+
+
+def test_a_step_of_micro_batches_is_one_step_of_their_whole_batch():
+    """Each micro-batch's loss is divided by their number: A micro-batches step the parameters as
+    one batch of all of them does (SGD: by the same gradient, their mean), and the step returns
+    that batch's mean loss. The parity tests cannot see a wrong scale here — their one-process
+    reference runs the same ``train_step`` with the same accum."""
+    from minishard.training.step import train_step
+    micro = _micro_batches()
+    whole = (torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))
+    init = dict(GPT("nano", seed=0).named_parameters())
+    by_micro, by_whole = _one_process(), _one_process()
+    loss_a, loss_1 = train_step(by_micro, micro), train_step(by_whole, [whole])
+    assert loss_a == pytest.approx(loss_1, rel=1e-5)
+    params_a = dict(by_micro.model.named_parameters())
+    for n, p in by_whole.model.named_parameters():
+        moved = (p - init[n]).abs().max()
+        assert (params_a[n] - p).abs().max() <= 1e-3 * moved + 1e-7, n
+
+
+def test_a_step_zeroes_the_gradients_in_place():
+    """After every step each gradient is zero, in the tensor it had (``zero_grad(set_to_none=False)``):
+    the gradient buffers live through the whole run, as the ledger and the memory formulas count
+    them, and the next backward allocates none."""
+    from minishard.training.step import train_step
+    built, micro = _one_process(), _micro_batches()
+    train_step(built, micro)
+    grads = {n: p.grad for n, p in built.model.named_parameters()}
+    assert all(g is not None and not g.any() for g in grads.values())
+    train_step(built, micro)
+    assert all(p.grad is grads[n] and not p.grad.any() for n, p in built.model.named_parameters())

@@ -121,3 +121,12 @@ def test_a_companion_group_is_made_once_per_name_over_the_same_ranks(pools):
         assert r["sum"] == [3.0, 3.0] and r["name"] == "checkpoint[0, 1]"
         # one recorder per rank; each group numbers its own collectives from 0
         assert r["entries"] == [("world", 0), ("checkpoint[0, 1]", 0)]
+
+
+def test_a_companion_group_waits_as_long_as_the_group_it_accompanies(pools):
+    """A background save's collectives give up when the training's would: a companion group is
+    made with its communicator's collective timeout, not the default half hour a new group gets."""
+    from datetime import timedelta
+    for r in pools(2).run(rank_tasks.companion_timeouts):
+        assert r["world"] is not None and r["world"] < timedelta(minutes=30), r
+        assert r["companion"] == r["world"], r

@@ -263,3 +263,27 @@ def test_a_new_finding_is_one_function_and_one_line_in_causes(tmp_path, monkeypa
     assert "[unnoted] no step was noted" in out and "rank 0: no steps" in out and "note every step" in out
     assert main(["doctor", str(d), "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["findings"][0]["kind"] == "unnoted"
+
+
+@pytest.mark.parametrize("fault_rank", [0, 2])
+def test_unsynced_init_rebuilds_the_weights_of_its_rank_only(fault_rank):
+    """The doctor names the ranks whose weights differ from the lowest rank's: the fault must leave
+    every other rank's weights as built, whichever rank it is planted on (rank 0 included)."""
+    from minishard.core.model import GPT
+    config = TrainConfig(strategy="ddp", model="nano")
+    built = GPT("nano", seed=config.seed).state_dict()
+    fault = Fault("unsynced-init", fault_rank)
+    for rank in range(3):
+        mine = fault.model(GPT("nano", seed=config.seed), config, rank).state_dict()
+        same = all(torch.equal(mine[n], built[n]) for n in built)
+        assert same == (rank != fault_rank), (fault_rank, rank)
+
+
+def test_skip_collective_skips_a_reduce_scatter_of_the_last_steps_gradients():
+    """ZeRO-2 and FSDP reduce the gradients with reduce-scatters: the rank that believes it has
+    nothing to reduce skips the last step's first one, and everything after it."""
+    skip = Fault("skip-collective", 1).skip(1, last_step=2)
+    assert not skip("reduce_scatter", "blocks.1", 1, "backward")          # an earlier step
+    assert not skip("all_gather", "blocks.1", 2, "backward")
+    assert skip("reduce_scatter", "blocks.1", 2, "backward")
+    assert skip("all_gather", "blocks.0", 2, "backward")

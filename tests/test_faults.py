@@ -274,3 +274,14 @@ def test_running_out_of_memory_is_split_into_its_causes_largest_first(tmp_path):
     assert "root" in units and "smaller prefetch depth" in units
     # largest first: here the state (every shard, its gradient) outweighs the activations
     assert state > e.held["activations"] and memory["evidence"][0].startswith("parameters' shards")
+
+
+def test_every_ranks_dump_names_the_fault_and_the_rank_it_was_planted_on(runs):
+    """The run's config in each rank's dump (``facts["run"]``) says which fault was planted and
+    on which rank — the same on every rank, the healthy ones included."""
+    for name, fault in (("unsynced_ddp", "unsynced-init"), ("reorder", "reorder"), ("no_master", "no-master")):
+        for r in range(WORLD):
+            run = json.loads((runs[name] / f"flight_rank{r}.json").read_text())["facts"]["run"]
+            assert (run["fault"], run["fault_rank"]) == (fault, ODD), (name, r, run)
+    run = json.loads((runs["healthy_fsdp"] / "flight_rank0.json").read_text())["facts"]["run"]
+    assert "fault" not in run and "fault_rank" not in run, run

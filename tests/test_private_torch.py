@@ -114,3 +114,28 @@ def test_the_scan_sees_what_it_looks_for():
                  "importlib.import_module('torch._dynamo')"]:
         assert list(_private_uses(line, listed)), line
     assert not list(_private_uses("y = torch.zeros(3).__class__\nself._x = 1", listed))
+
+
+def test_a_buffer_refilled_in_place_is_put_back_at_the_version_backward_saved():
+    """``set_version_counter``, as an FSDP unit uses it on its all-gather buffer: autograd saved a
+    view of the buffer in forward; the buffer is refilled in place (the same values, gathered
+    again) and put back at the version it had, and backward accepts it. Without, or at another
+    version, backward refuses a tensor "modified by an inplace operation"."""
+    import torch
+
+    def refilled(reset: bool) -> torch.Tensor:
+        w = torch.ones(4, requires_grad=True)
+        buf = torch.arange(8.0)
+        loss = (buf[:4] * w).sum()                     # saves a view of the buffer
+        version = buf._version
+        with torch.no_grad():
+            buf.copy_(torch.arange(8.0))
+        if reset:
+            autograd_private.set_version_counter((buf,), (version,))
+            assert buf._version == version
+        loss.backward()
+        return w.grad
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        refilled(reset=False)
+    assert torch.equal(refilled(reset=True), torch.arange(4.0))

@@ -247,3 +247,37 @@ def test_the_waited_column_is_the_last_steps_wait_in_milliseconds():
     head, row = table([r])[1:3]
     assert head.split()[-2:] == ["waited", "ms"]
     assert row.split()[-2:] == ["128", "12.5"], row
+
+
+def test_frozen_parameters_are_left_out_of_the_formula_as_they_are_out_of_the_ledger():
+    """A frozen parameter has no gradient and no optimizer state: the formula the run is set
+    beside counts the trainable parameters' only, and agrees with the ledger byte for byte."""
+    kw = dict(strategy="single", track_activations=False, **NANO)
+    frozen = train(None, TrainConfig(freeze=("blocks.0",), **kw))["ledger"]
+    whole = train(None, TrainConfig(**kw))["ledger"]
+    assert state(frozen["final"]) == state(frozen["estimate"])
+    assert frozen["estimate"]["grads"] < whole["estimate"]["grads"]          # blocks.0 has none
+    assert frozen["estimate"]["params"] == whole["estimate"]["params"]       # but its weights
+
+
+def test_a_loss_chunk_longer_than_the_micro_batch_is_said_at_the_micro_batchs_tokens():
+    """What backward recomputes of a chunked loss is one chunk's log-probabilities (fp32, one per
+    vocabulary entry and token); a chunk cannot hold more tokens than the micro-batch has."""
+    from minishard.core.model import config as model_config
+    cfg = model_config("nano")
+    for chunk, tokens in ((cfg.seq_len // 2, cfg.seq_len // 2), (10 * cfg.seq_len, cfg.seq_len)):
+        led = train(None, TrainConfig(strategy="single", model="nano", steps=1, micro_batch=1,
+                                      loss_chunk_tokens=chunk))["ledger"]
+        assert led["unseen"] == {"one loss chunk's log-probabilities, while backward recomputes them":
+                                 tokens * cfg.vocab_size * 4}, chunk
+
+
+def test_a_diverged_loss_states_no_resolution_instead_of_raising():
+    """A loss that went to infinity (or NaN) has no spacing to state: the progress line, which
+    asks after every step, must not crash the run that is diverging."""
+    from minishard.training.report import loss_resolution
+    bf16 = TrainConfig(precision="bf16_mixed")
+    assert loss_resolution(float("inf"), bf16) == 0.0
+    assert loss_resolution(float("-inf"), bf16) == 0.0
+    assert loss_resolution(float("nan"), bf16) == 0.0
+    assert loss_resolution(8.0, bf16) == 2 ** -7 * 8       # bf16: 8 significant bits

@@ -555,3 +555,20 @@ def test_sizes_are_binary_like_the_demo_and_the_chapters():
     assert fmt_bytes(870_656) == "850 KiB"
     assert fmt_bytes(3 * 2**20) == "3 MiB" and fmt_bytes(5 * 2**30) == "5 GiB"
     assert fmt_bytes(1000) == "1000 B"
+
+
+def test_a_size_below_zero_is_written_in_the_unit_of_its_magnitude():
+    from minishard.viewers.playback import fmt_bytes
+    assert fmt_bytes(-3 * 2**30) == "-3 GiB" and fmt_bytes(-870_656) == "-850 KiB"
+    assert fmt_bytes(-1000) == "-1000 B"
+
+
+def test_a_size_at_a_units_edge_or_past_the_largest_is_written_without_an_exponent():
+    """Three significant digits, unless that needs an exponent: just under the next unit, and
+    past the largest (a planner's terabytes), the whole number of the unit is written."""
+    from minishard.core.words import fmt_bytes
+    assert fmt_bytes(1023 * 1024) == "1023 KiB"
+    assert fmt_bytes(999.7 * 2 ** 20) == "1000 MiB"
+    assert fmt_bytes(5 * 2 ** 40) == "5120 GiB"
+    assert fmt_bytes(870656) == "850 KiB" and fmt_bytes(12.5 * 2 ** 30) == "12.5 GiB"
+    assert not any("e+" in fmt_bytes(k * 2 ** e) for e in (10, 20, 30, 40) for k in range(990, 1030))

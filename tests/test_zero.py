@@ -190,7 +190,7 @@ def test_the_inner_optimizer_takes_the_multi_tensor_path_unless_told_otherwise()
 @pytest.mark.parametrize("N", [2, 3])
 def test_zero2_holds_at_most_three_gradient_buckets_at_once(pools, N):
     """ZeRO-2 copies each gradient into its bucket's buffer and frees the buffer once the
-    bucket's reduce-scatter delivered this rank's slice; at most two reduce-scatters are in flight,
+    bucket's reduce-scatter delivered this rank's shard; at most two reduce-scatters are in flight,
     so at most three buffers live at once (two in flight, one filling) — chapter 04's bound —
     however many buckets the model has."""
     pool = pools(N)
@@ -210,3 +210,23 @@ def test_zero2_holds_at_most_three_gradient_buckets_at_once(pools, N):
         assert len(buckets) >= 8, buckets                 # enough buckets for the bound to bind
         assert most == 3, most
         assert not live                                   # every buffer freed by the step's end
+
+
+@pytest.mark.parametrize("strategy, rows", [("zero1", 2), ("zero2", 1)])
+def test_a_runs_reduce_scatter_receive_buffers_are_entered_in_its_ledger(pools, strategy, rows):
+    """On gloo the reduce-scatter's slices arrive point to point: one straight into the output,
+    the others into a receive buffer — N-2 slices, N-1 in place (ZeRO-1 reduces into its own
+    block of the bucket). A training run's communicator enters each buffer in the run's ledger
+    as ``comm_buffers``, at its bytes, for every bucket: the peaks and the doctor's
+    out-of-memory split count them."""
+    N = 3
+    pool = pools(N)
+    pool.run(train, TrainConfig(strategy=strategy, model="nano", steps=1, micro_batch=1,
+                                bucket_cap_mb=0.2, track_activations=False))
+    for r in range(N):
+        mine = [e for e in pool.last_events if e.get("rank") == r]
+        payloads = [e["payload"] for e in mine if e["kind"] == "collective" and e["op"] == "reduce_scatter"]
+        buffers = [e["bytes"] for e in mine if e["kind"] == "alloc" and e.get("category") == "comm_buffers"
+                   and str(e.get("tag", "")).startswith("rs_recv:")]
+        assert len(payloads) >= 3, payloads                       # several buckets
+        assert buffers == [p // N * rows for p in payloads], (strategy, r, payloads, buffers)
