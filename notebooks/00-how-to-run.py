@@ -174,7 +174,8 @@ proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 print(proc.stdout)
 print(f"torchrun took {time.perf_counter() - t0:.1f} s (a cold start: each rank imports torch)")
 assert proc.returncode == 0, proc.stderr[-3000:]
-assert sorted(p.name for p in trace_dir.iterdir()) == ["flight_rank0.json", "flight_rank1.json",
+assert sorted(p.name for p in trace_dir.iterdir()) == ["flight_rank0.json", "flight_rank0.ring",
+                                                       "flight_rank1.json", "flight_rank1.ring",
                                                        "rank0.jsonl", "rank1.jsonl", "trace.json"]
 
 # %% [markdown]

@@ -126,3 +126,90 @@ def test_pytorchs_own_recorder_is_written_beside_when_asked(pools, tmp_path):
     assert [e["op"] for e in read][-len(ours):] == [e["op"] for e in ours]
     with pytest.raises(ValueError, match="torch_flight=True needs flight_dir"):
         TrainConfig(torch_flight=True)
+
+
+# --------------------------------------------------------------------------- on disk as it flies
+
+def _ring(tmp_path, capacity=4, n=10, **entry):
+    import torch
+    rec = FlightRecorder(rank=1, world_size=2, capacity=capacity)
+    rec.fly_to(tmp_path)
+    entries = [rec.issued("all_reduce", "world", 2, (torch.zeros(3),), 12, f"b{k}", 0, "backward",
+                          0.1 * k, **entry) for k in range(n)]
+    return rec, entries
+
+
+def test_the_ring_keeps_the_last_collectives_in_order_with_their_state(tmp_path):
+    """The file holds the last ``capacity`` collectives, oldest first, each issued or completed
+    as the process left it; a completion of one the ring has overwritten changes nothing."""
+    from minishard.core import flight_file
+    rec, entries = _ring(tmp_path)
+    rec.completed(entries[0], 5.0)                     # long overwritten: no slot of its own
+    for e in entries[6:9]:
+        rec.completed(e, 1.25)
+    body = flight_file.read(tmp_path / "flight_rank1.ring")
+    assert (body["rank"], body["world_size"], body["capacity"], body["reason"]) == (1, 2, 4, "ring")
+    assert [e["seq"] for e in body["entries"]] == [6, 7, 8, 9] and body["torn"] == []
+    assert [e["state"] for e in body["entries"]] == ["completed"] * 3 + ["issued"]
+    assert [e["t_completed"] for e in body["entries"]] == [1.25] * 3 + [None]
+    assert body["entries"][0]["tag"] == "b6" and body["entries"][0]["shapes"] == [[3]]
+
+
+def test_collectives_issued_before_the_ring_opened_go_in_first(tmp_path):
+    import torch
+    from minishard.core import flight_file
+    rec = FlightRecorder(rank=0, world_size=2)
+    done = rec.issued("broadcast", "world", 2, (torch.zeros(2),), 8, "start", None, None, 0.0)
+    rec.completed(done, 0.5)
+    rec.fly_to(tmp_path)
+    rec.issued("all_reduce", "world", 2, (torch.zeros(2),), 8, "b0", 0, "backward", 1.0)
+    got = flight_file.read(flight_file.path_for(tmp_path, 0))["entries"]
+    assert [(e["op"], e["state"]) for e in got] == [("broadcast", "completed"), ("all_reduce", "issued")]
+
+
+def test_a_record_cut_while_it_was_written_is_named_and_the_rest_read(tmp_path):
+    """A process killed inside a record's write leaves its commit number behind its JSON: the
+    record is named torn and left out, every other one is read."""
+    from minishard.core import flight_file
+    rec, _ = _ring(tmp_path, n=6)
+    path = tmp_path / "flight_rank1.ring"
+    raw = bytearray(path.read_bytes())
+    slot = flight_file.HEADER_BYTES + (6 - 1) % 4 * flight_file.RECORD    # the last one written
+    raw[slot:slot + 8] = (2).to_bytes(8, "little")     # the commit of the lap before it
+    path.write_bytes(bytes(raw))
+    body = flight_file.read(path)
+    assert [e["seq"] for e in body["entries"]] == [2, 3, 4]
+    assert len(body["torn"]) == 1 and "slot 1" in body["torn"][0] and "cut" in body["torn"][0]
+    raw[slot + flight_file.SLOT.size + 5] = 0xFF       # and JSON that no longer parses
+    path.write_bytes(bytes(raw))
+    assert len(flight_file.read(path)["torn"]) == 1
+
+
+def test_an_entry_too_long_for_its_slot_keeps_what_matching_needs(tmp_path):
+    from minishard.core import flight_file
+    rec, _ = _ring(tmp_path, n=1, detail="x" * 3 * flight_file.RECORD)
+    body = flight_file.read(tmp_path / "flight_rank1.ring")
+    (e,) = body["entries"]
+    assert body["torn"] == [] and e["cut"] is True and "detail" not in e
+    assert (e["op"], e["seq"], e["bytes"], e["shapes"], e["tag"]) == ("all_reduce", 0, 12, [[3]], "b0")
+
+
+def test_a_file_that_is_not_a_ring_is_named_by_the_doctor(tmp_path):
+    from minishard.cli import main
+    (tmp_path / "flight_rank0.ring").write_bytes(b"not a ring at all")
+    assert main(["doctor", str(tmp_path)]) == 2
+
+
+def test_the_doctor_cannot_check_a_run_that_left_only_traces(tmp_path, capsys):
+    """No dump and no ring: hangs, desyncs and deaths cannot be told, and the doctor says so with
+    an exit status of its own (3), never "nothing found"."""
+    from minishard.cli import main
+    from minishard.core import trace
+    t = trace.Tracer(0, 1, origin=0.0)
+    with t.phase("forward"):
+        pass
+    trace.write_dir(t.events, tmp_path)
+    assert main(["doctor", str(tmp_path)]) == 3
+    out = capsys.readouterr().out
+    assert "cannot be checked (exit status 3)" in out and "minishard.watch" in out
+    assert "nothing found" not in out

@@ -83,9 +83,11 @@ def parser() -> argparse.ArgumentParser:
                     "ledger, the collective on the ring, the FSDP units, the timeline."))
     doctor.add_arguments(sub.add_parser(
         "doctor", help="what went wrong in a run: hangs and desyncs, from the ranks' flight dumps",
-        description="Read the flight-recorder dumps (DIR/flight_rank*.json) and traces of a run and "
-                    "print what went wrong, most important first, with the evidence and the fix. "
-                    "Exit status 0: nothing found; 1: a problem found; 2: unreadable input."))
+        description="Read the flight-recorder dumps (DIR/flight_rank*.json), the rings of ranks that "
+                    "died without one (DIR/flight_rank*.ring) and the traces of a run and print what "
+                    "went wrong, most important first, with the evidence and the fix. Exit status 0: "
+                    "nothing found; 1: a problem found (a rank that died is one); 2: unreadable "
+                    "input; 3: nothing could be checked (no dump and no ring)."))
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true",
                              help="when something fails, print the full traceback too (of the rank that failed)")

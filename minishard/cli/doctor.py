@@ -4,9 +4,15 @@
     python -m minishard doctor traces/fsdp            # findings, most important first
     python -m minishard doctor traces/fsdp --json     # the same, for tools
 
-It reads each rank's flight-recorder dump (``flight_rank{r}.json``) and notes the traces beside
-them (``minishard/instruments/doctor.py`` says what it looks for). Exit status: 0 when it finds nothing, 1
-when it finds a problem, 2 when the input cannot be read (the file, and the line, named).
+It reads each rank's flight-recorder dump (``flight_rank{r}.json``) — or, for a rank that died
+without writing one, the ring it wrote as it flew (``flight_rank{r}.ring``) — and notes the
+traces beside them (``minishard/instruments/doctor.py`` says what it looks for). Exit status:
+
+    0   nothing found: every collective matched and completed, and nothing else was wrong
+    1   a finding (a rank that died is always one)
+    2   the input cannot be read (the file, and the line, named)
+    3   nothing could be checked: no dump and no ring, only traces — the collectives cannot be
+        compared, so "nothing found" would be a guess
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import json
 
 from minishard.instruments import doctor
 
-FOUND = 1
+FOUND, CANNOT_CHECK = 1, 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,14 +36,17 @@ def run(args) -> int:
         print(json.dumps(report.as_dict(), indent=1))
     else:
         print("\n".join(text(report)))
-    return FOUND if report.findings else 0
+    if report.findings:
+        return FOUND
+    return 0 if report.dumps else CANNOT_CHECK
 
 
 def text(report: doctor.Report) -> list[str]:
     lines = [f"minishard doctor {report.directory}: {what_was_read(report)}"]
     if not report.dumps:
-        lines.append("no flight_rank*.json: hangs and desyncs cannot be checked; record the run "
-                     "with TrainConfig(flight_dir=DIR) or demo --trace DIR")
+        lines.append("no flight_rank*.json or .ring: hangs, desyncs and deaths cannot be checked "
+                     "(exit status 3); record the run with TrainConfig(flight_dir=DIR), demo "
+                     "--trace DIR or minishard.watch(model, optimizer, trace=DIR)")
     if not report.findings:
         if report.dumps:
             lines.append("nothing found: every rank issued the same collectives in the same order, "

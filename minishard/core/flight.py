@@ -21,7 +21,10 @@ was broadcast from rank 0, each step's gradient norm and the precision the optim
 
 :meth:`FlightRecorder.dump` writes ``flight_rank{r}.json`` next to the rank's trace: on an
 exception (a collective timing out raises one), on SIGTERM (torchrun stopping the others when
-one rank fails) and at the end of a run. ``python -m minishard doctor DIR`` reads them.
+one rank fails) and at the end of a run. A rank that dies without reaching Python again writes
+none; :meth:`FlightRecorder.fly_to` keeps the same entries on disk as they are issued
+(``flight_rank{r}.ring``, :mod:`minishard.core.flight_file`), which the doctor reads instead.
+``python -m minishard doctor DIR`` reads them.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+from .flight_file import FlightFile
 from .words import dtype_name
 
 FORMAT_VERSION = 1
@@ -86,6 +90,20 @@ class FlightRecorder:
         # start was replicated from rank 0, each step's gradient norm and parameter precision
         self.facts: dict = {}
         self._lock = threading.RLock()   # (SIGTERM's handler may dump while this thread holds it)
+        self.file: FlightFile | None = None   # on disk as it flies (fly_to), once a run has a folder
+
+    def fly_to(self, directory: str | os.PathLike) -> Path:
+        """From now on write every collective into ``flight_rank{r}.ring`` in ``directory`` as
+        it is issued, and mark it there when it completes (``flight_file.py``): what a rank that
+        dies without reaching Python again leaves. The collectives held already go in first."""
+        with self._lock:
+            if self.file is None:
+                self.file = FlightFile(directory, self.rank, self.world_size, self.entries.maxlen)
+                for e in self.entries:
+                    n = self.file.issued(e)
+                    if e["state"] == "completed":
+                        self.file.completed(n, e["t_completed"])
+            return self.file.path
 
     def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
                step: int | None, phase: str | None, t: float, *, issuer: type = object,
@@ -103,11 +121,14 @@ class FlightRecorder:
                      "state": "issued", "where": where, "caller": caller,
                      "t_issued": round(t, 7), "t_completed": None, **extra}
             self.entries.append(entry)
+            if self.file is not None:
+                self.file.issued(entry)
         return entry
 
-    @staticmethod
-    def completed(entry: dict, t: float) -> None:
+    def completed(self, entry: dict, t: float) -> None:
         entry["state"], entry["t_completed"] = "completed", round(t, 7)
+        if self.file is not None and "n" in entry:
+            self.file.completed(entry["n"], entry["t_completed"])
 
     def dump(self, directory: str | os.PathLike, reason: str, error: str | None = None) -> Path:
         """Write ``flight_rank{r}.json`` in ``directory`` (whole or not at all)."""
@@ -139,6 +160,7 @@ class dumping:
         self._writing = self._pending = False
 
     def __enter__(self) -> FlightRecorder:
+        self.recorder.fly_to(self.directory)
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGTERM, self._on_sigterm)
         return self.recorder

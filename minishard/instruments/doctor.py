@@ -11,8 +11,11 @@ important first — the cause before its consequences:
                   or dtypes): they issued collectives in different orders, or one rank skipped
                   one and the next paired with it. Everything after it in that group is noise.
     exception     a rank's dump was written on an exception: its error, quoted.
-    missing_dump  a rank wrote no dump while others did: it died before it could (killed, the
-                  OOM killer, a crash inside C++ such as gloo aborting on a size mismatch).
+    died          a rank left only its ring (``flight_rank{r}.ring``, written as it flew): it
+                  died without reaching Python again (killed, the OOM killer, ``os.abort()``, a
+                  crash inside C++ such as gloo aborting on a size mismatch); where it stopped.
+    missing_dump  a rank left neither dump nor ring while others did: it never started, or its
+                  files were not kept.
     hang          a ``seq`` some ranks issued and another never reached (name that rank, its
                   last collective, and the one the others wait in), or one every rank issued
                   and that never completed.
@@ -23,107 +26,23 @@ ones: only the seqs every rank still holds are compared.
 """
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import causes, torch_flight
+from . import causes
 from .causes import Finding
-from minishard.core.flight import FORMAT_VERSION
+from .records import DUMP, RING, TRACE, Report, read_dir, read_dump   # noqa: F401 (the doctor's reading)
 from minishard.core.words import fmt_bytes
-from minishard.core.trace import TraceFormatError, not_utf8, numbered_lines, read_events
+from minishard.core.trace import numbered_lines, read_events
 
-DUMP = re.compile(r"flight_rank(\d+)\.json")
-TRACE = re.compile(r"rank(\d+)\.jsonl")
-ENTRY_NEEDS = ("seq", "op", "group", "group_size", "shapes", "dtypes", "bytes", "state")
-DUMP_NEEDS = ("rank", "world_size", "reason", "entries")
 # the collectives' findings, most important first: the cause before its consequences (a timeout
 # is what a hang raises); then the causes.CAUSES, in their order (kinds())
-COLLECTIVE_KINDS = ("desync", "exception", "missing_dump", "hang", "timeout")
+COLLECTIVE_KINDS = ("desync", "exception", "died", "missing_dump", "hang", "timeout")
 # what a rank raises when the collective it waits in never completes, or its peer went away
 TIMED_OUT = re.compile(r"^TimeoutError\b|timed out waiting|timed out after|collective operation "
                        r"timeout|timeout caused pair closure|connection (closed|reset) by peer",
                        re.IGNORECASE)
-
-
-@dataclass
-class Report:
-    directory: str
-    dumps: dict[int, dict]                   # rank -> its dump, as read
-    traces: dict[int, Path]                  # rank -> its rank{r}.jsonl
-    world_size: int | None
-    findings: list[Finding] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return {"directory": self.directory, "world_size": self.world_size,
-                "dumps": {str(r): {"reason": d["reason"], "error": d.get("error"),
-                                   "entries": len(d["entries"])} for r, d in sorted(self.dumps.items())},
-                "traces": sorted(str(p) for p in self.traces.values()),
-                "findings": [asdict(f) for f in self.findings]}
-
-
-# --------------------------------------------------------------------------- reading
-
-def read_dump(path: Path) -> dict:
-    """One rank's dump, checked: a file this minishard cannot read is named with its line."""
-    raw = path.read_bytes()
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        line, where = not_utf8(e, raw)
-        raise TraceFormatError(f"{path}:{line}: not UTF-8 text ({where}): a damaged dump, or not a "
-                               f"flight-recorder dump") from None
-    except json.JSONDecodeError as e:
-        raise TraceFormatError(f"{path}:{e.lineno}: not JSON ({e.msg} at column {e.colno}): a dump "
-                               f"cut short, or not a flight-recorder dump") from None
-    if not isinstance(body, dict):
-        raise TraceFormatError(f"{path}: not a flight-recorder dump (a JSON object with entries)")
-    if body.get("v") != FORMAT_VERSION:
-        newer = isinstance(body.get("v"), int) and body["v"] > FORMAT_VERSION
-        raise TraceFormatError(f"{path}: flight dump format version {body.get('v')!r}, but this "
-                               f"minishard reads version {FORMAT_VERSION}"
-                               + ("; a newer minishard wrote it: upgrade to read it" if newer else ""))
-    missing = [k for k in DUMP_NEEDS if k not in body]
-    if missing or not isinstance(body["entries"], list):
-        raise TraceFormatError(f"{path}: a flight dump without {', '.join(missing) or 'a list of entries'}")
-    named = int(DUMP.fullmatch(path.name).group(1))
-    if body["rank"] != named:
-        raise TraceFormatError(f"{path}: the dump says rank {body['rank']}, its name rank {named}")
-    for i, e in enumerate(body["entries"]):
-        lacks = [k for k in ENTRY_NEEDS if not isinstance(e, dict) or k not in e]
-        if lacks:
-            raise TraceFormatError(f"{path}: entry {i} has no {', '.join(lacks)}")
-    return body
-
-
-def read_dir(directory: str | Path) -> Report:
-    """The dumps and the traces of one run; neither: an error naming the directory."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise FileNotFoundError(f"{d}: no such trace directory (TrainConfig(flight_dir=DIR) or "
-                                f"demo --trace DIR writes one)")
-    dumps = {int(m.group(1)): read_dump(p) for p in sorted(d.iterdir()) if (m := DUMP.fullmatch(p.name))}
-    traces = {int(m.group(1)): p for p in sorted(d.iterdir()) if (m := TRACE.fullmatch(p.name))}
-    theirs = {r: p for p in sorted(d.iterdir()) if (r := torch_flight.rank_of(p)) is not None}
-    if not dumps and not traces and not theirs:
-        raise FileNotFoundError(f"{d}: no flight_rank*.json dumps, no rank*.jsonl traces and no "
-                                f"PyTorch flight-recorder dumps in this directory: nothing to diagnose")
-    # PyTorch's own dumps stand in for the ranks that left none of minishard's
-    world_of_theirs = max([r + 1 for r in theirs] + [b["world_size"] for b in dumps.values()], default=0)
-    for r, p in theirs.items():
-        if r not in dumps:
-            dumps[r] = torch_flight.read(p, r, world_of_theirs)
-    sizes = {r: b["world_size"] for r, b in dumps.items()}
-    if len(set(sizes.values())) > 1:
-        raise TraceFormatError(f"{d}: dumps of different runs: world sizes "
-                               + ", ".join(f"{s} in flight_rank{r}.json" for r, s in sorted(sizes.items())))
-    world = next(iter(sizes.values())) if sizes else None
-    for r in dumps:
-        if r >= world:
-            raise TraceFormatError(f"{d / f'flight_rank{r}.json'}: rank {r} in a world of {world}")
-    return Report(str(d), dumps, traces, world)
 
 
 # --------------------------------------------------------------------------- words
@@ -314,10 +233,14 @@ def never_completed(group: str, held: dict[int, dict[int, dict]], ranks: list[in
             continue             # (what a rank that raised left in flight, it abandoned)
         e = held[stuck[0]][seq]
         gone = f"; {ranks_word(missing)} left no dump" if missing else ""
+        dead = [r for r in stuck if dumps[r]["reason"] == "ring"]
+        alive = [r for r in stuck if r not in dead]
+        what = (f"{ranks_word(dead)} died inside {e['op']} seq {seq} of group {group!r}"
+                + (f"; {ranks_word(alive)} wait{'s' if len(alive) == 1 else ''} in it" if alive else "")
+                if dead else f"{ranks_word(stuck)} wait{'s' if len(stuck) == 1 else ''} in {e['op']} "
+                f"seq {seq} of group {group!r}")
         return Finding(
-            "hang", missing or stuck,
-            f"{ranks_word(stuck)} wait{'s' if len(stuck) == 1 else ''} in {e['op']} seq {seq} of "
-            f"group {group!r}{gone}",
+            "hang", missing or dead or stuck, what + gone,
             [entry_line(ranks_word(ranks), e)] if _alike(held, ranks, seq) else
             [entry_line(f"rank {r}", held[r][seq]) for r in ranks],
             (f"the ranks with a dump all issued it, so the one that did not is among those "
@@ -379,15 +302,61 @@ def _last(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
             if dumps[r]["entries"] else f"rank {r} had issued no collective" for r in ranks]
 
 
+def died(dumps: dict[int, dict]) -> Finding | None:
+    """The ranks that left only their ring: where each stopped, and what it was writing."""
+    dead = sorted(r for r, b in dumps.items() if b["reason"] == "ring")
+    if not dead:
+        return None
+    evidence = []
+    for r in dead:
+        entries = dumps[r]["entries"]
+        evidence.append(entry_line(f"rank {r}, the last collective it recorded", entries[-1])
+                        if entries else f"rank {r} had issued no collective")
+        evidence += [f"rank {r}'s ring: {t}" for t in dumps[r].get("torn", [])]
+    inside = [r for r in dead if dumps[r]["entries"] and dumps[r]["entries"][-1]["state"] == "issued"]
+    return Finding(
+        "died", dead,
+        f"{ranks_word(dead)} died without writing {'their dumps' if len(dead) > 1 else 'its dump'}"
+        + ("" if not inside else ", inside the collective it had issued" if inside == dead == dead[:1]
+           else ", inside the collectives they had issued" if inside == dead
+           else f"; {ranks_word(inside)} inside the collective{'s' if len(inside) > 1 else ''} issued"),
+        evidence,
+        "a process that dies outright cannot write on its way out; its ring, written as every "
+        "collective was issued, says where it was. The cause is outside Python: gloo aborts the "
+        "process when a collective's sizes disagree on two ranks (a desync finding then names "
+        "both), the kernel's OOM killer (dmesg), SIGKILL, os.abort(), a crash in an extension. "
+        "The rank's own output, or torchrun's failure summary, has the message")
+
+
+def left_early(dumps: dict[int, dict]) -> Finding | None:
+    """Ranks that ended their run while others timed out waiting, in a collective no record
+    holds (one PyTorch issued from C++, e.g. DDP's buffer broadcast in forward)."""
+    waited = [r for r, b in dumps.items() if b["reason"] == "exception" and TIMED_OUT.search(b.get("error") or "")]
+    ended = sorted(r for r, b in dumps.items() if b["reason"] == "end")
+    if not waited or not ended:
+        return None
+    return Finding(
+        "hang", ended,
+        f"{ranks_word(ended)} ended {'their runs' if len(ended) > 1 else 'its run'} while "
+        f"{ranks_word(waited)} still waited in a collective",
+        _last(dumps, ended) + [f"rank {r}'s dump was written at the end of its run" for r in ended]
+        + _last(dumps, sorted(waited)),
+        f"every rank must run the same steps: {ranks_word(ended)} left before the others (a "
+        f"rank-dependent number of steps or batches, an early return or break). What the others "
+        f"waited in is a collective no record holds: one PyTorch issues itself (DDP's buffer "
+        f"broadcast at the start of forward, a barrier)")
+
+
 def missing_dumps(report: Report) -> Finding | None:
     missing = [r for r in range(report.world_size or 0) if r not in report.dumps]
     if not missing:
         return None
-    evidence = [f"rank {r}: no flight_rank{r}.json; " + trace_end(report.traces[r]) if r in report.traces
-                else f"rank {r}: no flight_rank{r}.json and no rank{r}.jsonl" for r in missing]
+    evidence = [f"rank {r}: no flight_rank{r}.json or .ring; " + trace_end(report.traces[r])
+                if r in report.traces else f"rank {r}: no flight_rank{r}.json, no .ring and no "
+                f"rank{r}.jsonl" for r in missing]
     return Finding(
         "missing_dump", missing,
-        f"{ranks_word(missing)} wrote no flight dump while {ranks_word(report.dumps)} did: "
+        f"{ranks_word(missing)} left no flight record while {ranks_word(report.dumps)} did: "
         f"{'they' if len(missing) > 1 else 'it'} died before writing",
         evidence,
         "a rank writes its dump at the end, on an exception and on SIGTERM; none means it was "
@@ -422,6 +391,8 @@ def diagnose(directory: str | Path) -> Report:
     """Every finding of a run's directory, most important first."""
     report = read_dir(directory)
     found: list[Finding] = exceptions(report.dumps)
+    if (dead := died(report.dumps)) is not None:
+        found.append(dead)
     if (gone := missing_dumps(report)) is not None:
         found.append(gone)
     missing = gone.ranks if gone else []
@@ -436,6 +407,8 @@ def diagnose(directory: str | Path) -> Report:
                 group, held, ranks, lost[group], report.dumps)
         if f is not None:
             found.append(f)
+    if not any(f.kind == "hang" for f in found) and (early := left_early(report.dumps)) is not None:
+        found.append(early)
     for cause in causes.CAUSES:
         found += cause.find(report)
     order = kinds()

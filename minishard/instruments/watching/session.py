@@ -106,6 +106,8 @@ class Watch:
         # torch's collectives, as minishard's Comm keeps its own (train() lends the Comm's)
         self.flight = self._given_flight or FlightRecorder(rank, world)
         problem = self._open_trace(rank)
+        if problem is None and self._file is not None and self._given_flight is None:
+            self.flight.fly_to(self._trace)      # on disk as it flies: what a rank that dies leaves
         # one collective, before anything is patched: every rank learns whether every rank can
         # write its trace (so they fail together, not hang), and rank 0's clock is everyone's
         # origin (minishard's rule: ranks started together share one origin)

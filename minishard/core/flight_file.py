@@ -1,0 +1,143 @@
+"""The flight recorder on disk as it flies: a file that holds a rank's last collectives whatever
+kills the process.
+
+A dump written on the way out (:mod:`minishard.core.flight`) needs the process to reach Python
+again: a rank that gloo aborts in C++ (a collective whose sizes disagree), that the kernel's OOM
+killer or a ``SIGKILL`` stops, that segfaults in an extension or calls ``os.abort()`` writes
+nothing. PyTorch's NCCL flight recorder dumps from a watchdog thread for the same reason. Here
+every record is written into a memory-mapped file *as* the collective is issued, and its state
+changes in place when it completes: the kernel owns the pages, so they reach the file when the
+process dies however it dies (not when the machine does).
+
+    header    64 bytes: MAGIC, format version, rank, world size, capacity, record size
+    records   ``capacity`` slots of ``RECORD`` bytes, a ring: collective n goes to slot
+              (n - 1) % capacity, so the file keeps the last ``capacity`` and never grows
+
+    a record  n (8 bytes, the recorder's count, 0: empty; written *last*: the commit),
+              state (1 byte: ``I`` issued, ``C`` completed), t_completed (8 bytes),
+              the entry as JSON (its length, 4 bytes, then the bytes; it carries n too)
+
+A record the process was writing when it died — its header n not the n inside its JSON, or JSON
+cut short — is *torn*: :func:`read` names it and reads the rest. Why a memory-mapped ring and not
+an append-only log: completing a collective is a 1-byte store here, where a log appends a second
+line per collective and has to be cut and rotated to stay bounded (``benchmarks/bench_flight.py``
+measures both).
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+MAGIC = b"MSFLIGHT"
+VERSION = 1
+HEADER = struct.Struct("<8sIIIII")          # magic, version, rank, world size, capacity, record
+HEADER_BYTES = 64
+RECORD = 1024                               # bytes a slot holds: an entry's JSON is ~350
+SLOT = struct.Struct("<QcxxxxxxxdI")        # n, state, (pad), t_completed, JSON length
+ISSUED, COMPLETED = b"I", b"C"
+
+
+def path_for(directory, rank: int) -> Path:
+    return Path(directory) / f"flight_rank{rank}.ring"
+
+
+class FlightFile:
+    """One rank's ring file, open for writing from the first collective on."""
+
+    def __init__(self, directory, rank: int, world_size: int, capacity: int):
+        self.path, self.capacity = path_for(directory, rank), capacity
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        size = HEADER_BYTES + capacity * RECORD
+        with open(self.path, "wb") as f:            # a fresh file: a previous run's ring goes
+            f.truncate(size)
+        self._fd = os.open(self.path, os.O_RDWR)
+        self._map = mmap.mmap(self._fd, size)
+        HEADER.pack_into(self._map, 0, MAGIC, VERSION, rank, world_size, capacity, RECORD)
+        self._n = 0
+
+    def issued(self, entry: dict) -> int:
+        """Write ``entry`` (state issued) into the next slot; returns its number, for
+        :meth:`completed`. An entry too long for a slot loses its call sites, then its shapes."""
+        self._n += 1
+        n = self._n
+        body = _encode(entry, n)
+        at = HEADER_BYTES + (n - 1) % self.capacity * RECORD
+        SLOT.pack_into(self._map, at, 0, ISSUED, 0.0, len(body))   # (n 0: not yet committed)
+        self._map[at + SLOT.size:at + SLOT.size + len(body)] = body
+        struct.pack_into("<Q", self._map, at, n)                  # the commit, last
+        return n
+
+    def completed(self, n: int, t: float) -> None:
+        """Mark record ``n`` completed at ``t`` — if the ring has not overwritten it since."""
+        at = HEADER_BYTES + (n - 1) % self.capacity * RECORD
+        if struct.unpack_from("<Q", self._map, at)[0] == n:
+            struct.pack_into("<d", self._map, at + 16, t)
+            self._map[at + 8:at + 9] = COMPLETED
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.flush()
+            self._map.close()
+            os.close(self._fd)
+            self._map = None
+
+
+_JSON = json.JSONEncoder(separators=(",", ":")).encode     # (made once: json.dumps with
+                                                            # separators builds one per call)
+
+
+def _encode(entry: dict, n: int) -> bytes:
+    room = RECORD - SLOT.size
+    entry["n"] = n                              # (the dump carries it too: the same collective)
+    body = _JSON(entry).encode()
+    if len(body) > room:                        # keep what matching the ranks needs, then less
+        kept = {k: entry[k] for k in MATCHED if k in entry}
+        body = _JSON({**kept, "cut": True}).encode()
+        if len(body) > room:
+            body = _JSON({**kept, "shapes": [], "tag": str(kept.get("tag", ""))[:64], "cut": True}).encode()
+    return body
+
+
+MATCHED = ("seq", "op", "group", "group_size", "shapes", "dtypes", "bytes", "tag", "step", "phase",
+           "state", "t_issued", "src", "n")
+
+
+def read(path) -> dict:
+    """A ring file as a flight dump's body (``reason: "ring"``: the rank wrote no dump), its
+    entries in the order they were issued, plus ``torn``: the slots the process was writing when
+    it died, as sentences. A file that is not a ring raises ``ValueError`` naming it."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
+        raise ValueError(f"{path}: not a minishard flight ring (no {MAGIC.decode()} header)")
+    _, version, rank, world, capacity, record = HEADER.unpack_from(raw, 0)
+    if version != VERSION:
+        raise ValueError(f"{path}: flight ring format version {version}, but this minishard reads "
+                         f"version {VERSION}")
+    entries, torn = [], []
+    for slot in range(capacity):
+        at = HEADER_BYTES + slot * record
+        if at + SLOT.size > len(raw):
+            torn.append(f"slot {slot}: the file ends inside it")
+            break
+        n, state, t_completed, length = SLOT.unpack_from(raw, at)
+        if n == 0 and length == 0:
+            continue                                            # never written
+        try:
+            entry = json.loads(raw[at + SLOT.size:at + SLOT.size + length])
+            if entry.get("n") != n:
+                raise ValueError
+        except ValueError:
+            torn.append(f"slot {slot}: a record cut while it was written (collective "
+                        f"{n or '?'}), left out")
+            continue
+        entry["state"] = "completed" if state == COMPLETED else "issued"
+        entry["t_completed"] = round(t_completed, 7) if state == COMPLETED else None
+        entries.append(entry)
+    entries.sort(key=lambda e: e["n"])
+    return {"v": 1, "rank": rank, "world_size": world, "capacity": capacity, "reason": "ring",
+            "error": None, "time": os.path.getmtime(path), "entries": entries, "facts": {},
+            "torn": torn}

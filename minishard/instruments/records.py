@@ -1,0 +1,109 @@
+"""What the ranks of a run left in its folder, read and checked: each rank's flight dump
+(``flight_rank{r}.json``), the ring of a rank that died before writing one
+(``flight_rank{r}.ring``), PyTorch's own flight-recorder dumps, and the traces (``rank{r}.jsonl``).
+
+The doctor (``doctor.py``) diagnoses what this module reads; a file it cannot read is named with
+its line (:class:`~minishard.core.trace.TraceFormatError`: the command line's exit status 2).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import torch_flight
+from .causes import Finding
+from minishard.core import flight_file
+from minishard.core.flight import FORMAT_VERSION
+from minishard.core.trace import TraceFormatError, not_utf8
+
+DUMP = re.compile(r"flight_rank(\d+)\.json")
+RING = re.compile(r"flight_rank(\d+)\.ring")
+TRACE = re.compile(r"rank(\d+)\.jsonl")
+ENTRY_NEEDS = ("seq", "op", "group", "group_size", "shapes", "dtypes", "bytes", "state")
+DUMP_NEEDS = ("rank", "world_size", "reason", "entries")
+
+
+@dataclass
+class Report:
+    directory: str
+    dumps: dict[int, dict]                   # rank -> its dump, as read
+    traces: dict[int, Path]                  # rank -> its rank{r}.jsonl
+    world_size: int | None
+    findings: list[Finding] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"directory": self.directory, "world_size": self.world_size,
+                "dumps": {str(r): {"reason": d["reason"], "error": d.get("error"),
+                                   "entries": len(d["entries"])} for r, d in sorted(self.dumps.items())},
+                "traces": sorted(str(p) for p in self.traces.values()),
+                "findings": [asdict(f) for f in self.findings]}
+
+
+def read_dump(path: Path) -> dict:
+    """One rank's dump, checked: a file this minishard cannot read is named with its line."""
+    raw = path.read_bytes()
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line, where = not_utf8(e, raw)
+        raise TraceFormatError(f"{path}:{line}: not UTF-8 text ({where}): a damaged dump, or not a "
+                               f"flight-recorder dump") from None
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(f"{path}:{e.lineno}: not JSON ({e.msg} at column {e.colno}): a dump "
+                               f"cut short, or not a flight-recorder dump") from None
+    if not isinstance(body, dict):
+        raise TraceFormatError(f"{path}: not a flight-recorder dump (a JSON object with entries)")
+    if body.get("v") != FORMAT_VERSION:
+        newer = isinstance(body.get("v"), int) and body["v"] > FORMAT_VERSION
+        raise TraceFormatError(f"{path}: flight dump format version {body.get('v')!r}, but this "
+                               f"minishard reads version {FORMAT_VERSION}"
+                               + ("; a newer minishard wrote it: upgrade to read it" if newer else ""))
+    missing = [k for k in DUMP_NEEDS if k not in body]
+    if missing or not isinstance(body["entries"], list):
+        raise TraceFormatError(f"{path}: a flight dump without {', '.join(missing) or 'a list of entries'}")
+    named = int(DUMP.fullmatch(path.name).group(1))
+    if body["rank"] != named:
+        raise TraceFormatError(f"{path}: the dump says rank {body['rank']}, its name rank {named}")
+    for i, e in enumerate(body["entries"]):
+        lacks = [k for k in ENTRY_NEEDS if not isinstance(e, dict) or k not in e]
+        if lacks:
+            raise TraceFormatError(f"{path}: entry {i} has no {', '.join(lacks)}")
+    return body
+
+
+def read_dir(directory: str | Path) -> Report:
+    """The dumps and the traces of one run; neither: an error naming the directory."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no such trace directory (TrainConfig(flight_dir=DIR) or "
+                                f"demo --trace DIR writes one)")
+    dumps = {int(m.group(1)): read_dump(p) for p in sorted(d.iterdir()) if (m := DUMP.fullmatch(p.name))}
+    traces = {int(m.group(1)): p for p in sorted(d.iterdir()) if (m := TRACE.fullmatch(p.name))}
+    theirs = {r: p for p in sorted(d.iterdir()) if (r := torch_flight.rank_of(p)) is not None}
+    if not dumps and not traces and not theirs and not any(RING.fullmatch(p.name) for p in d.iterdir()):
+        raise FileNotFoundError(f"{d}: no flight_rank*.json dumps or .ring records, no rank*.jsonl "
+                                f"traces and no PyTorch flight-recorder dumps in this directory: "
+                                f"nothing to diagnose")
+    # a rank's ring stands in for the dump it did not live to write
+    for p in sorted(d.iterdir()):
+        if (m := RING.fullmatch(p.name)) and int(m.group(1)) not in dumps:
+            try:
+                dumps[int(m.group(1))] = flight_file.read(p)
+            except ValueError as e:
+                raise TraceFormatError(str(e)) from None
+    # PyTorch's own dumps stand in for the ranks that left none of minishard's
+    world_of_theirs = max([r + 1 for r in theirs] + [b["world_size"] for b in dumps.values()], default=0)
+    for r, p in theirs.items():
+        if r not in dumps:
+            dumps[r] = torch_flight.read(p, r, world_of_theirs)
+    sizes = {r: b["world_size"] for r, b in dumps.items()}
+    if len(set(sizes.values())) > 1:
+        raise TraceFormatError(f"{d}: dumps of different runs: world sizes "
+                               + ", ".join(f"{s} in flight_rank{r}.json" for r, s in sorted(sizes.items())))
+    world = next(iter(sizes.values())) if sizes else None
+    for r in dumps:
+        if r >= world:
+            raise TraceFormatError(f"{d / f'flight_rank{r}.json'}: rank {r} in a world of {world}")
+    return Report(str(d), dumps, traces, world)

@@ -1,0 +1,84 @@
+"""The deaths that leave no dump: what the ring written as the run flew lets the doctor say.
+
+A rank that gloo aborts in C++, that is ``SIGKILL``ed, that calls ``os.abort()`` never returns to
+Python to write its flight dump; before the ring (``minishard/core/flight_file.py``) the doctor
+then said "no flight dumps" and exited 0. Each case runs on real ranks in a pool of its own (the
+death takes the pool with it), for minishard's engine and for PyTorch's DDP and FSDP2 under
+``minishard.watch``: the doctor's findings name the rank, the collective (seq, op, bytes) and the
+line, and ``minishard doctor`` exits 1. The same jobs run healthy find nothing and exit 0.
+
+The default suite runs each death once on 2 ranks (minishard's engine: all four; PyTorch's DDP: the
+size mismatch of the issue and the early exit; FSDP2: the kill mid-backward) and the mismatch on 4 ranks;
+``MINISHARD_ALL_DEATHS=1`` runs every job with every death on 2 and 4 ranks.
+"""
+import os
+
+import pytest
+
+from minishard.cli import main
+from minishard.core.launch import RankError, Ranks
+from minishard.instruments import doctor
+
+import death_tasks
+from death_tasks import DYING
+
+ALL = os.environ.get("MINISHARD_ALL_DEATHS") == "1"
+JOBS = ("minishard", "torch_ddp", "torch_fsdp")
+DEFAULT = {("minishard", d, 2) for d in death_tasks.DEATHS} | {
+    ("torch_ddp", "mismatch", 2), ("torch_ddp", "early", 2), ("torch_fsdp", "sigkill", 2),
+    ("minishard", "mismatch", 4)}
+CASES = [(j, d, n) for n in (2, 4) for j in JOBS for d in death_tasks.DEATHS
+         if ALL or (j, d, n) in DEFAULT]
+TIMEOUT_S = 6          # the collective timeout: how long the others wait for a rank that left
+
+
+def _run(job: str, death: str | None, n: int, out, pool=None):
+    task, args = ((death_tasks.minishard_engine, (death, str(out))) if job == "minishard" else
+                  (death_tasks.torch_job, (job.removeprefix("torch_"), death, str(out))))
+    if pool is not None:
+        return pool.run(task, *args)
+    with Ranks(n, timeout=120, collective_timeout=TIMEOUT_S) as own:
+        with pytest.raises(RankError):
+            own.run(task, *args)
+
+
+@pytest.mark.parametrize("job,death,n", CASES)
+def test_a_rank_that_dies_is_named_with_its_collective_and_line(tmp_path, job, death, n, capsys):
+    out = tmp_path / "run"
+    _run(job, death, n, out)
+    found = {f.kind: f for f in doctor.diagnose(out).findings}
+    text = "\n".join(f"{f.kind}: {f.title} | " + " | ".join(f.evidence) for f in found.values())
+    if death == "mismatch":              # gloo aborts every rank the bad pair touched
+        f = found["desync"]
+        assert DYING in f.ranks, text
+        assert "[4] float32, 16 B" in f.title and "seq " in f.title, text
+        assert "death_tasks.py" in " ".join(f.evidence), text          # the extra call's line
+        assert "died" in found and DYING in found["died"].ranks, text
+    elif death in ("sigkill", "abort"):
+        f = found["died"]
+        assert f.ranks == [DYING], text
+        assert f"rank {DYING}, the last collective it recorded: seq " in f.evidence[0], text
+        if death == "abort":             # it died inside the collective it had just issued
+            assert "inside the collective" in f.title and "issued, never completed" in f.evidence[0], text
+            assert "death_tasks.py" in f.evidence[0], text
+        assert {"hang", "timeout"} & set(found) or "exception" in found, text
+    else:                                # left cleanly; the others waited for it
+        assert "died" not in found, text
+        f = found["hang"]
+        # (PyTorch's DDP waits in its buffer broadcast at forward, which it issues from C++ and no
+        # record holds: the finding says the rank ended while the others waited)
+        assert f.ranks == [DYING] and ("never issued seq" in f.title or "ended its run" in f.title), text
+        assert any(k in found for k in ("timeout", "exception")), text
+    assert main(["doctor", str(out)]) == 1
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_the_same_jobs_run_healthy_find_nothing(pools, tmp_path, job, capsys):
+    out = tmp_path / "run"
+    _run(job, None, 2, out, pool=pools(2))
+    assert sorted(p.name for p in out.glob("flight_rank*")) == [
+        "flight_rank0.json", "flight_rank0.ring", "flight_rank1.json", "flight_rank1.ring"]
+    assert doctor.diagnose(out).findings == []
+    assert main(["doctor", str(out)]) == 0
+    assert "nothing found" in capsys.readouterr().out
