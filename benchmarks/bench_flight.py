@@ -32,27 +32,34 @@ from minishard.training.loop import TrainConfig, train
 CALLS = 20_000
 
 
-def per_call(recorded: bool, disk: str | None = None) -> float:
-    """Seconds per ``Comm.all_reduce`` on a world of one, from 20 frames deep; ``disk``: the
-    recorder also on disk, as the ``"ring"`` or as an append-only ``"log"``."""
-    comm, t = Comm(alone=True), torch.zeros(1000)
-    if not recorded:
-        comm.flight.issued = lambda *a, **k: {}
-        comm.flight.completed = lambda *a, **k: None
-    folder = tempfile.mkdtemp(prefix="bench-flight-")
-    if disk == "ring":
-        comm.flight.fly_to(folder)
-    elif disk == "log":
-        _log_to(comm.flight, folder)
+VARIANTS = ("bare", "memory", "ring", "log")
 
-    def deep(n: int) -> float:
+
+def per_call() -> dict[str, float]:
+    """Seconds per ``Comm.all_reduce`` on a world of one, from 20 frames deep, for each variant:
+    no recorder, the recorder in memory, and also on disk as the ``ring`` or an append-only
+    ``log`` — interleaved round by round (5 rounds of ``CALLS``), the median of each, so that a
+    shared machine's drift falls on all of them alike."""
+    t, comms = torch.zeros(1000), {}
+    for variant in VARIANTS:
+        comm = comms[variant] = Comm(alone=True)
+        if variant == "bare":
+            comm.flight.issued = lambda *a, **k: {}
+            comm.flight.completed = lambda *a, **k: None
+        elif variant == "ring":
+            comm.flight.fly_to(tempfile.mkdtemp(prefix="bench-flight-"))
+        elif variant == "log":
+            _log_to(comm.flight, tempfile.mkdtemp(prefix="bench-flight-"))
+
+    def deep(comm, n: int) -> float:
         if n:
-            return deep(n - 1)
+            return deep(comm, n - 1)
         t0 = time.perf_counter()
         for _ in range(CALLS):
             comm.all_reduce(t, tag="x")
         return (time.perf_counter() - t0) / CALLS
-    return statistics.median(deep(20) for _ in range(5))
+    rounds = [{v: deep(comms[v], 20) for v in VARIANTS} for _ in range(5)]
+    return {v: statistics.median(r[v] for r in rounds) for v in VARIANTS}
 
 
 def _log_to(recorder, folder: str) -> None:
@@ -91,10 +98,11 @@ def facts_cost() -> tuple[float, float]:
 
 
 def main() -> None:
-    bare = per_call(False)
-    cost = per_call(True) - bare
-    print(f"the recorder in memory: +{cost * 1e6:.1f} us per collective (median of 5 x {CALLS:,} calls)")
-    disk = {how: per_call(True, how) - bare for how in ("ring", "log")}
+    times = per_call()
+    cost = times["memory"] - times["bare"]
+    print(f"the recorder in memory: +{cost * 1e6:.1f} us per collective (median of 5 interleaved "
+          f"rounds x {CALLS:,} calls)")
+    disk = {how: times[how] - times["bare"] for how in ("ring", "log")}
     for how, c in disk.items():
         print(f"  and on disk as it flies, {how:<4}: +{c * 1e6:.1f} us per collective "
               f"({c / cost:.2f}x the recorder in memory)")

@@ -38,6 +38,7 @@ HEADER_BYTES = 64
 RECORD = 1024                               # bytes a slot holds: an entry's JSON is ~350
 SLOT = struct.Struct("<QcxxxxxxxdI")        # n, state, (pad), t_completed, JSON length
 ISSUED, COMPLETED = b"I", b"C"
+_N, _T = struct.Struct("<Q"), struct.Struct("<d")       # a slot's n, and its t_completed
 
 
 def path_for(directory, rank: int) -> Path:
@@ -65,16 +66,16 @@ class FlightFile:
         n = self._n
         body = _encode(entry, n)
         at = HEADER_BYTES + (n - 1) % self.capacity * RECORD
-        SLOT.pack_into(self._map, at, 0, ISSUED, 0.0, len(body))   # (n 0: not yet committed)
-        self._map[at + SLOT.size:at + SLOT.size + len(body)] = body
-        struct.pack_into("<Q", self._map, at, n)                  # the commit, last
+        # n 0 (not yet committed) with the record, then the commit, last
+        self._map[at:at + SLOT.size + len(body)] = SLOT.pack(0, ISSUED, 0.0, len(body)) + body
+        _N.pack_into(self._map, at, n)
         return n
 
     def completed(self, n: int, t: float) -> None:
         """Mark record ``n`` completed at ``t`` — if the ring has not overwritten it since."""
         at = HEADER_BYTES + (n - 1) % self.capacity * RECORD
-        if struct.unpack_from("<Q", self._map, at)[0] == n:
-            struct.pack_into("<d", self._map, at + 16, t)
+        if _N.unpack_from(self._map, at)[0] == n:
+            _T.pack_into(self._map, at + 16, t)
             self._map[at + 8:at + 9] = COMPLETED
 
     def close(self) -> None:
