@@ -39,6 +39,7 @@ from .core.model import config as model_config
 from .training.parity import drift
 from .core.trace import Tracer, TraceFormatError
 from .instruments.watching import watch
+from .instruments.health import fingerprint_model as fingerprint
 from .training.loop import train, train_step
 from .strategies.zero import ZeroOptimizer
 
@@ -53,4 +54,4 @@ __all__ = ["checkpoint", "strategies", "Comm", "ring_wire_bytes", "TrainConfig",
            "MixedPrecisionPolicy", "fully_shard", "RankContext", "RankError", "Ranks", "run",
            "LiveLedger", "conventions", "count_params", "estimate", "gpt_activation_bytes",
            "CONFIGS", "GPT", "GPTConfig", "batch", "model_config", "drift", "Tracer", "TraceFormatError",
-           "train", "train_step", "watch", "ZeroOptimizer"]
+           "train", "train_step", "watch", "fingerprint", "ZeroOptimizer"]

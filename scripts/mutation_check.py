@@ -1044,8 +1044,8 @@ BUGS = [
                   'min(w[1], _ticks(p.t1) - t0)',
                   'tests/test_view.py::test_step_zoom_spans_the_step_on_every_rank_up_to_the_last_to_finish'),
     second_reader('watching: watch() ignores the flight recorder it is given', 'minishard/instruments/watching/__init__.py',
-                  'return Watch(model, optimizer, trace, flight)',
-                  'return Watch(model, optimizer, trace, None)',
+                  'return Watch(model, optimizer, trace, flight, built)',
+                  'return Watch(model, optimizer, trace, None, built)',
                   'tests/test_watch_edges.py::test_the_flight_recorder_given_to_watch_receives_the_collectives'),
     second_reader('watching.own: optimizer moments entered for ZeroOptimizer only (inverted)', 'minishard/instruments/watching/own.py',
                   'or isinstance(w.optimizer, ZeroOptimizer):',
@@ -1271,6 +1271,11 @@ BUGS = [
     Bug("cli doctor: a run it could not check exits 0", "minishard/cli/doctor.py",
         "    return 0 if report.dumps else CANNOT_CHECK", "    return 0", "tests/test_flight.py -k only_traces"),
 
+    Bug("report: a planted no-master counted as an fp32 run", "minishard/training/report.py",
+        '    return "bf16" if config.precision == "fp32" and dtypes == {torch.bfloat16} else config.precision',
+        "    return config.precision", "tests/test_faults.py -k precision_a_fault"),
+    Bug("watch: the fingerprint the script took before fully_shard ignored", "minishard/instruments/watching/facts.py",
+        '        facts["weights_built"] = dict(w.built)', "        pass", "tests/test_deaths.py -k fingerprints"),
 ]
 
 

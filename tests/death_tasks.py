@@ -115,3 +115,25 @@ def _torch_death(death):
         dist.all_reduce(torch.zeros(8), async_op=True)
         os.abort()
     _die(death, lambda t: dist.all_reduce(t))
+
+
+def fsdp2_own_seeds(rank, out, fingerprinted: bool):
+    """A user's FSDP2 job where every rank seeds its model itself (rank 1 differently): FSDP2
+    broadcasts nothing, so each rank shards its own weights. ``fingerprinted``: the script takes
+    ``minishard.fingerprint(net)`` before ``fully_shard`` and gives it to the watch."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(rank.rank if rank.rank == DYING else 0)
+    cfg = minishard.model_config("nano")
+    net = minishard.GPT(cfg, seed=rank.rank if rank.rank == DYING else 0)
+    built = minishard.fingerprint(net) if fingerprinted else None
+    for block in net.blocks:
+        fully_shard(block)
+    model = fully_shard(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with minishard.watch(model, opt, trace=out, built=built) as w:
+        x, y = minishard.batch(cfg, 0, 2, rank.rank, rank.world_size)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        w.step()
+    return "done"

@@ -12,3 +12,9 @@ def trained(rank, directory: str, fault: str | None = None, fault_rank: int = 1,
                 hooks=None if fault is None else Fault(fault, fault_rank))
     rank.tracer.write_jsonl(f"{directory}/rank{rank.rank}.jsonl")
     return out["losses"]
+
+
+def ledger_of(rank, fault: str | None, **knobs) -> dict:
+    """The run's measured ledger and its formula, with ``fault`` planted on every rank."""
+    out = train(rank, TrainConfig(**SMALL | knobs), hooks=None if fault is None else Fault(fault, rank.rank))
+    return out["ledger"]

@@ -82,3 +82,23 @@ def test_the_same_jobs_run_healthy_find_nothing(pools, tmp_path, job, capsys):
     assert doctor.diagnose(out).findings == []
     assert main(["doctor", str(out)]) == 0
     assert "nothing found" in capsys.readouterr().out
+
+
+def test_fsdp2_ranks_that_built_different_weights_are_found_when_the_script_fingerprints_them(
+        pools, tmp_path, capsys):
+    """FSDP2 broadcasts nothing and then holds shards, different on every rank by design: the
+    watch cannot tell different starting weights from its shards. One line before
+    ``fully_shard`` — ``built = minishard.fingerprint(net)``, given as ``watch(built=built)`` —
+    lets the doctor compare what each rank built; without it the doctor says it did not."""
+    found = tmp_path / "fingerprinted"
+    pools(2).run(death_tasks.fsdp2_own_seeds, str(found), True)
+    (f,) = doctor.diagnose(found).findings
+    assert (f.kind, f.ranks) == ("weights", [DYING]) and "built other weights than rank 0" in f.title
+    assert main(["doctor", str(found)]) == 1
+    blind = tmp_path / "not_fingerprinted"
+    pools(2).run(death_tasks.fsdp2_own_seeds, str(blind), False)
+    assert doctor.diagnose(blind).findings == []
+    capsys.readouterr()
+    assert main(["doctor", str(blind)]) == 0
+    out = capsys.readouterr().out
+    assert "Not compared: the weights each FSDP2 rank built" in out and "minishard.fingerprint" in out

@@ -285,3 +285,19 @@ def test_every_ranks_dump_names_the_fault_and_the_rank_it_was_planted_on(runs):
             assert (run["fault"], run["fault_rank"]) == (fault, ODD), (name, r, run)
     run = json.loads((runs["healthy_fsdp"] / "flight_rank0.json").read_text())["facts"]["run"]
     assert "fault" not in run and "fault_rank" not in run, run
+
+
+def test_the_run_report_counts_the_precision_a_fault_planted(pools):
+    """``no-master`` casts the weights to bf16 under an fp32 config: the formula follows what
+    was trained — bf16 weights, gradients and moments, no master — so the peak is the formula,
+    not half of an fp32 one explained away as "not all alive at the peak"."""
+    import fault_tasks
+    for strategy in ("ddp", "zero2", "fsdp"):
+        planted, plain = (pools(2).run(fault_tasks.ledger_of, f, strategy=strategy)[0]
+                          for f in ("no-master", None))
+        assert (planted["precision"], plain["precision"]) == ("bf16", "fp32"), strategy
+        for c in ("params", "exp_avg", "exp_avg_sq"):
+            assert planted["estimate"][c] * 2 == plain["estimate"][c], (strategy, c)
+        if strategy == "ddp":            # replicas: every category alive at the peak, exactly
+            assert {c: b for c, b in planted["peak_snapshot"].items() if b} == \
+                {c: b for c, b in planted["estimate"].items() if b}

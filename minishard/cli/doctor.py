@@ -73,8 +73,13 @@ def checked(report: doctor.Report) -> str:
         said.append("stepped fp32 weights")
     if report.traces:
         said.append("no FSDP unit held most parameters and no full gradient outlived its micro-batch")
-    return (", ".join(said) if said else "no facts or traces to check more (the dumps of "
-            "minishard.train hold them)") + "."
+    blind = any((f.get("run") or {}).get("watched") == "fsdp2" for f in facts) and not any(
+        f.get("weights_built") for f in facts)
+    return ((", ".join(said) if said else "no facts or traces to check more (the dumps of "
+             "minishard.train hold them)") + "."
+            + (" Not compared: the weights each FSDP2 rank built — its shards differ by design; "
+               "take built = minishard.fingerprint(model) before fully_shard and pass "
+               "watch(..., built=built)." if blind else ""))
 
 
 def what_was_read(report: doctor.Report) -> str:

@@ -125,7 +125,8 @@ def formula_words(results: list[dict], args) -> str:
     from minishard import strategies
     strategy, n = strategies.get(r0["strategy"]), r0["world_size"]
     group = led.get("shard_group") or n
-    words = [f"{getattr(args, 'precision', 'fp32')} {getattr(args, 'optimizer', 'adamw')}"]
+    # (the precision the run trained in: a planted no-master fault trains bf16 under an fp32 flag)
+    words = [f"{led.get('precision') or getattr(args, 'precision', 'fp32')} {getattr(args, 'optimizer', 'adamw')}"]
     if strategy.stage and group > 1:
         what = ("optimizer state", "optimizer state and gradients", "state")[min(strategy.stage, 3) - 1]
         words.append(f"{what} sharded over {group} ranks" +

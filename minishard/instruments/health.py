@@ -39,6 +39,13 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
     return out
 
 
+def fingerprint_model(model: torch.nn.Module) -> dict[str, str]:
+    """``minishard.fingerprint(model)``: every parameter's fingerprint, by name, as this rank
+    holds it now — before ``fully_shard``, the whole weights it built. Give it to
+    ``minishard.watch(..., built=)``: the doctor then compares them across ranks."""
+    return fingerprint(model.named_parameters())
+
+
 def note_run(facts: dict, config, world_size: int) -> None:
     run = dataclasses.asdict(config)
     facts["run"] = {k: run[k] for k in RUN_FIELDS} | {"world_size": world_size}

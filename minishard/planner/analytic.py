@@ -45,6 +45,9 @@ PRECISIONS = {
                       "everything fp32; the weights are their own master copy"),
     "bf16_mixed": Precision("bf16_mixed", 2, 2, 4, 0, 4,
                             "bf16 weights and grads, fp32 master weights and Adam moments"),
+    "bf16": Precision("bf16", 2, 2, 0, 0, 2,
+                      "bf16 weights, grads and moments, no fp32 master: a model cast to bf16 and "
+                      "stepped as it is (torch's optimizers keep their state in the weights' dtype)"),
     "bf16_mixed_fp32_grads": Precision(
         "bf16_mixed_fp32_grads", 2, 4, 4, 0, 4,
         "bf16 weights; gradients accumulated and reduced in fp32 (Megatron's main_grad with bf16)"),

@@ -69,14 +69,15 @@ def ledger_report(ledger: LiveLedger, config: TrainConfig, cfg, strategy, world_
     for name, p in trainable.named_parameters():
         if config.freeze and name.startswith(config.freeze):
             p.requires_grad_(False)
+    precision = trained_precision(built, config)
     act = 0
     if config.track_activations:
         act = gpt_activation_bytes(cfg, config.micro_batch,
-                                   dtype_bytes=2 if config.precision == "bf16_mixed" else 4,
+                                   dtype_bytes=2 if precision != "fp32" else 4,
                                    recompute=config.recompute, loss_chunk_tokens=config.loss_chunk_tokens,
                                    train_embedding=trainable.tok_emb.weight.requires_grad)
     est = estimate(trainable, world_size=world_size, strategy=strategy.name,
-                   precision=strategy.ledger_precision(config.precision), optimizer=config.optimizer,
+                   precision=strategy.ledger_precision(precision), optimizer=config.optimizer,
                    activation_bytes=act, shard_group=config.shard_size if strategy.hybrid else None,
                    **built.layout_numel())
     formula: dict[str, dict[str, int]] = {}   # offload: FSDP's sharded state moves to the tier together
@@ -85,12 +86,20 @@ def ledger_report(ledger: LiveLedger, config: TrainConfig, cfg, strategy, world_
     out = {"peak": ledger.peak, "peak_snapshot": ledger.peak_snapshot,
            "category_peaks": {c: b for (c, d), b in ledger.category_peaks.items() if d == ledger.device},
            "phase_peaks": ledger.phase_peaks, "final": ledger.current(), "estimate": est.per_rank,
-           "formula": formula, "shard_group": est.shard_group}
+           "formula": formula, "shard_group": est.shard_group, "precision": precision}
     if config.offload is not None:
         out["transfer_formula"] = transfer_formula(built, config)
     if config.track_activations and (config.recompute or config.loss_chunk_tokens):
         out["unseen"] = recomputed_bytes(cfg, config)
     return out
+
+
+def trained_precision(built: Built, config: TrainConfig) -> str:
+    """The precision the run trained in: the config's, unless the weights the optimizer steps
+    are bf16 under an fp32 config — a model cast to bf16 with no master (chapter 11's
+    ``no-master``), which the formula then counts as it is."""
+    dtypes = {p.dtype for p in built.model.parameters() if p.requires_grad}
+    return "bf16" if config.precision == "fp32" and dtypes == {torch.bfloat16} else config.precision
 
 
 def recomputed_bytes(cfg, config: TrainConfig) -> dict[str, int]:

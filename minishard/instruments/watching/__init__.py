@@ -62,11 +62,15 @@ __all__ = ["watch", "Watch", "WatchError", "SUPPORTED"]
 
 
 def watch(model: torch.nn.Module, optimizer=None, *,
-          trace: str | os.PathLike | Tracer | None = None, flight=None) -> Watch:
+          trace: str | os.PathLike | Tracer | None = None, flight=None,
+          built: dict[str, str] | None = None) -> Watch:
     """Watch a training job; see this package's docstring.
 
     ``trace``: a directory (``rank{r}.jsonl`` is streamed into it), a :class:`Tracer` (e.g. a
     ``Ranks`` task's ``rank.tracer``), or None (the events stay in ``w.tracer.events``).
     ``flight``: the :class:`~minishard.core.flight.FlightRecorder` to keep torch's collectives in
-    (one of its own if None; a trace directory gets its dump)."""
-    return Watch(model, optimizer, trace, flight)
+    (one of its own if None; a trace directory gets its dump). ``built``: the weights as this
+    rank built them, ``minishard.fingerprint(model)`` taken *before* ``fully_shard`` — FSDP2
+    broadcasts nothing and then holds shards, different by design, so only this fingerprint lets
+    the doctor tell ranks that built different models apart."""
+    return Watch(model, optimizer, trace, flight, built)

@@ -1,7 +1,9 @@
 """What a watch notes for the doctor beside the collectives, as ``train()`` does for minishard's
 own runs (``minishard/instruments/health.py``): the fingerprint of the weights a rank starts from where it holds
-them whole (DDP's replicas; FSDP2's DTensors are shards, different by design), and per optimizer
-step the dtypes it stepped — with, where they are not fp32, how many elements came out unchanged.
+them whole (DDP's replicas; FSDP2's DTensors are shards, different by design — for FSDP2, the
+fingerprint the user took with ``minishard.fingerprint(model)`` before ``fully_shard`` and gave
+as ``watch(built=)``), and per optimizer step the dtypes it stepped — with, where they are not
+fp32, how many elements came out unchanged.
 
 Only a watch that keeps its own flight recorder notes them: under ``train()`` the run's recorder
 already has them."""
@@ -18,6 +20,8 @@ def attach(w) -> None:
     whole = [(n, p) for n, p in w.model.named_parameters() if not _is_dtensor(p)]
     if w.kind == "ddp" and whole:
         facts["weights_start"] = health.fingerprint((n.removeprefix("module."), p) for n, p in whole)
+    if w.built is not None:              # taken before fully_shard: what each rank built
+        facts["weights_built"] = dict(w.built)
     opt = w._stepped
     if opt is None:
         return

@@ -74,9 +74,10 @@ def _stepped(optimizer):
 class Watch:
     """The context manager :func:`minishard.watch` returns; ``w.step()`` ends a training step."""
 
-    def __init__(self, model, optimizer=None, trace=None, flight: FlightRecorder | None = None):
+    def __init__(self, model, optimizer=None, trace=None, flight: FlightRecorder | None = None,
+                 built: dict[str, str] | None = None):
         self.model, self.optimizer, self._trace = model, optimizer, trace
-        self._given_flight = flight
+        self._given_flight, self.built = flight, built
         self.kind = _kind(model, optimizer)      # refuse an unsupported wrapper at once
         self._stepped = _stepped(optimizer)
         self.tracer: Tracer | None = None
