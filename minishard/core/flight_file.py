@@ -52,10 +52,14 @@ class FlightFile:
         self.path, self.capacity = path_for(directory, rank), capacity
         self.path.parent.mkdir(parents=True, exist_ok=True)
         size = HEADER_BYTES + capacity * RECORD
-        with open(self.path, "wb") as f:            # a fresh file: a previous run's ring goes
-            f.truncate(size)
-        self._fd = os.open(self.path, os.O_RDWR)
-        self._map = mmap.mmap(self._fd, size)
+        # a fresh file (a previous run's ring goes); the map keeps its own handle, so the file
+        # descriptor closes at once and the map closes with this object
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
         HEADER.pack_into(self._map, 0, MAGIC, VERSION, rank, world_size, capacity, RECORD)
         self._n = 0
 
@@ -78,16 +82,12 @@ class FlightFile:
             _T.pack_into(self._map, at + 16, t)
             self._map[at + 8:at + 9] = COMPLETED
 
-    def close(self) -> None:
-        if self._map is not None:
-            self._map.flush()
-            self._map.close()
-            os.close(self._fd)
-            self._map = None
-
 
 _JSON = json.JSONEncoder(separators=(",", ":")).encode     # (made once: json.dumps with
                                                             # separators builds one per call)
+# what an entry keeps when it is too long for its slot: what the doctor matches ranks on
+MATCHED = ("seq", "op", "group", "group_size", "shapes", "dtypes", "bytes", "tag", "step", "phase",
+           "state", "t_issued", "src", "n")
 
 
 def _encode(entry: dict, n: int) -> bytes:
@@ -100,10 +100,6 @@ def _encode(entry: dict, n: int) -> bytes:
         if len(body) > room:
             body = _JSON({**kept, "shapes": [], "tag": str(kept.get("tag", ""))[:64], "cut": True}).encode()
     return body
-
-
-MATCHED = ("seq", "op", "group", "group_size", "shapes", "dtypes", "bytes", "tag", "step", "phase",
-           "state", "t_issued", "src", "n")
 
 
 def read(path) -> dict:
@@ -139,6 +135,6 @@ def read(path) -> dict:
         entry["t_completed"] = round(t_completed, 7) if state == COMPLETED else None
         entries.append(entry)
     entries.sort(key=lambda e: e["n"])
-    return {"v": 1, "rank": rank, "world_size": world, "capacity": capacity, "reason": "ring",
+    return {"rank": rank, "world_size": world, "capacity": capacity, "reason": "ring",
             "error": None, "time": os.path.getmtime(path), "entries": entries, "facts": {},
             "torn": torn}

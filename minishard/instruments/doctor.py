@@ -317,9 +317,7 @@ def died(dumps: dict[int, dict]) -> Finding | None:
     return Finding(
         "died", dead,
         f"{ranks_word(dead)} died without writing {'their dumps' if len(dead) > 1 else 'its dump'}"
-        + ("" if not inside else ", inside the collective it had issued" if inside == dead == dead[:1]
-           else ", inside the collectives they had issued" if inside == dead
-           else f"; {ranks_word(inside)} inside the collective{'s' if len(inside) > 1 else ''} issued"),
+        + (f"; {ranks_word(inside)} inside the collective it issued last" if inside else ""),
         evidence,
         "a process that dies outright cannot write on its way out; its ring, written as every "
         "collective was issued, says where it was. The cause is outside Python: gloo aborts the "

@@ -191,9 +191,6 @@ class ReplicasBuilt(Built):
             with tracer.phase("sync_gradients") if tracer is not None else contextlib.nullcontext():
                 self.model.sync_gradients()
 
-    def _clip(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm)
-
     def track_state(self, ledger) -> None:
         if ledger is None:
             return

@@ -27,9 +27,6 @@ class TorchBuilt(Built):
     def accumulating(self, quiet: bool):
         return self.hold() if quiet and self.hold is not None else contextlib.nullcontext()
 
-    def _clip(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm)
-
     def _parameters(self) -> dict[str, torch.Tensor]:
         return {n: getattr(p, "full_tensor", lambda p=p: p)() for n, p in self.net.named_parameters()}
 
