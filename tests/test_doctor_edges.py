@@ -288,3 +288,52 @@ def test_skip_collective_skips_a_reduce_scatter_of_the_last_steps_gradients():
     assert not skip("all_gather", "blocks.1", 2, "backward")
     assert skip("reduce_scatter", "blocks.1", 2, "backward")
     assert skip("all_gather", "blocks.0", 2, "backward")
+
+
+def test_a_rank_that_died_after_its_last_collective_completed_is_not_said_to_be_inside_it():
+    """``died``: "inside the collective it issued last" only for a ring whose last entry is still
+    issued; a rank that died between collectives (its last one completed) is named, not placed."""
+    dumps = {0: dump(0, [entry(0), entry(1, state="issued")], reason="ring"),
+             1: dump(1, [entry(0), entry(1)], reason="ring")}
+    found = doctor.died(dumps)
+    assert found.ranks == [0, 1]
+    assert found.title.endswith("; rank 0 inside the collective it issued last"), found.title
+
+
+def test_a_hang_names_the_rank_that_died_inside_it_and_the_ones_that_wait():
+    """``never_completed``: of the ranks stuck in a collective, one that left only its ring died
+    inside it — the finding is about that rank; the others wait in it."""
+    dumps = {0: dump(0, [entry(0), entry(1, state="issued")], reason="ring", world=2),
+             1: dump(1, [entry(0), entry(1, state="issued")], reason="exception", world=2,
+                     error="RuntimeError: timed out after 6 s")}
+    held = {r: {e["seq"]: e for e in b["entries"]} for r, b in dumps.items()}
+    found = doctor.never_completed("world", held, [0, 1], [], dumps)
+    assert found.ranks == [0]
+    assert found.title == "rank 0 died inside all_reduce seq 1 of group 'world'; rank 1 waits in it", found.title
+
+
+def test_a_rank_that_died_is_not_one_that_left_early():
+    """``left_early`` is about ranks that *ended* their run (a dump with reason "end") while the
+    others timed out; a rank that left only its ring died, which ``died`` reports."""
+    waiting = dump(1, [entry(0), entry(1, state="issued")], reason="exception", world=3,
+                   error="RuntimeError: timed out after 6 s")
+    dumps = {0: dump(0, [entry(0), entry(1, state="issued")], reason="ring", world=3), 1: waiting}
+    assert doctor.left_early(dumps) is None
+    dumps[2] = dump(2, [entry(0)], reason="end", world=3)
+    assert doctor.left_early(dumps).ranks == [2]
+
+
+def test_a_ranks_dump_is_read_over_the_ring_it_also_left(tmp_path):
+    """A rank that lived to write ``flight_rank{r}.json`` also leaves the ring it flew with: the
+    dump (its reason, its facts) is what the doctor reads; the ring stands in only for a missing one."""
+    import torch
+    from minishard.core.flight import FlightRecorder
+    from minishard.instruments.records import read_dir
+    rec = FlightRecorder(rank=0, world_size=2)
+    rec.fly_to(tmp_path)
+    rec.completed(rec.issued("all_reduce", "world", 2, (torch.zeros(2),), 8, "b0", 0, "backward", 0.0), 0.5)
+    rec.dump(tmp_path, "end")
+    ring_only = FlightRecorder(rank=1, world_size=2)
+    ring_only.fly_to(tmp_path)
+    report = read_dir(tmp_path)
+    assert {r: b["reason"] for r, b in report.dumps.items()} == {0: "end", 1: "ring"}

@@ -155,6 +155,15 @@ def test_the_ring_keeps_the_last_collectives_in_order_with_their_state(tmp_path)
     assert body["entries"][0]["tag"] == "b6" and body["entries"][0]["shapes"] == [[3]]
 
 
+def test_a_late_completion_of_an_overwritten_collective_leaves_the_slots_new_one_issued(tmp_path):
+    """Collective 2 and collective 10 share a slot (capacity 4): completing 2 after the ring
+    went past it must not mark 10, the one a dead rank was inside, completed."""
+    from minishard.core import flight_file
+    rec, entries = _ring(tmp_path)
+    rec.completed(entries[1], 5.0)                     # n 2: its slot now holds n 10, issued
+    last = flight_file.read(tmp_path / "flight_rank1.ring")["entries"][-1]
+    assert (last["seq"], last["state"], last["t_completed"]) == (9, "issued", None)
+
 def test_collectives_issued_before_the_ring_opened_go_in_first(tmp_path):
     import torch
     from minishard.core import flight_file
@@ -213,3 +222,33 @@ def test_the_doctor_cannot_check_a_run_that_left_only_traces(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "cannot be checked (exit status 3)" in out and "minishard.watch" in out
     assert "nothing found" not in out
+
+
+def test_a_collective_of_many_tensors_stays_inside_its_slot(tmp_path):
+    """However many tensors a collective moves, its record fits its slot: the next one is not
+    written over, and the last slot does not overflow the file."""
+    import torch
+    from minishard.core import flight_file
+    rec = FlightRecorder(rank=0, world_size=2, capacity=2)
+    rec.fly_to(tmp_path)
+    many = tuple(torch.zeros(1, dtype=torch.bfloat16 if k % 2 else torch.float32) for k in range(400))
+    for k in range(3):                                   # the last slot too, then a wrap
+        rec.issued("all_reduce", "world", 2, many, 800, f"b{k}" * 200, 0, "backward", 0.1 * k)
+    body = flight_file.read(flight_file.path_for(tmp_path, 0))
+    assert body["torn"] == [] and [e["seq"] for e in body["entries"]] == [1, 2]
+    assert all(e["cut"] and e["op"] == "all_reduce" and e["bytes"] == 800 for e in body["entries"])
+
+
+def test_a_group_named_by_hundreds_of_ranks_stays_inside_its_slot(tmp_path):
+    """A subgroup is named by its members: on a large world the name alone can outgrow a slot.
+    The record is cut to the collective's number, op and bytes, and still fits."""
+    import torch
+    from minishard.core import flight_file
+    rec = FlightRecorder(rank=0, world_size=600, capacity=2)
+    rec.fly_to(tmp_path)
+    group = "shard[" + ", ".join(map(str, range(0, 600, 2))) + "]"
+    for k in range(3):
+        rec.issued("all_gather", group, 300, (torch.zeros(4),), 16, "blocks.0", 0, "forward", 0.1 * k)
+    body = flight_file.read(flight_file.path_for(tmp_path, 0))
+    assert body["torn"] == [] and [(e["seq"], e["op"], e["bytes"]) for e in body["entries"]] == [
+        (1, "all_gather", 16), (2, "all_gather", 16)]

@@ -203,3 +203,16 @@ def test_every_reader_reads_a_cut_trace_by_its_own_policy(tmp_path):
     assert "stops at line 4 (not JSON" in end and "all_reduce" in end, end
     with pytest.raises(ValueError, match="damaged='ignore'"):
         trace.read_events(path, damaged="ignore")
+
+
+def test_a_readers_own_test_and_the_fields_every_event_needs_are_asked_of_each_line(tmp_path):
+    """``read_events``: a line that decodes is still refused if it lacks a field every event has
+    (rank, seq, t, kind) or if the reader's own test (``also``) refuses it — by the reader's policy."""
+    good = dict(Tracer(0, 1, origin=0.0).emit("free", category="params", bytes=1, tag="p", device="device"))
+    no_seq = {k: v for k, v in good.items() if k != "seq"}
+    path = tmp_path / "rank0.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in (good, no_seq, dict(good, kind="odd"), good)) + "\n")
+    events, bad = trace.read_events(path, damaged="skip",
+                                    also=lambda ev: "odd kind" if ev["kind"] == "odd" else None)
+    assert events == [good, good]
+    assert [n for n, _ in bad] == [2, 3] and "'seq'" in bad[0][1] and bad[1][1] == "odd kind"

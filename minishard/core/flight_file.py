@@ -97,8 +97,14 @@ def _encode(entry: dict, n: int) -> bytes:
     if len(body) > room:                        # keep what matching the ranks needs, then less
         kept = {k: entry[k] for k in MATCHED if k in entry}
         body = _JSON({**kept, "cut": True}).encode()
-        if len(body) > room:
-            body = _JSON({**kept, "shapes": [], "tag": str(kept.get("tag", ""))[:64], "cut": True}).encode()
+    if len(body) > room:                        # (many tensors: their dtypes, by kind, once each)
+        body = _JSON({**kept, "shapes": [], "dtypes": sorted(set(map(str, kept.get("dtypes", [])))),
+                      "tag": str(kept.get("tag", ""))[:64], "cut": True}).encode()
+    if len(body) > room:                        # never past the slot: the collective by number alone
+        # (a group named by hundreds of members: cut alike on every rank, so it still matches)
+        body = _JSON({k: kept.get(k) for k in ("seq", "op", "group_size", "bytes", "n")}
+                     | {"group": str(kept.get("group", ""))[:256], "shapes": [], "dtypes": [],
+                        "state": "issued", "cut": True}).encode()
     return body
 
 
