@@ -69,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-from minishard import GPT, Ranks
+from minishard import GPT, RankError, Ranks
 from minishard.instruments import doctor
 from minishard.cli import main as minishard_cli
 from minishard.course.ch11 import broken, doctor_text, outcome, stable, summary, verdict
@@ -102,8 +102,10 @@ print(f"nano GPT: Ψ = {NANO:,} parameters; 4 ranks, 2 steps of 2 sequences per 
 # enters it in the rank's **flight recorder** (`minishard/core/flight.py`): a ring of the last 256
 # collectives — per group a sequence number `seq`, the op, the shapes and dtypes, the bytes,
 # what it moves (the unit or bucket), the step and phase, the line that issued it, and whether
-# it completed. `TrainConfig(flight_dir=DIR)` writes it as `flight_rank{r}.json` at the end of
-# the run, when the rank raises, and on SIGTERM. PyTorch keeps the same kind of ring for NCCL
+# it completed. With `TrainConfig(flight_dir=DIR)` the ring lives in a file from the first
+# collective on, `flight_rank{r}.ring`, each entry written as it is issued (§9 shows why), and the
+# whole recorder is also written as `flight_rank{r}.json` at the end of the run, when the rank
+# raises, and on SIGTERM. PyTorch keeps the same kind of ring for NCCL
 # (its Flight Recorder), and its `torchfrtrace` script reads the dumps; `minishard.watch`
 # records PyTorch's own DDP and FSDP2 collectives into minishard's recorder, so the doctor reads
 # both alike.
@@ -429,7 +431,8 @@ for name in ("local-clip", "clip"):
 # (`--fault reorder` needs `--strategy fsdp`; `local-clip` a `--clip` and a sharded strategy.)
 # A hung `torchrun` job ends within its `--timeout`, every rank writing its dump. The doctor's
 # exit status says what it found — 0 nothing, 1 a problem, 2 input it cannot read (the file and
-# the line named) — so a job script can run it after a failure. On this chapter's directories:
+# the line named), 3 a run it could not check (traces, but no dump and no ring to align) — so a
+# job script can run it after a failure. On this chapter's directories:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -444,7 +447,113 @@ for name in ("ddp", "hang", "reorder", "cut"):
     print(f"python -m minishard doctor runs/{name:<8} exit {code}" + (f": {said}" if said else ""))
 
 # %% [markdown]
-# ## 9. What each failure looks like, and its fix
+# ## 9. The crash that leaves nothing
+# In §3 the swapped collectives had one size, so nothing failed. Now rank 1 takes a branch the
+# others do not — a condition on its own data — and issues one extra all-reduce of 4 elements,
+# just before step 1's gradient all-reduce (`fault="extra-collective"`). The other ranks' 850 KiB
+# all-reduce pairs with it. gloo notices that the sizes differ and aborts the process that
+# receives the larger message, from its own C++ thread:
+# `terminate called after throwing an instance of 'gloo::EnforceNotMet' … Received data size
+# doesn't match expected size`. No Python runs after that — no `except`, no `finally`, no signal
+# handler — so rank 1 cannot write its flight dump, nor its trace. The same holds for a rank
+# the kernel's OOM killer ends, a `SIGKILL`, a segfault in an extension, a CUDA error that
+# aborts: the deaths where a recorder matters most are the ones where nothing can be written at
+# the end.
+#
+# So the ring is on disk while the run flies: `flight_rank{r}.ring` is a memory-mapped file of
+# fixed 1 KiB slots, one per collective, written when the collective is issued and marked when
+# it completes. The mapped pages belong to the kernel's page cache, not to the process, so they
+# reach the file however the process ends. It costs 5–6 µs a collective on top of the in-memory
+# recorder (1.4–1.7× its cost, under 0.5 % of a step in every strategy measured:
+# [RESULTS.md](../benchmarks/RESULTS.md)). The crash takes its pool with it, so it runs in a
+# pool of its own; [`outcome`](../minishard/course/ch11.py) lets the ranks that survive report.
+
+# %%
+crash = RUNS / "crash"
+with Ranks(4, collective_timeout=5) as dying:           # the abort ends this pool, not R4
+    try:
+        dying.run(outcome, str(crash), strategy="ddp", fault="extra-collective")
+    except RankError as e:
+        died = e
+
+# %% [markdown]
+# The two lines above are rank 1's last words, gloo's, on the stderr it shares with this
+# notebook's kernel (the sizes it quotes depend on how the ring all-reduce chunked the bucket).
+# What the pool and the disk say:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"the pool: rank {died.rank} {died.error.split(' without')[0]}")
+rank1 = sorted(p.name for p in crash.iterdir() if "rank1" in p.name)
+print(f"rank 1 left: {', '.join(rank1)} — no flight dump, no trace")
+rings = sorted(int(p.stem.removeprefix("flight_rank")) for p in crash.glob("flight_rank*.ring"))
+print(f"ranks whose ring is on disk: {rings}")
+assert died.rank == 1 and "SIGABRT" in died.error and rank1 == ["flight_rank1.ring"] and rings == [0, 1, 2, 3]
+
+# %% [markdown]
+# The pool can say only that rank 1 was killed by a signal (SIGABRT: what `terminate` ends in).
+# The doctor reads rank 1's ring beside the dumps the other ranks wrote as they raised or as the
+# pool stopped them (its header says which file stands for which rank):
+
+# %%
+report = show("crash")
+
+# %% [markdown]
+# Three findings, the cause first. The **desync**: at seq 2 of the world group ranks 0, 2 and 3
+# issued the gradient all-reduce of `bucket0`, 850 KiB, and rank 1 an all-reduce of 4 elements,
+# 16 B, from a line of its own. **died**: rank 1 wrote no dump, and its ring ends in that extra
+# all-reduce, issued and never completed — it died inside it. The **timeout** of the others
+# comes last: they lost their peer (which of them raised before the pool stopped the rest
+# depends on timing; the first two findings do not). The part that holds on any machine:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+found = {f.kind: f for f in report.findings}
+desync, gone = found["desync"], found["died"]
+print(stable(summary(desync)))
+print(stable(summary(gone)))
+extra_at = stable(desync.evidence[1].split("; at ")[1])
+print(f"the line that issued rank 1's extra all-reduce: {extra_at}")
+seq = int(desync.title.split("at seq ")[1].split()[0])
+print(f"seq {glue('crash-seq', seq)}: {glue('crash-theirs', 4 * GPT('nano', device='meta').num_params(), '{:,}')} "
+      f"bytes on ranks 0, 2, 3 against {glue('crash-extra', 4 * 4)} on rank 1")
+with contextlib.redirect_stdout(io.StringIO()):
+    code = minishard_cli(["doctor", str(crash)])
+print(f"python -m minishard doctor runs/crash: exit {code}")
+assert desync.ranks == [1] and gone.ranks == [1] and "inside the collective" in gone.title and code == 1
+assert "extra [4] float32, 16 B" in desync.title and "the_branch_only_this_rank_takes" in extra_at
+
+# %% [markdown]
+# The fix is the one of §2 and §3: every rank issues the same collectives. A branch on a rank's
+# own data that communicates must be taken by every rank — decide it with a collective first
+# (an all-reduce of the flag, as minishard's `Comm.anyone` does), or move the communication out
+# of the branch. Without the branch, the same job on the same four ranks:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+run("crash-fixed", strategy="ddp")
+print(verdict(RUNS / "crash-fixed", "runs/crash-fixed"), "— the branch removed")
+left = sorted(p.suffix for p in (RUNS / "crash-fixed").glob("flight_rank0.*"))
+print(f"rank 0 left: flight_rank0{' and flight_rank0'.join(left)}")
+assert not doctor.diagnose(RUNS / "crash-fixed").findings and left == [".json", ".ring"]
+
+# %% [markdown]
+# **On a GPU cluster.** NCCL does not compare sizes the way gloo's message header does: the
+# mismatched pair waits or reads the wrong number of bytes, and the job stops at a timeout rather
+# than an abort. PyTorch's NCCL Flight Recorder is the same idea as this chapter's recorder: with
+# `TORCH_NCCL_TRACE_BUFFER_SIZE=N` (N > 0) each rank keeps a ring of its last N collectives in
+# memory (seq, op, sizes, state, the Python stack), and with `TORCH_NCCL_DUMP_ON_TIMEOUT=1` the
+# process group's *watchdog thread* — a thread of its own, which still runs while the main
+# thread is stuck inside the collective — writes it to `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` + rank
+# when it sees a timeout or an NCCL error. `torchfrtrace DIR` (the `fr_trace` analyser in
+# `torch.distributed.flight_recorder`) then lines the ranks' dumps up and names the first
+# collective where they disagree and the ranks that never joined it. What it cannot keep is the
+# ring of a process that is killed outright: an OOM kill or a `SIGKILL` takes the watchdog with
+# it, and only the surviving ranks' dumps (which then show the dead rank as the one missing) are
+# left. A ring on disk, as here, keeps the dead rank's own last collectives as well.
+
+# %% [markdown]
+# ## 10. What each failure looks like, and its fix
 #
 # | failure | what you see | the doctor says | the fix | PyTorch's own, here |
 # |---|---|---|---|---|
@@ -455,6 +564,7 @@ for name in ("ddp", "hang", "reorder", "cut"):
 # | accumulation without sync (§5) | memory grows with accumulation | `memory`: 4Ψ of full gradients kept | reduce-scatter every micro-batch | not run (FSDP2's switch: `set_requires_gradient_sync(False)`) |
 # | bf16 weights stepped in bf16 (§6) | the loss stalls | `precision`: the updates rounded away | an fp32 master | DDP with bf16 parameters: the same finding |
 # | a clip by the local norm (§7) | a wrong update direction | `clip`: ranks clipped by different norms | one all-reduce of the squares | not run (`clip_grad_norm_` on FSDP2's DTensors is global) |
+# | a rank dies in C++ (§9) | an abort, and no dump from that rank | `desync`: the extra collective and its line; `died`: the rank that died inside it | the same collectives on every rank | DDP and FSDP2 under `watch`: the same (`tests/test_deaths.py`) |
 
 # %%
 R4.close()
@@ -466,7 +576,8 @@ shutil.rmtree(RUNS)                               # the runs' dumps and traces
 # > and step an fp32 master, which no collective checks. A hang is one rank that did not issue
 # > what the others wait in; a desync of equal sizes fails silently. Do not read the timeout, read
 # > the flight recorders: line the ranks up by sequence number and the first place they disagree
-# > names the rank, the collective and the line. Memory that did not drop is a configuration:
+# > names the rank, the collective and the line — kept on disk as the run flies, since a rank
+# > that dies outright writes nothing at the end. Memory that did not drop is a configuration:
 # > one unit for the whole model, or full gradients kept across micro-batches. Fix, run again,
 # > and stop when the doctor finds nothing.
 #
@@ -476,7 +587,7 @@ shutil.rmtree(RUNS)                               # the runs' dumps and traces
 # > 而且必须从相同的权重出发、按一个范数裁剪、更新 fp32 主权重，这些是任何集合通信都不检查的。
 # > 卡住（hang），是某个 rank 没有发起其他 rank 正在等的那次集合通信；大小相同的不同步（desync）则悄无声息。
 # > 不要去读超时报错，要读飞行记录器：按序号把各 rank 对齐，它们第一次不一致的地方，就指明了 rank、
-# > 集合通信和代码行。显存没降是配置问题：整个模型只有一个单元，或者完整梯度跨微批次保留着。
+# > 集合通信和代码行——而且要在运行过程中就落盘，因为被直接杀掉的 rank 在最后一刻什么也写不了。显存没降是配置问题：整个模型只有一个单元，或者完整梯度跨微批次保留着。
 # > 改掉，再跑一遍，直到诊断什么也找不到为止。
 #
 # </details>

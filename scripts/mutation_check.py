@@ -1330,6 +1330,23 @@ BUGS = [
     Bug("ring: a collective of many tensors written past its slot", "minishard/core/flight_file.py",
         "    if len(body) > room:                        # never past the slot: the collective by number alone",
         "    if False:", "tests/test_flight.py -k \"many_tensors or hundreds_of_ranks\""),
+    # issue 41, chapter 11's crash that leaves nothing
+    Bug("faults: extra-collective issues its all-reduce after the gradients', not before", 'minishard/instruments/faults.py',
+        '            the_branch_only_this_rank_takes(self)\n        return super().all_reduce(tensor, async_op=async_op, tag=tag)',
+        '            out = super().all_reduce(tensor, async_op=async_op, tag=tag)\n            the_branch_only_this_rank_takes(self)\n            return out\n        return super().all_reduce(tensor, async_op=async_op, tag=tag)',
+        'tests/test_deaths.py -k courses'),
+    Bug("faults: extra-collective's call inside the communicator (the line named is DDP's)", 'minishard/instruments/faults.py',
+        '            the_branch_only_this_rank_takes(self)\n',
+        '            super().all_reduce(torch.zeros(EXTRA_NUMEL), tag="extra")\n',
+        'tests/test_deaths.py -k courses'),
+    Bug("faults: extra-collective accepted under a strategy that reduce-scatters", 'minishard/instruments/faults.py',
+        'if fault == "extra-collective" and (not strategy.instrumented or strategy.stage != 0):',
+        'if fault == "extra-collective" and not strategy.instrumented:',
+        'tests/test_faults.py -k refused_by_name'),
+    Bug("launch: a rank killed by a signal reported as a start-up crash", 'minishard/core/launch.py',
+        '    if code < 0:\n',
+        '    if code < -99:\n',
+        'tests/test_launch.py -k signal'),
 ]
 
 

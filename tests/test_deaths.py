@@ -17,6 +17,7 @@ import pytest
 
 from minishard.cli import main
 from minishard.core.launch import RankError, Ranks
+from minishard.course.ch11 import outcome
 from minishard.instruments import doctor
 
 import death_tasks
@@ -102,3 +103,23 @@ def test_fsdp2_ranks_that_built_different_weights_are_found_when_the_script_fing
     assert main(["doctor", str(blind)]) == 0
     out = capsys.readouterr().out
     assert "Not compared: the weights each FSDP2 rank built" in out and "minishard.fingerprint" in out
+
+
+def test_the_courses_extra_collective_leaves_only_rings_and_the_doctor_names_its_line(tmp_path, capsys):
+    """Chapter 11's crash: ``fault="extra-collective"`` on rank 1 of minishard's DDP. gloo aborts
+    rank 1 in C++ (SIGABRT, no dump, no trace); the pool says which signal; the doctor reads rank
+    1's ring and names the extra all-reduce — its seq, size and the line that issued it — and the
+    rank that died inside it."""
+    out = tmp_path / "crash"
+    with Ranks(2, timeout=120, collective_timeout=TIMEOUT_S) as own:
+        with pytest.raises(RankError) as e:
+            own.run(outcome, str(out), strategy="ddp", fault="extra-collective")
+    assert e.value.rank == 1 and "killed by SIGABRT" in str(e.value), str(e.value)
+    assert not (out / "flight_rank1.json").exists() and (out / "flight_rank1.ring").exists()
+    found = {f.kind: f for f in doctor.diagnose(out).findings}
+    f = found["desync"]
+    assert 1 in f.ranks and "seq 2 of group 'world'" in f.title and "extra [4] float32, 16 B" in f.title, f.title
+    assert "faults.py" in f.evidence[1] and "the_branch_only_this_rank_takes" in f.evidence[1], f.evidence
+    assert found["died"].ranks == [1] and "inside the collective" in found["died"].title
+    assert main(["doctor", str(out)]) == 1
+    capsys.readouterr()

@@ -185,6 +185,8 @@ def test_naive_ddp_skips_its_gradient_all_reduces_in_the_last_step():
     (("local-clip",), dict(strategy="ddp", clip=1.0), "its own norm is the global one"),
     (("skip-collective",), dict(strategy="torch_ddp"), "strategy='torch_ddp' is PyTorch's own and does not use it"),
     (("no-master",), dict(precision="bf16_mixed"), "keeps one: drop it"),
+    (("extra-collective",), dict(strategy="zero2"), "choose ddp or ddp_naive, not strategy='zero2'"),
+    (("extra-collective",), dict(strategy="torch_ddp"), "choose ddp or ddp_naive, not strategy='torch_ddp'"),
     (("unsynced-init",), dict(strategy="single"), "needs ranks that disagree"),
     (("reorder", -1), dict(strategy="fsdp"), "fault_rank=-1: must be a rank"),
     (("reorder", True), dict(strategy="fsdp"), "fault_rank=True: must be a rank"),

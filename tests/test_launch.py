@@ -74,3 +74,10 @@ def test_one_shot_run_and_bad_input():
     pool_fn = lambda rank: 1   # noqa: E731
     with pytest.raises(ValueError, match="module-level function"):
         run(pool_fn, 1)
+
+
+def test_a_rank_that_died_of_a_signal_is_named_by_the_signal_not_a_start_up_crash():
+    from minishard.core.launch import _death
+    assert "killed by SIGABRT" in _death(-6, at_start=False) and "__main__" not in _death(-6, at_start=False)
+    assert "killed by SIGKILL" in _death(-9, at_start=True)
+    assert "__main__" in _death(1, at_start=True) and "__main__" not in _death(1, at_start=False)

@@ -33,6 +33,7 @@ import importlib
 import itertools
 import os
 import queue as queue_mod
+import signal
 import sys
 import time
 import traceback
@@ -49,6 +50,21 @@ from .c10d import init_group
 from .trace import Tracer
 
 INIT_TIMEOUT_S = 60.0
+
+
+def _death(code: int, at_start: bool) -> str:
+    """Why a rank's process ended without a word: a signal (it could not run Python to report),
+    or an exit at start-up (most often a script that starts ranks outside its main guard)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return (f"process killed by {name} without reporting (os.abort(), an abort in C++ such as "
+                f"gloo's on collectives whose sizes differ, SIGKILL, the kernel's OOM killer)")
+    hint = (": a script that starts ranks must do so under `if __name__ == \"__main__\":`"
+            if at_start else "")
+    return f"process exited with code {code} without reporting{hint}"
 
 
 class RankError(RuntimeError):
@@ -258,9 +274,7 @@ class Ranks:
                     t, r, err, tb = min(errs)
                     raise RankError(r, err, tb)
                 r, code = dead[0]
-                raise RankError(r, f"process exited with code {code} without reporting (killed, "
-                                   f"or it crashed at start-up: a script that starts ranks must "
-                                   f"do so under `if __name__ == \"__main__\":`)", "")
+                raise RankError(r, _death(code, at_start=what.startswith("starting")), "")
             if time.monotonic() > deadline:
                 self.close(reason="timeout")
                 raise TimeoutError(f"{what}: no answer from ranks "

@@ -14,6 +14,10 @@ can be seen to catch them.
                      so an update smaller than half a bf16 step is rounded away.
     local-clip       the gradient norm's all-reduce is skipped on every rank: each clips by the
                      norm of its own gradient shards, not the global norm.
+    extra-collective rank R issues one all-reduce of 4 elements the others do not (a branch on its
+                     own data), just before the last step's first gradient all-reduce. The others'
+                     all-reduce pairs with it; gloo finds the sizes differ and aborts every process
+                     in C++, where no Python handler runs: only the flight recorder's ring is left.
 
 The engine knows none of this. ``train(rank, config, hooks=Fault("reorder"))`` hands the run a
 :class:`Fault`, a :class:`~minishard.training.hooks.RunHooks`: it wraps the object that would make
@@ -39,25 +43,37 @@ FAULTS = {
     "unsynced-init": "rank R starts from other weights and no rank broadcasts rank 0's",
     "no-master": "bf16 weights stepped in bf16: no fp32 master",
     "local-clip": "every rank clips by the norm of its own gradient shards",
+    "extra-collective": "rank R issues one all-reduce of 4 elements the others do not",
 }
+EXTRA_NUMEL = 4
 # the gradient collectives a rank with nothing to reduce would skip
 REDUCTIONS = ("all_reduce", "reduce_scatter")
 GRADIENT_PHASES = ("backward", "sync_gradients")     # (naive DDP reduces after backward)
 
 
-class SkippingComm(Comm):
+class FaultyComm(Comm):
     """A communicator that never issues the collectives ``skip(op, tag, step, phase)`` names (no
-    flight entry, no event, no bytes: what a rank that skipped them leaves), and — ``synced_start``
-    False — never broadcasts rank 0's starting weights. Its subgroups are of its kind, with the
-    same predicate: a rank skips in every group at once."""
+    flight entry, no event, no bytes: what a rank that skipped them leaves), issues one all-reduce
+    of its own before the one ``extra(op, tag, step, phase)`` names, and — ``synced_start`` False —
+    never broadcasts rank 0's starting weights. Its subgroups are of its kind, with the same
+    predicates: a rank misbehaves in every group at once."""
 
     skip = None
+    extra = None
     synced_start = True
 
     def _sibling(self, group, name: str, *, alone: bool = False) -> Comm:
         twin = super()._sibling(group, name, alone=alone)
-        twin.skip, twin.synced_start = self.skip, self.synced_start
+        twin.skip, twin.extra, twin.synced_start = self.skip, self.extra, self.synced_start
         return twin
+
+    def all_reduce(self, tensor, *, async_op: bool = False, tag: str = ""):
+        tr = self.tracer
+        step, phase = (tr.step, tr.current_phase) if tr is not None else (None, None)
+        if self.extra is not None and self.extra("all_reduce", tag, step, phase):
+            the_branch_only_this_rank_takes(self)
+        return super().all_reduce(tensor, async_op=async_op, tag=tag)
+
 
     def _begin(self, op, tensor, nbytes, tag, **extra) -> dict:
         tr = self.tracer
@@ -82,6 +98,12 @@ class SkippingComm(Comm):
         super().broadcast_from_rank0(tensors, ledger)
 
 
+def the_branch_only_this_rank_takes(comm: Comm) -> None:
+    """``extra-collective``'s call: a line of its own, which the flight recorder names as the
+    collective's call site (a communicator's methods never are)."""
+    comm.all_reduce(torch.zeros(EXTRA_NUMEL), tag="extra")
+
+
 @dataclass(frozen=True)
 class Fault(RunHooks):
     """One failure of ``FAULTS``, planted on rank ``rank`` (``local-clip``: on every rank)."""
@@ -96,7 +118,7 @@ class Fault(RunHooks):
             raise ConfigError("{fault_rank}: must be a rank (an integer >= 0)", fault_rank=self.rank)
 
     def comm(self, tracer, ledger, alone: bool) -> Comm:
-        comm = SkippingComm(tracer, ledger=ledger, alone=alone)
+        comm = FaultyComm(tracer, ledger=ledger, alone=alone)
         comm.synced_start = self.name != "unsynced-init"      # before any strategy broadcasts
         return comm
 
@@ -130,6 +152,9 @@ class Fault(RunHooks):
                 raise ConfigError("{fault}: under {strategy} every rank holds the whole gradient, so its "
                                   "own norm is the global one; choose a ZeRO or FSDP strategy",
                                   fault=fault, strategy=strategy.name)
+        if fault == "extra-collective" and (not strategy.instrumented or strategy.stage != 0):
+            raise ConfigError("{fault} pairs its all-reduce with the gradients' all-reduce of DDP: "
+                              "choose ddp or ddp_naive, not {strategy}", fault=fault, strategy=strategy.name)
         if fault == "no-master" and config.precision != "fp32":
             raise ConfigError("{fault} trains bf16 weights without a master; {precision} keeps one: "
                               "drop it", fault=fault, precision=config.precision)
@@ -153,10 +178,10 @@ class Fault(RunHooks):
 
     def starting(self, comms, config, rank: int, first_step: int, last_step: int) -> None:
         """Arm the communicators for the steps ahead; note the fault where the doctor reads the run."""
-        predicate = self.skip(rank, last_step)
+        skip, extra = self.skip(rank, last_step), self.extra(rank, last_step)
         for c in comms:
-            if isinstance(c, SkippingComm):
-                c.skip = predicate
+            if isinstance(c, FaultyComm):
+                c.skip, c.extra = skip, extra
         for c in comms:
             if "run" in c.flight.facts:
                 c.flight.facts["run"].update(fault=self.name, fault_rank=self.rank)
@@ -175,3 +200,18 @@ class Fault(RunHooks):
                 skipping.append((op, tag))
             return bool(skipping)
         return skipped
+
+    def extra(self, rank: int, last_step: int):
+        """The communicator's ``extra(op, tag, step, phase)`` on ``rank``: before which collective it
+        issues the all-reduce the others do not — the last step's first gradient all-reduce,
+        once (None: never)."""
+        if self.name != "extra-collective" or rank != self.rank:
+            return None
+        done = []
+
+        def before(op, tag, step, phase) -> bool:
+            if done or step != last_step or phase not in GRADIENT_PHASES or op != "all_reduce":
+                return False
+            done.append(tag)
+            return True
+        return before
