@@ -72,6 +72,31 @@ def test_two_units_gathered_in_swapped_order_is_a_silent_desync_naming_rank_and_
         assert any("nothing failed" in e for e in f["evidence"]), f["evidence"]
 
 
+def only_traces(run: Path, into: Path) -> Path:
+    """The run's traces without its dumps and rings (a run recorded before rings, or cleaned)."""
+    into.mkdir()
+    for p in run.glob("rank*.jsonl"):
+        shutil.copy(p, into / p.name)
+    return into
+
+
+def test_with_only_traces_the_swap_is_still_found_and_a_healthy_run_is_not_called_clean(runs, tmp_path, capsys):
+    """No dump, no ring: the collectives each rank *completed*, in the order its trace holds
+    them, stand in. The swapped units completed on every rank, so the desync shows; a healthy run
+    gets exit status 3, not "nothing found" — a hang would look the same from its traces."""
+    for name in ("reorder", "torch_reorder"):
+        d = only_traces(runs[name], tmp_path / name)
+        (f,) = found(d)
+        assert (f["kind"], f["ranks"]) == ("desync", [ODD]), name
+        assert f"rank {ODD} all_gather of blocks.1" in f["title"], f["title"]
+        assert main(["doctor", str(d)]) == 1
+    capsys.readouterr()
+    assert main(["doctor", str(only_traces(runs["healthy_fsdp"], tmp_path / "healthy"))]) == 3
+    out = capsys.readouterr().out
+    assert f"no flight dumps, {WORLD} traces of a world of {WORLD}" in out, out
+    assert "hangs and deaths cannot be checked (exit status 3" in out and "nothing found" not in out
+
+
 def test_different_initial_weights_are_named_by_rank_and_parameter(runs):
     (replicas,) = found(runs["unsynced_ddp"])
     assert (replicas["kind"], replicas["ranks"]) == ("weights", [ODD])

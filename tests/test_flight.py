@@ -210,8 +210,8 @@ def test_a_file_that_is_not_a_ring_is_named_by_the_doctor(tmp_path):
 
 
 def test_the_doctor_cannot_check_a_run_that_left_only_traces(tmp_path, capsys):
-    """No dump and no ring: hangs, desyncs and deaths cannot be told, and the doctor says so with
-    an exit status of its own (3), never "nothing found"."""
+    """No dump and no ring: hangs and deaths cannot be told from a trace, and the doctor says so
+    with an exit status of its own (3), never "nothing found"."""
     from minishard.cli import main
     from minishard.core import trace
     t = trace.Tracer(0, 1, origin=0.0)
@@ -220,7 +220,7 @@ def test_the_doctor_cannot_check_a_run_that_left_only_traces(tmp_path, capsys):
     trace.write_dir(t.events, tmp_path)
     assert main(["doctor", str(tmp_path)]) == 3
     out = capsys.readouterr().out
-    assert "cannot be checked (exit status 3)" in out and "minishard.watch" in out
+    assert "cannot be checked (exit status 3 when nothing is found)" in out and "minishard.watch" in out
     assert "nothing found" not in out
 
 

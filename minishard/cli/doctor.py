@@ -11,8 +11,10 @@ traces beside them (``minishard/instruments/doctor.py`` says what it looks for).
     0   nothing found: every collective matched and completed, and nothing else was wrong
     1   a finding (a rank that died is always one)
     2   the input cannot be read (the file, and the line, named)
-    3   nothing could be checked: no dump and no ring, only traces — the collectives cannot be
-        compared, so "nothing found" would be a guess
+    3   nothing found, but not everything could be checked: no dump and no ring, only traces.
+        A trace holds the collectives a rank *completed*, so their order is compared (a desync
+        among them is a finding, exit 1), but a collective issued and never completed — a hang,
+        a death — leaves no sign in it: "nothing found" would be a guess
 """
 from __future__ import annotations
 
@@ -38,17 +40,20 @@ def run(args) -> int:
         print("\n".join(text(report)))
     if report.findings:
         return FOUND
-    return 0 if report.dumps else CANNOT_CHECK
+    return CANNOT_CHECK if report.only_traces or not report.dumps else 0
 
 
 def text(report: doctor.Report) -> list[str]:
     lines = [f"minishard doctor {report.directory}: {what_was_read(report)}"]
-    if not report.dumps:
-        lines.append("no flight_rank*.json or .ring: hangs, desyncs and deaths cannot be checked "
-                     "(exit status 3); record the run with TrainConfig(flight_dir=DIR), demo "
-                     "--trace DIR or minishard.watch(model, optimizer, trace=DIR)")
+    if report.only_traces or not report.dumps:
+        lines.append(("no flight_rank*.json or .ring: the order of the collectives each trace holds "
+                      "(those that completed) was compared; hangs and deaths cannot be checked"
+                      if report.only_traces else "no flight_rank*.json or .ring: hangs, desyncs and "
+                      "deaths cannot be checked") + " (exit status 3 when nothing is found); record "
+                     "the run with TrainConfig(flight_dir=DIR), demo --trace DIR or "
+                     "minishard.watch(model, optimizer, trace=DIR)")
     if not report.findings:
-        if report.dumps:
+        if report.dumps and not report.only_traces:
             lines.append("nothing found: every rank issued the same collectives in the same order, "
                          "and every one completed; " + checked(report))
         return lines
@@ -83,9 +88,13 @@ def checked(report: doctor.Report) -> str:
 
 
 def what_was_read(report: doctor.Report) -> str:
+    if report.only_traces:
+        n = len(report.traces)
+        return (f"no flight dumps, {n} trace{'s' if n != 1 else ''} of a world of {report.world_size} "
+                f"(their completed collectives read in the dumps' place)")
     reasons: dict[str, int] = {}
     for body in report.dumps.values():
-        said = "PyTorch's own" if body["reason"] == "torch" else body["reason"]
+        said = {"torch": "PyTorch's own", "trace": "read from its trace"}.get(body["reason"], body["reason"])
         reasons[said] = reasons.get(said, 0) + 1
     dumps = (f"{len(report.dumps)} flight dump{'s' if len(report.dumps) != 1 else ''} of a world of "
              f"{report.world_size} (written on " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items()))

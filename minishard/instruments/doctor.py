@@ -22,7 +22,8 @@ important first — the cause before its consequences:
 
 The k-th collective of a group must be the same collective on every rank, so the dumps are
 aligned by ``seq``. A ring buffer drops its oldest entries, and ranks may have dropped different
-ones: only the seqs every rank still holds are compared.
+ones: only the seqs every rank still holds are compared. A run that left only traces is read from
+them (:func:`from_traces`): its completed collectives are compared for a desync, nothing more.
 """
 from __future__ import annotations
 
@@ -388,6 +389,8 @@ def _after(last: dict | None, step) -> str:
 def diagnose(directory: str | Path) -> Report:
     """Every finding of a run's directory, most important first."""
     report = read_dir(directory)
+    if report.only_traces:
+        return from_traces(report)
     found: list[Finding] = exceptions(report.dumps)
     if (dead := died(report.dumps)) is not None:
         found.append(dead)
@@ -407,6 +410,18 @@ def diagnose(directory: str | Path) -> Report:
             found.append(f)
     if not any(f.kind == "hang" for f in found) and (early := left_early(report.dumps)) is not None:
         found.append(early)
+    for cause in causes.CAUSES:
+        found += cause.find(report)
+    order = kinds()
+    report.findings = sorted(found, key=lambda f: order.index(f.kind))
+    return report
+
+
+def from_traces(report: Report) -> Report:
+    """A run that left only traces: the order of the collectives each rank completed is compared
+    (a desync among them shows); hangs and deaths cannot be seen, so they are not looked for."""
+    found = [f for group, held in sorted(by_group(report.dumps).items())
+             if (f := desync(group, held, members(group, held, report.dumps, report.world_size)))]
     for cause in causes.CAUSES:
         found += cause.find(report)
     order = kinds()

@@ -1,6 +1,7 @@
 """What the ranks of a run left in its folder, read and checked: each rank's flight dump
 (``flight_rank{r}.json``), the ring of a rank that died before writing one
-(``flight_rank{r}.ring``), PyTorch's own flight-recorder dumps, and the traces (``rank{r}.jsonl``).
+(``flight_rank{r}.ring``), PyTorch's own flight-recorder dumps, and the traces (``rank{r}.jsonl``)
+— which stand in for the dumps of a run that left neither dump nor ring.
 
 The doctor (``doctor.py``) diagnoses what this module reads; a file it cannot read is named with
 its line (:class:`~minishard.core.trace.TraceFormatError`: the command line's exit status 2).
@@ -12,11 +13,13 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from . import torch_flight
 from .causes import Finding
 from minishard.core import flight_file
 from minishard.core.flight import FORMAT_VERSION
-from minishard.core.trace import TraceFormatError, not_utf8
+from minishard.core.trace import TraceFormatError, not_utf8, read_events
 
 DUMP = re.compile(r"flight_rank(\d+)\.json")
 RING = re.compile(r"flight_rank(\d+)\.ring")
@@ -32,6 +35,7 @@ class Report:
     traces: dict[int, Path]                  # rank -> its rank{r}.jsonl
     world_size: int | None
     findings: list[Finding] = field(default_factory=list)
+    only_traces: bool = False                # no dump, no ring: the dumps were read from traces
 
     def as_dict(self) -> dict:
         return {"directory": self.directory, "world_size": self.world_size,
@@ -98,6 +102,11 @@ def read_dir(directory: str | Path) -> Report:
     for r, p in theirs.items():
         if r not in dumps:
             dumps[r] = torch_flight.read(p, r, world_of_theirs)
+    only_traces = not dumps and bool(traces)
+    if only_traces:
+        dumps = {r: from_trace(p, r) for r, p in traces.items()}
+        for body in dumps.values():          # a rank that completed no collective of the world
+            body["world_size"] = max(max(b["world_size"] for b in dumps.values()), max(dumps) + 1)
     sizes = {r: b["world_size"] for r, b in dumps.items()}
     if len(set(sizes.values())) > 1:
         raise TraceFormatError(f"{d}: dumps of different runs: world sizes "
@@ -106,4 +115,30 @@ def read_dir(directory: str | Path) -> Report:
     for r in dumps:
         if r >= world:
             raise TraceFormatError(f"{d / f'flight_rank{r}.json'}: rank {r} in a world of {world}")
-    return Report(str(d), dumps, traces, world)
+    return Report(str(d), dumps, traces, world, only_traces=only_traces)
+
+
+def from_trace(path: Path, rank: int) -> dict:
+    """A dump read from a rank's trace, for a run recorded before rings were written (or whose
+    rings were deleted). A trace holds a collective only once it *completed*, flat, with no call
+    line: the order in which the ranks completed their collectives can be compared, a collective
+    issued and never completed — a hang, a death — leaves no sign."""
+    events, _ = read_events(path, damaged="stop")
+    done = sorted((ev for ev in events if ev["kind"] == "collective"), key=lambda ev: ev["t"])
+    seqs: dict[str, int] = {}
+    entries = []
+    for ev in done:
+        group = "world" if "members" not in ev else "group[" + ", ".join(map(str, ev["members"])) + "]"
+        seqs[group] = seqs.get(group, -1) + 1
+        size = _itemsize(ev.get("dtype"))
+        entries.append({"seq": seqs[group], "op": ev["op"], "group": group, "group_size": ev["group"],
+                        "shapes": [[ev["payload"] // size]] if size else [], "dtypes": [ev.get("dtype", "?")],
+                        "bytes": ev["payload"], "state": "completed", "tag": ev.get("tag", ""),
+                        "step": ev.get("step"), "src": ev.get("src")})
+    world = max([e["group_size"] for e in entries if e["group"] == "world"], default=rank + 1)
+    return {"rank": rank, "world_size": world, "reason": "trace", "entries": entries}
+
+
+def _itemsize(dtype: str | None) -> int:
+    kind = getattr(torch, dtype or "", None)
+    return torch.empty((), dtype=kind).element_size() if isinstance(kind, torch.dtype) else 0
