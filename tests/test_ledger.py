@@ -178,7 +178,27 @@ def test_optimizer_state_of_every_param_group_is_entered():
                              {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
     net(*batch(net.cfg, 0, 1)).backward()
     opt.step()
-    ledger = LiveLedger()
-    track_optimizer_state(ledger, opt, net)
     moment = sum(p.numel() * p.element_size() for p in net.parameters())   # one fp32 copy
-    assert ledger.current() == {"exp_avg": moment, "exp_avg_sq": moment}
+    for module in (net, None):          # named by the module, or by place (a master's copies)
+        ledger = LiveLedger()
+        track_optimizer_state(ledger, opt, module)
+        assert ledger.current() == {"exp_avg": moment, "exp_avg_sq": moment}
+
+
+def test_mixed_precision_ddp_names_the_moments_for_the_master_they_step():
+    """bf16 DDP steps an fp32 master copy: the moments belong to it (fp32, its size), and their
+    tags say so — what chapter 03 prints of DDP's optimizer allocations."""
+    from minishard.core.comm import Comm
+    from minishard.strategies.registry import build
+    from minishard.training.config import TrainConfig
+    net, ledger = GPT("nano"), LiveLedger()
+    built = build(net, TrainConfig(strategy="ddp", model="nano", precision="bf16_mixed", optimizer="adamw"),
+                  Comm(), ledger)
+    built.model(*batch(net.cfg, 0, 1)).backward()
+    built.optimizer.step()
+    built.track_state(ledger)
+    moments = [t for t in ledger._live if t.split(":")[0].endswith(("exp_avg", "exp_avg_sq"))]
+    assert len(moments) == 2 * len(list(net.parameters()))
+    assert all(t.startswith("master_") for t in moments), moments[:3]
+    now = ledger.current()
+    assert now["exp_avg"] == now["exp_avg_sq"] == now["master"] == 4 * count_params(net)

@@ -53,6 +53,9 @@ def test_transfer_bytes_equal_the_state_sizes(pools, N, strategy):
             # once (it stays gathered); out: every reduced gradient slice, once
             assert step["h2d_bytes"] == 2 * sum(blocks) + root
             assert step["d2h_bytes"] == sum(blocks) + root
+        # the formula the run report sets beside them, each direction its own
+        assert r["ledger"]["transfer_formula"] == {"h2d_bytes": 2 * sum(blocks) + root,
+                                                   "d2h_bytes": sum(blocks) + root}
         host = r["ledger"]["by_device"]["host"]
         assert host == {"params": sum(blocks) + root, "grads": sum(blocks) + root,
                         "momentum": sum(blocks) + root}

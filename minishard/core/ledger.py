@@ -233,15 +233,17 @@ def track_optimizer_state(ledger: LiveLedger, optimizer: torch.optim.Optimizer,
     counters (one scalar each) are not model-sized state and are left out.
     """
     names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-    for group in optimizer.param_groups:
-        for i, p in enumerate(group["params"]):
-            for key, value in optimizer.state.get(p, {}).items():
-                cat = OPTIMIZER_STATE_CATEGORY.get(key)
-                if cat is None or not torch.is_tensor(value):
-                    continue
-                tag = f"{prefix}{key}:{names.get(id(p), i)}"
-                if not ledger.is_live(tag):
-                    ledger.track(cat, value, tag, device)
+    # unnamed, a parameter is its place among all groups': per group, the second group's i-th
+    # would take the first's tag and be skipped as already live
+    every = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, p in enumerate(every):
+        for key, value in optimizer.state.get(p, {}).items():
+            cat = OPTIMIZER_STATE_CATEGORY.get(key)
+            if cat is None or not torch.is_tensor(value):
+                continue
+            tag = f"{prefix}{key}:{names.get(id(p), i)}"
+            if not ledger.is_live(tag):
+                ledger.track(cat, value, tag, device)
 
 
 def check_cuda(ledger: LiveLedger, tolerance: float = 0.02) -> tuple[int, int]:

@@ -410,11 +410,7 @@ def diagnose(directory: str | Path) -> Report:
             found.append(f)
     if not any(f.kind == "hang" for f in found) and (early := left_early(report.dumps)) is not None:
         found.append(early)
-    for cause in causes.CAUSES:
-        found += cause.find(report)
-    order = kinds()
-    report.findings = sorted(found, key=lambda f: order.index(f.kind))
-    return report
+    return ranked(report, found)
 
 
 def from_traces(report: Report) -> Report:
@@ -422,6 +418,11 @@ def from_traces(report: Report) -> Report:
     (a desync among them shows); hangs and deaths cannot be seen, so they are not looked for."""
     found = [f for group, held in sorted(by_group(report.dumps).items())
              if (f := desync(group, held, members(group, held, report.dumps, report.world_size)))]
+    return ranked(report, found)
+
+
+def ranked(report: Report, found: list[Finding]) -> Report:
+    """The report with the collectives' findings and every cause's, most important first."""
     for cause in causes.CAUSES:
         found += cause.find(report)
     order = kinds()
