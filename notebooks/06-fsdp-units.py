@@ -433,7 +433,8 @@ assert keep[0]["ledger"]["peak"] > sweep["block"][0]["ledger"]["peak"]
 #   of PyTorch's FSDP2 (`set_requires_gradient_sync(True)`), of torchtitan, and of DeepSpeed's
 #   ZeRO-2 and ZeRO-3, whose engine refuses `no_sync` because it keeps only its partition.
 # * `no_sync`: no reduction until the last micro-batch (FSDP2's `set_requires_gradient_sync(False)`,
-#   DDP's `no_sync`): every full gradient stays resident — the report of 3.25 → ~52 GB a rank.
+#   DDP's `no_sync`): every full gradient stays resident — the report (tnt#1057) whose kept gradients grew from a
+#   3.25 GB shard to the whole 52 GB a rank.
 # * `gathered` (FSDP): the units stay gathered from one micro-batch's backward to the next one's
 #   forward (FSDP2's `set_reshard_after_backward(False)`): the next forward gathers nothing, and
 #   every unit's full parameters are held in between.
@@ -462,24 +463,25 @@ for (s, m), (sent, peak, _) in acc.items():
              (("sent", sent), ("grads", peak["grads"]), ("unsharded", peak.get("unsharded", 0)))]
     print(f"{s + ' ' + m:<18}{cells[0]:>16}{cells[1]:>16}{cells[2]:>22}")
 ev = acc["fsdp", "sync"][2]
-P = {e["tag"]: e["payload"] for e in ev if e["kind"] == "collective" and e["op"] == "all_gather" and e.get("step") == 0}
-G = sum(e["payload"] for e in ev if e["kind"] == "collective" and e["op"] == "reduce_scatter" and e.get("step") == 0) // 3
-blocks = sum(v for u, v in P.items() if u != "root")
+ag_units = {e["tag"]: e["payload"] for e in ev if e["kind"] == "collective" and e["op"] == "all_gather" and e.get("step") == 0}
+rs = sum(e["payload"] for e in ev if e["kind"] == "collective" and e["op"] == "reduce_scatter" and e.get("step") == 0) // 3
+ag, ag_blk = sum(ag_units.values()), sum(v for u, v in ag_units.items() if u != "root")
 half = lambda n: n // 2                                      # a ring on 2 ranks sends half  # noqa: E731
-assert acc["fsdp", "sync"][0] == 3 * half(sum(P.values()) + blocks + G)
-assert acc["fsdp", "no_sync"][0] == 3 * half(sum(P.values()) + blocks) + half(G)
-assert acc["fsdp", "gathered"][0] == half(sum(P.values())) + 3 * half(blocks) + 3 * half(G)
+assert acc["fsdp", "sync"][0] == 3 * half(ag + ag_blk + rs)
+assert acc["fsdp", "no_sync"][0] == 3 * half(ag + ag_blk) + half(rs)
+assert acc["fsdp", "gathered"][0] == half(ag) + 3 * half(ag_blk) + 3 * half(rs)
 assert acc["fsdp", "no_sync"][1]["grads"] == acc["fsdp", "no_sync"][1]["params"] + 4 * PSI   # every full gradient
 assert acc["fsdp", "gathered"][1]["unsharded"] == 4 * PSI                                   # every unit gathered
 assert acc["zero2", "no_sync"][1]["grads"] == acc["zero2", "sync"][1]["grads"] + 4 * PSI     # in its buckets
 print("every mode: bytes and peaks as the formulas say")
 
 # %% [markdown]
-# Per step with A micro-batches (P: the gathered bytes, the blocks' part of them P_b; G: the
-# reduced bytes; a ring on N ranks sends (N − 1)/N of each): `sync` sends A·(P + P_b + G),
-# `no_sync` A·(P + P_b) + G, `gathered` P + A·P_b + A·G — in fp32, where G = P, the last two move
+# Per step with A micro-batches (ag: the bytes one micro-batch all-gathers, ag_blk the blocks'
+# part of them; rs: the bytes it reduce-scatters; a ring on N ranks sends (N − 1)/N of each):
+# `sync` sends A·(ag + ag_blk + rs), `no_sync` A·(ag + ag_blk) + rs, `gathered` ag + A·ag_blk + A·rs
+# — in fp32, where rs = ag, the last two move
 # the same bytes and differ only in what they hold: every full gradient (4Ψ on top of the shards'),
-# or every full parameter (4Ψ gathered at once). ZeRO-2 reduces A·G + P under `sync` and G + P
+# or every full parameter (4Ψ gathered at once). ZeRO-2 reduces A·rs + ag under `sync` and rs + ag
 # under `no_sync`, for every full gradient held in its buckets. `tests/test_accumulation.py`
 # checks the three modes against one large batch and these formulas on 2 and 3 ranks.
 #
@@ -602,7 +604,7 @@ assert peak[("activations", "forward")]["mine"] == peak[("activations", "forward
 #
 # <details><summary>中文</summary>
 #
-# 线上走的一切都相同：每一次 all-gather 和 reduce-scatter，顺序一样，字节一样；各单元状态交错的次序
+# 网络上传的一切都相同：每一次 all-gather 和 reduce-scatter，顺序一样，字节一样；各单元状态交错的次序
 # 一样；分片、收集起来的参数（至多 root 加一个 block：470,784 字节）、优化器的两个矩和激活值，峰值
 # 精确到字节都相同。剩下四处不同，每一处都是两种实现各自的选择（完整的表、每条公式、出自 torch 源码
 # 何处：[docs/side-by-side.md](../docs/side-by-side.md)）：

@@ -31,8 +31,8 @@
 #
 # 关于分片训练，大家问得最多的不是"ZeRO 怎么工作"，而是"为什么卡住""为什么显存没降""为什么各 rank
 # 不一致"。本章在四个真实的 rank 上把这些问题背后的故障一个一个地造出来（照它们在实际中发生的样子），
-# 用 `minishard doctor` 读各 rank 留下的文件，按诊断给出的修法改掉，再跑一遍，直到它什么也找不到。
-# PyTorch 自己的策略以同样方式出错的地方，把它们的运行放在 minishard 的旁边。中文讲解见
+# 用 `minishard doctor` 读各 rank 留下的文件，按诊断工具给出的修法改掉，再跑一遍，直到它什么也找不到。
+# 凡是 PyTorch 自己的策略也会这样出错的地方，都同时跑一遍 PyTorch 的版本，与 minishard 的结果对照。中文讲解见
 # [tutorial/zh/11-when-it-breaks.md](../tutorial/zh/11-when-it-breaks.md)。
 #
 # </details>
@@ -71,6 +71,7 @@ import torch
 
 from minishard import GPT, RankError, Ranks
 from minishard.instruments import doctor
+from minishard.core.trace import read_events
 from minishard.cli import main as minishard_cli
 from minishard.course.ch11 import broken, doctor_text, outcome, stable, summary, verdict
 from minishard.course.glue import glue
@@ -136,9 +137,12 @@ assert all(e["bytes"] == 4 * NANO for e in dump["entries"])       # the whole mo
 # the ledger in the traces, and finds nothing — the baseline every fix below must get back to.
 #
 # ## 2. A rank that skips a collective: the hang
-# A LoRA job hangs (konstmish/prodigy#35): one rank holds only frozen parameters, believes it
-# has no gradient to reduce, and skips the optimizer's all-reduce; the other ranks wait in it
-# forever. `fault="skip-collective"` plants exactly that on rank 1: it skips the gradient
+# A LoRA job (small trainable low-rank matrices beside frozen base weights) hangs under PyTorch's
+# first FSDP (konstmish/prodigy#35): FSDP1 shards a unit's flattened parameters, so one rank's
+# shard can hold only frozen weights; the optimizer returns early there, before an all-reduce
+# every other rank issues, and they wait in it forever. Under DDP every rank holds every
+# parameter, so that exact cause cannot occur — but any rank-dependent exit before a collective
+# does the same, and `fault="skip-collective"` plants one on rank 1 of DDP: it skips the gradient
 # reduction of the last step. Waiting "forever" means until the process group's timeout —
 # minutes in a real job; here a pool whose collectives give up after 3 s.
 # [`outcome`](../minishard/course/ch11.py) hands each rank's error back as data, after its flight
@@ -171,9 +175,10 @@ print(f"\nthe seq rank 1 never issued: {glue('hang-seq', int(hang.title.split('s
 # all-reduce of `bucket0` in step 1's backward), where the others wait, and rank 1's last
 # collective; the timeouts come second, as the consequence they are (gloo's own message is
 # shortened to `…` above: it names ports and source paths of this machine). The fix is the
-# doctor's: every rank issues every collective, even one with nothing to send. With the same
-# layers frozen on every rank, DDP buckets the same trainable parameters everywhere and every
-# rank reduces them:
+# doctor's: every rank issues every collective, even one with nothing to send; without the skip
+# the run is §1's healthy one. Frozen parameters were never the problem: with the embedding
+# frozen on *every* rank, as a LoRA job freezes its base weights, DDP buckets the same trainable
+# parameters everywhere and every rank reduces them:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -323,8 +328,9 @@ assert [(f.kind, f.ranks) for f in report.findings] == [("memory", [0, 1, 2, 3])
 # %% [markdown]
 # **Accumulation without synchronising.** Gradient accumulation under `no_sync` (or FSDP2's
 # `set_requires_gradient_sync(False)`) skips the reduce-scatter of every micro-batch but the
-# last — and so keeps every unit's *full* gradient from one micro-batch to the next. One report
-# (meta-pytorch/tnt#1057) went from 3.25 GB to about 52 GB a rank. minishard's
+# last — and so keeps every unit's *full* gradient from one micro-batch to the next. In one report
+# (meta-pytorch/tnt#1057: 26B parameters on 16 GPUs) the gradients a rank keeps go from its 3.25 GB
+# shard to the whole 52 GB, and the GPUs' reported memory from 38 % to 86 %. minishard's
 # `accumulation="no_sync"` does the same; its default, like torchtitan's, reduce-scatters
 # every micro-batch:
 
@@ -335,12 +341,26 @@ report = show("accum-unsharded")
 synced = run("accum", strategy="fsdp", accum=2)
 print()
 print(verdict(RUNS / "accum", "runs/accum"), "— a reduce-scatter every micro-batch")
-full_grads = 4 * NANO
+
+def full_grads_as_forward_begins(name: str, rank: int = 0) -> int:
+    """The most bytes of full (unsharded) gradients live as a forward began: rank's ledger, from its trace."""
+    live, seen = 0, [0]
+    for ev in read_events(RUNS / name / f"rank{rank}.jsonl")[0]:
+        if ev["kind"] in ("alloc", "free") and ev.get("category") == "grads" and ":grad_full" in ev["tag"]:
+            live += ev["bytes"] if ev["kind"] == "alloc" else -ev["bytes"]
+        if ev["kind"] == "phase" and ev.get("name") == "forward" and ev.get("edge") == "begin":
+            seen.append(live)
+    return max(seen)
+
+
+full_grads = full_grads_as_forward_begins("accum-unsharded")
 print(f"{'':<30}{'peak per rank':>15}{'sent per step':>15}")
 for name, out in (("full gradients kept", kept), ("reduce-scatter each", synced)):
     key = "accum-unsharded" if out is kept else "accum-sync"
     print(f"{name:<30}{glue(f'{key}-peak', out[0]['peak'], '{:,}'):>15}{glue(f'{key}-sent', out[0]['wire'][-1], '{:,}'):>15}")
-print(f"full gradients live as the second micro-batch's forward begins: {glue('kept-grads', full_grads, '{:,}')} bytes = 4Ψ")
+print(f"full gradients live as the second micro-batch's forward begins (rank 0's ledger): "
+      f"{glue('kept-grads', full_grads, '{:,}')} bytes; = 4Ψ: {full_grads == 4 * NANO}")
+assert full_grads == 4 * NANO and full_grads_as_forward_begins("accum") == 0
 assert [(f.kind, f.ranks) for f in report.findings] == [("memory", [0, 1, 2, 3])]
 assert f"{fmt_bytes(full_grads)} of full gradients" in report.findings[0].title
 assert kept[0]["peak"] > synced[0]["peak"] and synced[0]["wire"][-1] > kept[0]["wire"][-1]
@@ -349,9 +369,13 @@ assert not doctor.diagnose(RUNS / "accum").findings
 # %% [markdown]
 # The trade is the course's usual one, the other way round: reduce-scattering every micro-batch
 # sends more bytes per step and keeps only the shards; skipping it saves bytes and holds 4Ψ of
-# full gradients — at 8B parameters, 32 GB a rank. The other causes in those reports — the
-# activations dominating, a small world, the root kept gathered, reserved against allocated
-# memory — are chapter 10's checklist ([§2](10-choosing-and-debugging.ipynb)).
+# full gradients — at 8B parameters, 32 GB a rank. The other causes in those reports are not
+# bugs either: activations that dominate (sharding never divides them: chapter 10's checklist,
+# [§2](10-choosing-and-debugging.ipynb)), a small world (two ranks save half the sharded state:
+# chapter 05 §1), the root kept gathered (FSDP2 does not reshard the root after forward:
+# chapter 05 §3), and on a GPU reserved against allocated memory (`nvidia-smi` shows what
+# PyTorch's caching allocator reserved, which stays high after tensors are freed; minishard's
+# ledger counts allocated bytes).
 #
 # ## 6. bf16 weights without a master
 # bf16 has 8 significant bits: numbers near 1.0 are 2⁻⁷ ≈ 0.0078 apart. An AdamW step moves a
@@ -561,7 +585,7 @@ assert not doctor.diagnose(RUNS / "crash-fixed").findings and left == [".json", 
 # | collectives in different orders (§3) | nothing when the sizes agree | `desync`: the first seq where the ranks disagree | one rank-independent order for units, buckets, prefetch | FSDP2: the same finding |
 # | ranks start from different weights (§4) | replicas that never agree | `weights`: which ranks, which parameters | broadcast rank 0's weights, or one seed | FSDP2, own seeds: the same finding; DDP: nothing (it broadcasts) |
 # | no wrap policy (§5) | FSDP no lower than DDP | `memory`: one unit holds all of Ψ | one unit per block | FSDP2: the same finding |
-# | accumulation without sync (§5) | memory grows with accumulation | `memory`: 4Ψ of full gradients kept | reduce-scatter every micro-batch | not run (FSDP2's switch: `set_requires_gradient_sync(False)`) |
+# | accumulation without sync (§5) | 4Ψ more memory from the first micro-batch on | `memory`: 4Ψ of full gradients kept | reduce-scatter every micro-batch | not run (FSDP2's switch: `set_requires_gradient_sync(False)`) |
 # | bf16 weights stepped in bf16 (§6) | the loss stalls | `precision`: the updates rounded away | an fp32 master | DDP with bf16 parameters: the same finding |
 # | a clip by the local norm (§7) | a wrong update direction | `clip`: ranks clipped by different norms | one all-reduce of the squares | not run (`clip_grad_norm_` on FSDP2's DTensors is global) |
 # | a rank dies in C++ (§9) | an abort, and no dump from that rank | `desync`: the extra collective and its line; `died`: the rank that died inside it | the same collectives on every rank | DDP and FSDP2 under `watch`: the same (`tests/test_deaths.py`) |
@@ -588,7 +612,7 @@ shutil.rmtree(RUNS)                               # the runs' dumps and traces
 # > 卡住（hang），是某个 rank 没有发起其他 rank 正在等的那次集合通信；大小相同的不同步（desync）则悄无声息。
 # > 不要去读超时报错，要读飞行记录器：按序号把各 rank 对齐，它们第一次不一致的地方，就指明了 rank、
 # > 集合通信和代码行——而且要在运行过程中就落盘，因为被直接杀掉的 rank 在最后一刻什么也写不了。显存没降是配置问题：整个模型只有一个单元，或者完整梯度跨微批次保留着。
-# > 改掉，再跑一遍，直到诊断什么也找不到为止。
+# > 改掉，再跑一遍，直到诊断工具什么也找不到为止。
 #
 # </details>
 #
@@ -643,12 +667,12 @@ shutil.rmtree(RUNS)                               # the runs' dumps and traces
 #
 # <details><summary>中文</summary>
 #
-# **练习：找出第一次不同步。** 写出诊断最先做的那件事：给定每个 rank 在一个组里的飞行记录（字典
+# **练习：找出第一次不同步。** 写出诊断工具最先做的那件事：给定每个 rank 在一个组里的飞行记录（字典
 # rank → 记录列表，每条记录有 `seq`、`op`、`shapes`、`dtypes`、`tag`、`step`），返回所有 rank
 # 都还保留着、且各 rank 发起的集合通信不一致的第一个 `seq`，以及不属于"最大的一致集合"的那些 rank
 # （如果没有哪个集合最大，就是全部 rank）；都一致则返回 `None`。两个陷阱：环形缓冲区会丢掉最旧的记录，
 # 而且各 rank 丢掉的不一定相同（要按 `seq` 对齐）；两个大小相同的单元互换顺序时，除了搬的是什么之外，
-# 其他一切都一致。检查程序在手工构造的记录和一次真实的 4-rank 乱序运行留下的 dump 文件上，把你的答案和诊断的比较。
+# 其他一切都一致。检查程序在手工构造的记录和一次真实的 4-rank 乱序运行留下的 dump 文件上，把你的答案和诊断工具的答案比较。
 #
 # 在下面的单元格里写（或编辑
 # [`minishard/course/exercises/ch11.py`](../minishard/course/exercises/ch11.py) 里的桩函数），

@@ -3,8 +3,9 @@
 can be seen to catch them.
 
     skip-collective  rank R skips the gradient reduction of the last step, and every collective
-                     after it — a rank that holds only frozen parameters (LoRA) believes it has
-                     nothing to reduce. The others wait in it until the collective timeout.
+                     after it — a rank-dependent early exit (under FSDP1, a rank whose shard
+                     holds only frozen LoRA base weights returning early from the optimizer).
+                     The others wait in it until the collective timeout.
     reorder          rank R's forward gathers blocks.1 before blocks.0 (its prefetch list says
                      so; the others gather in order). The two units are the same size, so the
                      gathers pair up across units and nothing hangs: the model is silently wrong.
