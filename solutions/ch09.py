@@ -14,3 +14,11 @@ def read_plan(numel, saved_world_size, world_size):
                 reads.append((s, a, b))
         plan.append(reads)
     return plan
+
+
+def survivor(entries):
+    if entries.get("ck"):                       # a complete checkpoint under its name: that one
+        return "ck"
+    if entries.get(".ck.old"):                  # died between the two renames: the old one, aside
+        return ".ck.old"
+    return None                                 # .ck.saving is never loaded, complete or not

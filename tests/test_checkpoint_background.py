@@ -136,3 +136,37 @@ def test_a_script_that_ends_without_waiting_still_leaves_its_checkpoint(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     assert checkpoint.read_metadata(tmp_path / "ck")["step"] == 7
     assert not (tmp_path / ".ck.saving").exists()
+
+
+def test_the_full_state_on_rank0_is_the_checkpoint_and_costs_what_the_formula_says(pools, tmp_path):
+    """Chapter 09 §8: the memory of three ways to save the same FSDP state, in bytes of the
+    tensors each allocates — sharded: none (the file is written from the live shards); in the
+    background: the rank's share 12Ψ/N (its host copy); the full state: 12Ψ on rank 0, sent by
+    the others from their shards — and the gathered state equals the sharded checkpoint."""
+    from minishard.core.model import GPT
+    from minishard.course import ch09
+    out = pools(2).run(ch09.save_peaks, str(tmp_path), model="nano")
+    state = 12 * GPT("nano", device="meta").num_params()
+    for o in out:
+        assert o["held"] == state // 2 and o["sharded"] == 0 and o["background"] == state // 2
+    assert out[0]["full"] == state and out[0]["full_equals_checkpoint"] and out[0]["sent"] == 0
+    assert out[1]["full"] == 0 and out[1]["sent"] == state // 2
+
+
+def test_the_three_saves_stall_and_write_side_by_side(pools, tmp_path):
+    """Chapter 09 §8: each save timed on every rank (stall <= visible, stall <= written), and the
+    last round's checkpoints all on disk: the background save's files are the synchronous
+    save's byte for byte (nothing trained between them), DCP's has its metadata."""
+    from minishard.course import ch09
+    out = pools(2).run(ch09.save_stalls, str(tmp_path), 1, model="nano")
+    for o in out:
+        assert len(o["rounds"]) == 1 and sorted(o["rounds"][0]) == sorted(ch09.SAVES)
+        for name, m in o["rounds"][0].items():
+            assert 0 < m["stall"] <= m["written"] and m["slowed"] >= 0, (name, m)
+            assert m["visible"] == pytest.approx(m["stall"] + m["slowed"]), (name, m)
+    for name in ch09.SAVES:                   # each round as slow as its slowest rank
+        assert ch09.slowest(out, name, "stall") == [max(o["rounds"][0][name]["stall"] for o in out)]
+    last = Path(out[0]["last"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [last.name]        # earlier rounds removed
+    assert _files(last / "background") == _files(last / "synchronous")
+    assert (last / "dcp_async" / ".metadata").exists()

@@ -153,6 +153,20 @@ def test_a_read_plan_that_ignores_the_uneven_last_chunk_fails():
         ch09.check_read_plan(read_plan)
 
 
+def test_a_survivor_that_loads_the_complete_but_unrenamed_new_checkpoint_fails():
+    """The newest complete directory is not the checkpoint: .ck.saving with its metadata was
+    never renamed into place, and a load never reads it."""
+    from minishard.course.exercises import ch09
+
+    def survivor(entries):
+        for name in (".ck.saving", "ck", ".ck.old"):
+            if entries.get(name):
+                return name
+        return None
+    with pytest.raises(ExerciseFailed, match="the rename is the commit"):
+        ch09.check_survivor(survivor)
+
+
 def test_tensor_parallel_that_gathers_the_weight_fails(ranks):
     from minishard.course.exercises import ch10
 
