@@ -112,40 +112,40 @@ assert quoted >= {(16, "bf16_mixed", "adamw"), (16, "bf16_fsdp", "adamw"), (18, 
 
 # %% [markdown]
 # ## 2. Activations come on top
-# What forward saves for backward grows with the micro-batch $B$, the layers $L$ and the sequence
-# length $T$ — linearly in $B$ and $L$, and faster than linearly in $T$, because attention as
-# written here keeps a $T\times T$ matrix per head. `gpt_activation_bytes` derives it op by op for
+# What forward saves for backward grows with the micro-batch $b$, the layers $L$ and the sequence
+# length $s$ — linearly in $b$ and $L$, and faster than linearly in $s$, because attention as
+# written here keeps an $s\times s$ matrix per head. `gpt_activation_bytes` derives it op by op for
 # minishard's GPT; here, for the course's tiny model (fp32):
 
 # %%
 # NBVAL_CHECK_OUTPUT
 # claim: L2
 def act(**cfg_overrides):
-    B = cfg_overrides.pop("B", 4)
-    return gpt_activation_bytes(model_config("tiny", **cfg_overrides), micro_batch=B)
+    b = cfg_overrides.pop("b", 4)
+    return gpt_activation_bytes(model_config("tiny", **cfg_overrides), micro_batch=b)
 
-rows = [("micro-batch B", "B", (1, 2, 4, 8)), ("layers L", "n_layer", (3, 6, 12, 24)),
-        ("sequence T", "seq_len", (64, 128, 256, 512))]
+rows = [("micro-batch b", "b", (1, 2, 4, 8)), ("layers L", "n_layer", (3, 6, 12, 24)),
+        ("sequence s", "seq_len", (64, 128, 256, 512))]
 for label, key, values in rows:
     sizes = [act(**{key: v}) for v in values]
     print(f"{label:<14}" + "  ".join(f"{v:>4}: {s / 2**20:7.1f} MiB" for v, s in zip(values, sizes)))
     steps = [b - a for a, b in zip(sizes, sizes[1:])]
-    if key in ("B", "n_layer"):                   # equal steps for equal increments: linear
+    if key in ("b", "n_layer"):                   # equal steps for equal increments: linear
         assert steps[1] == 2 * steps[0] and steps[2] == 4 * steps[0]
-    else:                                         # each doubling of T more than doubles it
+    else:                                         # each doubling of s more than doubles it
         assert all(b / a > 2 for a, b in zip(sizes, sizes[1:]))
 
 # %% [markdown]
 # At Llama-3-8B's scale, with bf16 activations, one sequence of 4096 tokens already adds tens of
 # GB per rank with this explicit attention (a fused FlashAttention kernel avoids storing the
-# $T\times T$ scores, which is most of it):
+# $s\times s$ scores, which is most of it):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for T in (2048, 4096, 8192):
-    a = gpt_activation_bytes(model_config("llama3-8b"), micro_batch=1, seq_len=T, dtype_bytes=2)
-    shown = glue("llama3-8b-activations-t4096", a / GB, "{:.1f}") if T == 4096 else f"{a / GB:.1f}"
-    print(f"llama3-8b, micro-batch 1, T = {T:>4}: activations {shown:>6} GB")
+for s in (2048, 4096, 8192):
+    a = gpt_activation_bytes(model_config("llama3-8b"), micro_batch=1, seq_len=s, dtype_bytes=2)
+    shown = glue("llama3-8b-activations-t4096", a / GB, "{:.1f}") if s == 4096 else f"{a / GB:.1f}"
+    print(f"llama3-8b, micro-batch 1, s = {s:>4}: activations {shown:>6} GB")
 
 # %% [markdown]
 # ### The literature's formula, measured

@@ -442,8 +442,8 @@ R4.close()
 # <details><summary>Answer</summary>
 #
 # From 2·3/4 · Ψ = 1.5Ψ to 2·63/64 · Ψ ≈ 1.97Ψ gradient elements (× 4 bytes in fp32): about 31%
-# more. Per-rank traffic of a ring all-reduce is almost independent of N; what grows with N is
-# the number of rounds (latency).
+# more. Per-rank traffic of a ring all-reduce is almost independent of N; the number of rounds
+# (the latency) is what grows with N.
 # </details>
 #
 # 2. Why must every rank launch its buckets in the same order, even if on some rank bucket 2 is
@@ -469,7 +469,7 @@ R4.close()
 #
 # <details><summary>中文</summary>
 #
-# **练习：环形算法在线上的字节数。** 写出在 N 个 rank 上，对 S 字节做环形 all-reduce、reduce-scatter 和
+# **练习：环形算法实际发送的字节数。** 写出在 N 个 rank 上，对 S 字节做环形 all-reduce、reduce-scatter 和
 # all-gather 时，一个 rank 发送的字节数。检查程序先把你的公式与 minishard 的对比，再与操作系统统计的、每个
 # DDP rank 进程一步写出的字节数对比，分别在 2 个和 3 个 rank 上。答案写在下面的单元格里（或者编辑
 # [`minishard/course/exercises/ch02.py`](../minishard/course/exercises/ch02.py) 里的桩函数），然后运行检查。

@@ -445,10 +445,10 @@ fits = {s: estimate(llama, world_size=8, strategy=s, precision="bf16_mixed").sta
 assert fits == {"ddp": False, "zero1": True, "zero2": True, "zero3": True}
 
 # %% [markdown]
-# ### Is stage 3 the default answer? The two source texts disagree
+# ### Is stage 3 the first choice? The two source texts disagree
 # The book chapter this course grew from calls stage 3's bargain — 1.5× the traffic for memory
-# divided by N — the reason it can be the *default*. The "FSDP vs ZeRO" article says the opposite:
-# stage 3 is strong, but not the answer to reach for by default. Both are right about something
+# divided by N — the reason it can be the *first choice*. The "FSDP vs ZeRO" article says the opposite:
+# stage 3 is strong, but not the answer to reach for first. Both are right about something
 # this notebook measured:
 #
 # * **For:** the state really is divided by N (§1, to the byte), and the traffic grows much less
@@ -488,31 +488,33 @@ assert measured["bytes ratio, textbook (§3)"] == 1.5 and measured["bytes ratio,
 
 # %% [markdown]
 # Same memory saving, opposite verdicts on time: on NVLink the planner predicts no slowdown for
-# about half the memory, so "default" is a fair word there; over Ethernet it predicts the same job
+# about half the memory, so "first choice" is fair there; over Ethernet it predicts the same job
 # about half again slower, and ZeRO-1, which fits, is the better choice. The disagreement is the
-# trade-off itself: stage 3 is the default only where the network can carry it.
+# trade-off itself: stage 3 is the first choice only where the network can carry it.
 
 # %% [markdown]
 # ## 5. ZeRO++: fewer bits on the wire
 # §3 counted passes and dtypes; ZeRO++ (DeepSpeed) attacks the bytes of each pass instead, in
 # three parts:
 #
-# * **qwZ** — the weights' all-gather quantized: each rank cuts what it sends into blocks of 256
-#   elements and sends one fp32 scale per block (the block's largest magnitude / 127) and every
-#   element as the nearest int8 multiple of it; every rank dequantizes what arrives, its own block
-#   too, so all ranks compute with the same weights. The fp32 master shards stay exact: only the
+# * **qwZ** — the weights' all-gather quantized: in minishard each rank cuts what it sends into
+#   blocks of 256 elements and sends one fp32 scale per block (the block's largest magnitude / 127)
+#   and every element as the nearest int8 multiple of it (DeepSpeed's groups are far larger, about
+#   4,000 to 8,000 elements: the 256 is minishard's, small so that the scales show); every rank
+#   dequantizes what arrives, its own block too, so all ranks compute with the same weights. The fp32 master shards stay exact: only the
 #   copy a unit computes with is rounded.
 # * **qgZ** — the gradient reduction quantized. A reduce-scatter sums as it goes, and summing
 #   int8 values would overflow and compound the rounding; so qgZ sends through an **all-to-all**
 #   instead: each rank quantizes the slice meant for every other rank, the slices cross once
 #   ((N−1)/N of the buffer, as a reduce-scatter), and each rank dequantizes the N contributions to
-#   its own slice and sums them in fp32. DeepSpeed does it in two hops — int8 inside the node,
-#   int4 across; minishard does one hop, in 8 or 4 bits.
+#   its own slice and sums them in fp32. DeepSpeed does it in two hops — an all-to-all inside the
+#   node, a sum, an all-to-all across nodes — in 4 bits on both; minishard does one hop, in 8 or 4
+#   bits.
 # * **hpZ** — a secondary copy of the weights sharded inside the node, so that backward's
 #   all-gather never leaves it: that is `reshard_after_forward=k`, measured on four ranks in
 #   chapter 10 §4.3.
 #
-# Per rank's part of n elements the wire carries 4·⌈n/256⌉ bytes of scales and n·bits/8 of values
+# Per rank's part of n elements minishard's wire carries 4·⌈n/256⌉ bytes of scales and n·bits/8 of values
 # (to whole 4 bytes). On two ranks, one step of the nano model with each dtype on the wire — the
 # bytes one rank sends, from the trace, each checked against that formula:
 #
@@ -520,18 +522,19 @@ assert measured["bytes ratio, textbook (§3)"] == 1.5 and measured["bytes ratio,
 #
 # §3 数的是遍数和 dtype；ZeRO++（DeepSpeed）则削减每一遍的字节数，分三部分：
 #
-# * **qwZ**——权重的 all-gather 做量化：每个 rank 把要发送的数据切成 256 个元素一块，每块发一个
-#   fp32 的 scale（块内最大绝对值 / 127），每个元素发成最接近的 int8 倍数；每个 rank 把收到的反量化，
+# * **qwZ**——权重的 all-gather 做量化：minishard 里每个 rank 把要发送的数据切成 256 个元素一块，每块发一个
+#   fp32 的 scale（块内最大绝对值 / 127），每个元素发成最接近的 int8 倍数（DeepSpeed 的分组大得多，约 4,000 到
+#   8,000 个元素；256 是 minishard 为了让 scale 的开销看得见而选的）；每个 rank 把收到的反量化，
 #   包括自己那一块，所以所有 rank 用同样的权重计算。fp32 的主权重分片保持精确：被取整的只是单元计算时用的那份副本。
 # * **qgZ**——梯度归约做量化。reduce-scatter 边传边加，直接加 int8 会溢出、误差会累积；所以 qgZ 改用
 #   **all-to-all**：每个 rank 把发给其他每个 rank 的那一片量化，各片只交换一次（与 reduce-scatter 一样发送缓冲区的
-#   (N−1)/N），每个 rank 把收到的 N 份贡献反量化后用 fp32 求和。DeepSpeed 分两跳做——节点内 int8，
-#   跨节点 int4；minishard 只做一跳，8 位或 4 位。
+#   (N−1)/N），每个 rank 把收到的 N 份贡献反量化后用 fp32 求和。DeepSpeed 分两跳做——节点内一次
+#   all-to-all、求和、再跨节点一次 all-to-all，两跳都量化到 4 位；minishard 只做一跳，8 位或 4 位。
 # * **hpZ**——在节点内再切一份权重的副本（secondary copy），让反向的 all-gather 不出节点：这就是
 #   `reshard_after_forward=k`，第 10 章 §4.3 在四个 rank 上测过。
 #
-# 每个 rank 的 n 个元素，线上是 4·⌈n/256⌉ 字节的 scale 加 n·bits/8 字节的值（凑整到 4 字节）。
-# 下面在两个 rank 上用 nano 模型跑一步，线上分别是各种 dtype——一个 rank 发送的字节数取自 trace，
+# 每个 rank 的 n 个元素，minishard 实际发送的是 4·⌈n/256⌉ 字节的 scale 加 n·bits/8 字节的值（凑整到 4 字节）。
+# 下面在两个 rank 上用 nano 模型跑一步，分别用各种 dtype 通信——一个 rank 发送的字节数取自 trace，
 # 每一项都对照上面的公式检查：
 #
 # </details>
@@ -569,8 +572,9 @@ for case, bytes_of in [("fp32", lambda n: 4 * n), ("bf16 (bf16_mixed)", lambda n
     assert per_op[case] == (sum(gathers[u] * sent[u] for u in parts), reduced), case   # (bf16_mixed reduces in fp32)
 
 # %% [markdown]
-# int8 sends a little over a quarter of fp32's bytes and half of bf16's; int4 a little over an
-# eighth of fp32's — "a little over" is the scales, 4 bytes per 256 elements. What does the
+# int8 sends a little over a quarter of fp32's bytes and a little over a third of the bf16
+# policy's (its reduce-scatter stays fp32, so bf16 is not half of fp32 here); int4 a little over
+# an eighth of fp32's — "a little over" is the scales, 4 bytes per 256 elements. What does the
 # rounding cost? The same 20 AdamW steps, unquantized and quantized four ways — the loss at every
 # step, and how far each run's model has drifted from the unquantized one, relative to how far
 # training moved it (`minishard.training.parity.drift`: 0 is the same model, 1 a drift as large as the
@@ -578,7 +582,8 @@ for case, bytes_of in [("fp32", lambda n: 4 * n), ("bf16 (bf16_mixed)", lambda n
 #
 # <details><summary>中文</summary>
 #
-# int8 的字节数略多于 fp32 的四分之一、bf16 的一半；int4 略多于 fp32 的八分之一——"略多"的是 scale，
+# int8 的字节数略多于 fp32 的四分之一、略多于 bf16 策略的三分之一（它的 reduce-scatter 仍是 fp32，
+# 所以这里 bf16 并不是 fp32 的一半）；int4 略多于 fp32 的八分之一——"略多"的是 scale，
 # 每 256 个元素 4 字节。取整的代价是什么？同样 20 步 AdamW，不量化和四种量化方式各跑一遍——每一步的
 # loss，以及每个 run 的模型相对不量化的那个漂移了多远，以训练本身把模型移动的距离为单位
 # （`minishard.training.parity.drift`：0 是同一个模型，1 是与整个训练一样大的漂移）：
@@ -600,8 +605,10 @@ fig = go.Figure([go.Scatter(y=c["losses"], name=name, mode="lines") for name, c 
 fig.update_layout(title="20 steps, 2 ranks, nano: the loss with each quantization", xaxis_title="step",
                   yaxis_title="loss", height=360)
 display(fig)
+DRIFT_KEYS = {"int8 weights (qwZ)": "int8-weights", "int8 gradients (qgZ)": "int8-grads",
+              "int8 weights + int4 gradients": "int8-weights-int4-grads", "int4 weights": "int4-weights"}
 for name, d in list(drifts.items())[1:]:      # the digits vary with the CPU's kernels: not a checked cell
-    print(f"{name:<32} drift {d.overall:.3f}  (most: {d.worst_tensor})")
+    print(f"{name:<32} drift {glue(f'zeropp-drift-{DRIFT_KEYS[name]}', d.overall, '{:.3f}')}  (most: {d.worst_tensor})")
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -650,8 +657,8 @@ for name, (fwd, bwd, grads) in across.items():
           f"  ->  {glue('zeropp-across-reduction', 6 / total, '{:.2f}') if name.startswith('ZeRO++') else format(6 / total, '.2f')}x fewer")
 
 # %% [markdown]
-# About 4× fewer bytes across nodes (3.9× with the scales) — DeepSpeed's headline figure, and
-# where it comes from. What it costs is not only the drift above: the quantize and dequantize
+# 4× fewer bytes across nodes — DeepSpeed's headline figure, and where it comes from; 3.9× with
+# minishard's blocks of 256, whose scales DeepSpeed's far larger groups make negligible. What it costs is not only the drift above: the quantize and dequantize
 # kernels run on every pass, the hpZ copy holds 1/k of each unit instead of 1/N between forward
 # and backward (chapter 10 §4.3), and the two-hop gradient reduction adds a collective. It pays where
 # the slow link is the bottleneck — many nodes on Ethernet or a thin InfiniBand fabric, small
@@ -660,7 +667,8 @@ for name, (fwd, bwd, grads) in across.items():
 #
 # <details><summary>中文</summary>
 #
-# 跨节点的字节大约少 4 倍（算上 scale 是 3.9 倍）——这就是 DeepSpeed 的标题数字，以及它的来历。代价不只是
+# 跨节点的字节少 4 倍——这就是 DeepSpeed 的标题数字，以及它的来历；按 minishard 每 256 个元素一个 scale 算是
+# 3.9 倍，DeepSpeed 的分组大得多，scale 的开销可以忽略。代价不只是
 # 上面的漂移：每一遍都要跑量化和反量化的 kernel，hpZ 的副本在前向和反向之间让每个单元占 1/k 而不是 1/N
 # （第 10 章 §4.3），两跳的梯度归约还多一次集合通信。在慢速链路是瓶颈的地方它才划算——很多节点、走以太网或
 # 较窄的 InfiniBand，每个 rank 的 batch 较小；在一个 NVLink 节点内部则不划算，那里字节本来就便宜，
@@ -688,7 +696,7 @@ R2.close()
 # > **要点。** ZeRO-3 把参数也切开：不用的时候，一个 rank 只保留每个权重、梯度和优化器矩的 1/N——
 # > 16Ψ/N 字节，实测精确到字节——一个单元的完整参数只在它计算时存在（§2 里 `unsharded` 的台阶）。
 # > 代价是参数在网络上多走一遍：每个 rank 每步 3(N−1)/N·Ψ 个元素，每个单元收集两次时恰好是 DDP
-# > 的 1.5×，在 FSDP2 保持 root 收集的做法下，这个模型是 1.345×。按字节计，这假设线上只有一种
+# > 的 1.5×，在 FSDP2 保持 root 收集的做法下，这个模型是 1.345×。按字节计，这假设通信只用一种
 # > dtype：用 FSDP2 常用的 bf16 收集加 fp32 reduce-scatter，ZeRO-3 发送的与 fp32 梯度的 DDP 完全
 # > 相同，是 bf16 梯度的 DDP 的两倍。再加上 20 次而不是 2 次集合通信，前向那些还在关键路径上：在一个
 # > 本来就放得下的模型上，stage 3 就是更慢。缺的是显存而不是时间时，才用它。

@@ -342,8 +342,8 @@ assert w["3. recompute"]["peak"] + one_block < BUDGET
 # ## 3. FSDP versus tensor parallelism
 # Both split a layer's weights over the ranks, but only one of them splits the *work*. FSDP
 # stores 1/N of each matrix and gathers it whole before computing; tensor parallelism splits
-# the matrix multiply itself (columns of the first MLP matrix A in Y = XA, rows of the second —
-# Megatron's names; in `nn.Linear`, which stores Aᵀ, rows of `fc.weight` and columns of
+# the matrix multiply itself (columns of the first MLP matrix W in Y = XW, rows of the second —
+# Megatron's names; in `nn.Linear`, which stores Wᵀ, rows of `fc.weight` and columns of
 # `proj.weight`), so no rank ever holds the full matrix and activations, not weights, cross the
 # wire.
 # [`compare_with_fsdp`](../minishard/course/ch10.py) runs one MLP forward and backward both ways on two
@@ -858,8 +858,8 @@ print("checkpoint on disk = 12Ψ bytes (fp32 parameters and both AdamW moments) 
 
 # %% [markdown]
 # ## Exercise: a tensor-parallel MLP forward
-# Write the forward of an MLP split the Megatron way: this rank's columns of the first matrix A
-# (in Y = XA) and the same rows of the second — in `nn.Linear` terms, which store Aᵀ, rows of
+# Write the forward of an MLP split the Megatron way: this rank's columns of the first matrix W
+# (in Y = XW) and the same rows of the second — in `nn.Linear` terms, which store Wᵀ, rows of
 # the first Linear's weight and columns of the second's — then one all-reduce of the partial
 # outputs. The check runs it on 1, 2
 # and 4 real ranks with the tiny GPT's first MLP, compares with the whole MLP and with
@@ -873,10 +873,10 @@ print("checkpoint on disk = 12Ψ bytes (fp32 parameters and both AdamW moments) 
 # <details><summary>中文</summary>
 #
 # **练习：张量并行 MLP 的前向。** 按 Megatron 的方式切分 MLP，写出它的前向：本 rank 持有第一个矩阵
-# A（Y = XA 中的 A）的若干列和第二个矩阵对应的行——换成 `nn.Linear` 的说法（它存的是 Aᵀ），就是第一个
+# W（Y = XW 中的 W）的若干列和第二个矩阵对应的行——换成 `nn.Linear` 的说法（它存的是 Wᵀ），就是第一个
 # Linear 权重的行、第二个 Linear 权重的列——然后对部分输出做一次 all-reduce。检查程序用 tiny GPT
 # 的第一个 MLP 在 1、2、4 个真实 rank 上运行它，与完整 MLP 和 `TensorParallelMLP` 比较，
-# 并确认线上只传了激活值、从未传过权重。这个函数会以源码形式发送给各 rank：请让它自包含。
+# 并确认网络上只传了激活值、从未传过权重。这个函数会以源码形式发送给各 rank：请让它自包含。
 #
 # 在下面的单元格里写（或编辑
 # [`minishard/course/exercises/ch10.py`](../minishard/course/exercises/ch10.py) 里的桩函数），
@@ -886,8 +886,8 @@ print("checkpoint on disk = 12Ψ bytes (fp32 parameters and both AdamW moments) 
 
 # %%
 def tp_mlp_forward(comm, x, fc_w, fc_b, proj_w, proj_b):
-    """proj(gelu(fc(x))) with this rank's parts: fc_w (F/N, C), fc_b (F/N,), proj_w (C, F/N);
-    proj_b (C,) whole (add it once). comm.all_reduce(t) sums t over ranks in place."""
+    """proj(gelu(fc(x))) with this rank's parts: fc_w (h_ff/N, h), fc_b (h_ff/N,), proj_w (h, h_ff/N);
+    proj_b (h,) whole (add it once). comm.all_reduce(t) sums t over ranks in place."""
     raise NotImplementedError("your code here")
 
 # %%

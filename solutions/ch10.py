@@ -3,7 +3,7 @@ import torch.nn.functional as F
 
 
 def tp_mlp_forward(comm, x, fc_w, fc_b, proj_w, proj_b):
-    h = F.gelu(F.linear(x, fc_w, fc_b))        # (B, T, F/N): this rank's hidden units, no communication
-    y = F.linear(h, proj_w).contiguous()       # (B, T, C): a partial sum over this rank's units
+    h = F.gelu(F.linear(x, fc_w, fc_b))        # (b, s, h_ff/N): this rank's hidden units, no communication
+    y = F.linear(h, proj_w).contiguous()       # (b, s, h): a partial sum over this rank's units
     comm.all_reduce(y)                         # activations cross the wire, not weights
     return y + proj_b

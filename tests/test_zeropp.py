@@ -93,7 +93,7 @@ def test_what_the_rounding_costs_over_twenty_steps(pools, N):
     under int8 weights (DeepSpeed's recipe), keep the loss within 0.5 % of the unquantized run at
     every step and the model within a third of how far training moved it (int8: 0.06–0.15,
     int4 gradients 0.26–0.29). int4 *weights* are another matter: 15 levels a block round a
-    LayerNorm's weights near 1 to steps of 1/7, and the model drifts 0.69–0.86 (5–8 times int8's)."""
+    LayerNorm's weights near 1 to steps of 1/7, and the model drifts 0.68–0.86 (5–8 times int8's)."""
     pool = pools(N)
     base = pool.run(train, TrainConfig(**KW))
     init = params_of(GPT("nano", seed=0))

@@ -6,7 +6,9 @@
   the chapter's notebook (measured numbers are links, checked by ``test_prose_numbers.py``);
 * the Chinese chapters use the glossary's words: where an English chapter uses a glossary term,
   its Chinese chapter uses one of the term's Chinese names (or the English one), and no chapter
-  uses a word the glossary's "wording we keep" table rules out.
+  uses a word the glossary's "wording we keep" table rules out;
+* the doctor (``minishard doctor``) is a tool, 诊断工具: no sentence makes plain 诊断 (the act)
+  the one that reads, finds or reports.
 """
 import re
 import sys
@@ -109,10 +111,21 @@ def avoided() -> list[str]:
     return [v for _, _, variants in wording() for v in variants]
 
 
+def not_variants() -> list[str]:
+    """Longer words that contain a variant and mean something else (时间线上: "on the timeline"),
+    from the line "Not variants · 不算变体：…" under the table."""
+    text = GLOSSARY.read_text(encoding="utf-8").split(WORDING, 1)[-1]
+    m = re.search(r"^Not variants · 不算变体：(.+)$", text, re.M)
+    return [w.strip() for w in m.group(1).split("、") if w.strip()] if m else []
+
+
 def test_the_glossary_rules_out_words_the_sources_do_not_use():
     assert {"包装粒度", "扁平参数", "聚合", "反分片", "分析型账本", "重新分片"} <= set(avoided())
+    assert {"全局规模", "rank 数", "micro-batch", "切片", "线上"} <= set(avoided())
     names = {z for _, zh in glossary_rows() for z in zh}
     assert {"包裹粒度", "通信换显存", "启动开销", "自动包裹策略"} <= names
+    assert {"进程总数", "实发字节", "诊断工具"} <= names
+    assert {"时间线上", "rank 数据"} <= set(not_variants())
     for concept, use, variants in wording():
         assert variants, f"{concept}: no variant to avoid"
         assert not any(v in use for v in variants), f"{concept}: {use} contains a variant it avoids"
@@ -182,9 +195,13 @@ def chinese_lines(path: Path) -> list[tuple[int, str]]:
 
 def variant_in(variant: str, line: str) -> bool:
     if CJK.search(variant):
+        for word in not_variants():            # "rank 数" is not in "rank 数据"
+            if variant in word:
+                line = line.replace(word, " ")
         return variant in line
-    # an English variant: a whole word, and not the English name in parentheses after a term
-    line = re.sub(r"（[\x20-\x7e]*）|\([\x20-\x7e]*\)", " ", line)
+    # an English variant: a whole word, and not the English name in parentheses after a term,
+    # alone or as the first item: 微批次（micro-batch）, 微批次（micro-batch，条序列）
+    line = re.sub(r"（[\x20-\x7e]*）|\([\x20-\x7e]*\)|(?<=[（(])[\x20-\x7e]+(?=[，、；])", " ", line)
     return re.search(rf"(?<![\w-]){re.escape(variant)}s?(?![\w-])", line, re.I) is not None
 
 
@@ -221,6 +238,61 @@ def test_the_variant_check_catches_a_planted_variant(tmp_path, monkeypatch):
              if variant_in(v, line)]
     assert lines == [(1, "聚合"), (5, "bucket")], lines
     assert [b.split(":")[1] for b in rejected_uses(page)] == ["1", "5", "6"]
+
+
+def test_the_variant_check_catches_the_words_of_one_term_per_concept(tmp_path, monkeypatch):
+    """World size, micro-batch, shard and wire bytes: each planted variant is caught, and the
+    words that only contain one (时间线上, rank 数据) or name the term in English are not."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "11-when-it-breaks.md"
+    page.write_text("全局规模太小时，FSDP 只省下一半。\n"                 # 1: world size
+                    "进程总数（world size）太少时也一样；本 rank 数据不算。\n"
+                    "N 表示 rank 数。\n"                                 # 3
+                    "每个微批次（micro-batch，条序列）都做 reduce-scatter。\n"
+                    "每个 micro-batch 都做 reduce-scatter。\n"           # 5
+                    "训练的模型是四个模型的切片拼成的。\n"               # 6: shard
+                    "在自己的时间线上看；实发字节更少。\n"
+                    "线上的字节还更少。\n", encoding="utf-8")           # 8: wire bytes
+    found = [(b.split(":")[1], b.split(": ", 1)[1].split(" → ")[0]) for b in rejected_uses(page)]
+    assert found == [("1", "'全局规模'"), ("3", "'rank 数'"), ("5", "'micro-batch'"),
+                     ("6", "'切片'"), ("8", "'线上'")], found
+
+
+# ------------------------------------------------------------------ the doctor is a tool
+# 诊断 right before what only the tool does (reads, finds, names, reports, stops, exits …), or
+# named beside the flight recorder: the sentence's subject is the tool, 诊断工具. 诊断 as the act
+# ("再诊断它", "诊断出来", "做一次诊断") is followed by none of these.
+DOCTOR_AS_SUBJECT = re.compile(
+    r"诊断(?=(?:就|才|会|也|都|再|只|还|先|不再|不先)?"
+    r"(?:读|说|给出|找|指出|点出|比较|看到|报告|认为|停|把|按|排|分得出|对齐|什么)"
+    r"|的(?:发现|结论|退出码|输出|答案))"
+    r"|记录器\s*[+＋与和]\s*\**诊断(?!工具)|[（(]诊断[）)]")
+
+
+def doctor_as_subject(path: Path) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{n}: …{line[max(0, m.start() - 12):m.end() + 8]}…"
+            for n, line in chinese_lines(path) for m in DOCTOR_AS_SUBJECT.finditer(line)]
+
+
+@pytest.mark.parametrize("path", ZH_PAGES + NOTEBOOK_SOURCES, ids=lambda p: p.name)
+def test_the_doctor_is_named_as_a_tool(path):
+    bad = doctor_as_subject(path)
+    assert not bad, ("the doctor is 诊断工具 (or `minishard doctor`); 诊断 is what it does:\n"
+                     + "\n".join(bad))
+
+
+def test_the_doctor_check_catches_the_tool_called_plain_diagnosis(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "11-when-it-breaks.md"
+    page.write_text("诊断不先读报错信息，而是读四个记录器。\n"             # 1
+                    "诊断工具不先读报错信息；`诊断什么也没找到` 在代码里不算。\n"
+                    "所以不用 notebook 也能把一次运行弄坏、再诊断它。\n"
+                    "诊断工具给出的结论是 `precision`；诊断的退出码是 1。\n"  # 4
+                    "把这一切读出来的是**飞行记录器 + 诊断**这一对。\n"     # 5
+                    "从各 rank 的飞行记录器诊断出来，修好后再跑一遍。\n"
+                    "去掉这条分支，诊断就什么也找不到。\n", encoding="utf-8")  # 7
+    assert [b.split(":")[1] for b in doctor_as_subject(page)] == ["1", "4", "5", "7"], \
+        doctor_as_subject(page)
 
 
 def heading_titles(text: str) -> list[str]:

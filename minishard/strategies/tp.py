@@ -4,18 +4,18 @@ FSDP *stores* 1/N of every weight but *computes* each layer whole: before a laye
 weight is all-gathered onto every rank. Tensor parallelism (Megatron-LM) never materialises a
 full weight: an MLP's first matrix is split by columns and its second by rows, so
 
-    x (B,T,C) on every rank
-    h_r = gelu(x @ W1[:, cols of rank r])     (B,T,F/N)   no communication
-    y_r = h_r @ W2[rows of rank r, :]         (B,T,C)     a partial sum
+    x (b,s,h) on every rank
+    h_r = gelu(x @ W1[:, cols of rank r])     (b,s,h_ff/N)   no communication
+    y_r = h_r @ W2[rows of rank r, :]         (b,s,h)     a partial sum
     y   = all_reduce(y_r)                                  activations cross the wire, not weights
 
-Naming: "columns" and "rows" are Megatron's, of the matrix A in Y = X A (W1 is C x F). PyTorch's
-``nn.Linear`` stores A transposed (``weight`` is out x in), so the first matrix's columns are
-rows of ``fc.weight`` (``fc.weight[r F/N:(r+1) F/N, :]``) and the second's rows are columns of
-``proj.weight`` (``proj.weight[:, r F/N:(r+1) F/N]``).
+Naming: "columns" and "rows" are Megatron's, of the matrix W in Y = X W (W1 is h x h_ff). PyTorch's
+``nn.Linear`` stores W transposed (``weight`` is out x in), so the first matrix's columns are
+rows of ``fc.weight`` (``fc.weight[r·h_ff/N:(r+1)·h_ff/N, :]``) and the second's rows are columns of
+``proj.weight`` (``proj.weight[:, r·h_ff/N:(r+1)·h_ff/N]``).
 
 and backward mirrors it (the gradient w.r.t. x is all-reduced). What moves is proportional to
-the activations (B·T·C), not to the weights (C·F) — and each rank does 1/N of the arithmetic.
+the activations (b·s·h), not to the weights (h·h_ff) — and each rank does 1/N of the arithmetic.
 The price: a collective inside every layer, on the critical path, which wants NVLink.
 """
 from __future__ import annotations
@@ -59,8 +59,8 @@ class _ReduceFromParallel(torch.autograd.Function):
 
 
 class TensorParallelMLP(nn.Module):
-    """The GPT MLP (C -> F -> C, GELU) split over the ranks of ``comm``: rank r keeps columns
-    [r F/N, (r+1) F/N) of the first weight and the same rows of the second."""
+    """The GPT MLP (h -> h_ff -> h, GELU) split over the ranks of ``comm``: rank r keeps columns
+    [r·h_ff/N, (r+1)·h_ff/N) of the first weight and the same rows of the second."""
 
     def __init__(self, full: nn.Module, comm: Comm, ledger: LiveLedger | None = None):
         super().__init__()
@@ -70,15 +70,15 @@ class TensorParallelMLP(nn.Module):
             raise ValueError(f"hidden size {F_} is not divisible by {N} ranks")
         part = slice(r * F_ // N, (r + 1) * F_ // N)
         self.comm = comm
-        self.fc_w = nn.Parameter(full.fc.weight.detach()[part].clone())       # (F/N, C)
+        self.fc_w = nn.Parameter(full.fc.weight.detach()[part].clone())       # (h_ff/N, h)
         self.fc_b = nn.Parameter(full.fc.bias.detach()[part].clone())
-        self.proj_w = nn.Parameter(full.proj.weight.detach()[:, part].clone())  # (C, F/N)
+        self.proj_w = nn.Parameter(full.proj.weight.detach()[:, part].clone())  # (h, h_ff/N)
         self.proj_b = nn.Parameter(full.proj.bias.detach().clone())           # added once, after
         if ledger is not None:
             ledger.track_parameters(self, prefix="tp")
 
-    def forward(self, x):                                   # (B, T, C) on every rank
+    def forward(self, x):                                   # (b, s, h) on every rank
         x = _CopyToParallel.apply(x, self.comm)
-        h = F.gelu(F.linear(x, self.fc_w, self.fc_b))       # (B, T, F/N): this rank's columns
-        y = F.linear(h, self.proj_w)                        # (B, T, C): a partial sum
+        h = F.gelu(F.linear(x, self.fc_w, self.fc_b))       # (b, s, h_ff/N): this rank's columns
+        y = F.linear(h, self.proj_w)                        # (b, s, h): a partial sum
         return _ReduceFromParallel.apply(y, self.comm) + self.proj_b

@@ -1,10 +1,10 @@
 """Chapter 10 exercise: a tensor-parallel MLP forward — split the matmul, never the weight's use.
 
 FSDP stores 1/N of every weight but computes each layer whole, after gathering the weight.
-Tensor parallelism never builds the full weight: rank r keeps columns ``[r F/N, (r+1) F/N)`` of
-the first matrix A in Y = X A (and those entries of its bias) and the same rows of the second,
+Tensor parallelism never builds the full weight: rank r keeps columns ``[r·h_ff/N, (r+1)·h_ff/N)`` of
+the first matrix W in Y = X W (and those entries of its bias) and the same rows of the second,
 computes its part of the hidden layer, and one all-reduce sums the partial outputs. (Columns and
-rows of A, Megatron's naming; ``nn.Linear.weight`` is A transposed, so below they are the rows
+rows of W, Megatron's naming; ``nn.Linear.weight`` is W transposed, so below they are the rows
 of the first Linear's weight and the columns of the second's.)
 
 Write the forward. The check runs it on 1, 2 and 4 real ranks with the tiny GPT's first MLP,
@@ -21,11 +21,11 @@ from . import at_world_sizes, attempt, expect, portable, run_on_rank
 
 def tp_mlp_forward(comm, x: torch.Tensor, fc_w: torch.Tensor, fc_b: torch.Tensor,
                    proj_w: torch.Tensor, proj_b: torch.Tensor) -> torch.Tensor:
-    """The MLP ``proj(gelu(fc(x)))`` with this rank's parts: ``x`` (B, T, C) on every rank;
-    ``fc_w`` (F/N, C) and ``fc_b`` (F/N,): this rank's rows of the first Linear's weight and bias;
-    ``proj_w`` (C, F/N): this rank's columns of the second Linear's weight; ``proj_b`` (C,): the
+    """The MLP ``proj(gelu(fc(x)))`` with this rank's parts: ``x`` (b, s, h) on every rank;
+    ``fc_w`` (h_ff/N, h) and ``fc_b`` (h_ff/N,): this rank's rows of the first Linear's weight and bias;
+    ``proj_w`` (h, h_ff/N): this rank's columns of the second Linear's weight; ``proj_b`` (h,): the
     second bias, whole (add it once). ``comm.all_reduce(t)`` sums ``t`` over ranks in place.
-    Return the full output (B, T, C), the same on every rank."""
+    Return the full output (b, s, h), the same on every rank."""
     raise NotImplementedError("tp_mlp_forward: your code here")
 
 
@@ -69,5 +69,5 @@ def check_tp_mlp_forward(fn=None, ranks=None) -> None:
                    f"all-reduce of the output and never gathers a weight")
             ring = 2 * (n - 1) * o["activation_bytes"] // n
             expect(n == 1 or o["by_op"].get("all_reduce", 0) == ring,
-                   f"N={n}: sum the (B, T, C) partial outputs with one all-reduce "
+                   f"N={n}: sum the (b, s, h) partial outputs with one all-reduce "
                    f"({ring:,} bytes on the wire), you sent {o['by_op']}")
