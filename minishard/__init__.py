@@ -1,7 +1,8 @@
 """minishard: see how training state is sharded across ranks, one event at a time.
 
 The public API is re-exported here; its names follow PyTorch's where PyTorch has one
-(``fully_shard``, ``MixedPrecisionPolicy``, ``DDP``)::
+(``fully_shard``, ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``, ``DDP``;
+``docs/side-by-side.md`` lists them and shows they agree)::
 
     from minishard import DDP, ZeroOptimizer, fully_shard, checkpoint, train, TrainConfig
 
@@ -29,7 +30,7 @@ from . import checkpoint, strategies
 from .core.comm import Comm, ring_wire_bytes
 from .training.config import TrainConfig
 from .strategies.ddp import DDP, NaiveDDP
-from .strategies.fsdp import MixedPrecisionPolicy, fully_shard
+from .strategies.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from .core.c10d import release_captured_groups
 from .core.launch import RankContext, RankError, Ranks, run
 from .planner.analytic import conventions, count_params, estimate, gpt_activation_bytes
@@ -51,7 +52,7 @@ release_captured_groups()
 
 __version__ = "0.1.0"
 __all__ = ["checkpoint", "strategies", "Comm", "ring_wire_bytes", "TrainConfig", "DDP", "NaiveDDP",
-           "MixedPrecisionPolicy", "fully_shard", "RankContext", "RankError", "Ranks", "run",
+           "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "fully_shard", "RankContext", "RankError", "Ranks", "run",
            "LiveLedger", "conventions", "count_params", "estimate", "gpt_activation_bytes",
            "CONFIGS", "GPT", "GPTConfig", "batch", "model_config", "drift", "Tracer", "TraceFormatError",
            "train", "train_step", "watch", "fingerprint", "ZeroOptimizer"]

@@ -33,7 +33,8 @@
 # drive. The device keeps only what compute touches right now, and each unit's parameter shard
 # comes over for every gather: parameter *and* optimizer offload, as PyTorch FSDP2's
 # `CPUOffloadPolicy` or DeepSpeed ZeRO-3's `offload_param` + `offload_optimizer` (not
-# ZeRO-Offload, which keeps the fp16 parameters on the GPU). This notebook shows a
+# ZeRO-Offload, which keeps the fp16 parameters on the GPU; §3.1 measures that choice beside this
+# one). This notebook shows a
 # configuration that runs out of device memory become one that trains, and measures what
 # crosses between the tiers every step; the reasoning is in
 # [tutorial/08-offload.md](../tutorial/08-offload.md).
@@ -70,7 +71,7 @@ from pathlib import Path
 from minishard import GPT, Ranks
 from minishard.planner.costmodel import DEVICES, LINKS, Cluster, plan
 from minishard.core.launch import RankError
-from minishard.course.ch08 import disk_tier_files, transfer_table
+from minishard.course.ch08 import disk_tier_files, offload_compare, transfer_table
 from minishard.course.glue import glue
 from minishard.training.loop import TrainConfig, train
 
@@ -237,6 +238,93 @@ replay_html(host_events, title="FSDP, offload='host', 2 ranks (offline player)",
 # %% [markdown]
 # The optimizer step itself moves nothing: it runs where the state lives (here, the CPU).
 #
+# ### 3.1 Only the optimizer state — ZeRO-Offload's choice
+# Everything offloaded is what FSDP2's `CPUOffloadPolicy` does. ZeRO-Offload (Ren et al., 2021)
+# keeps the parameters on the device and offloads only the optimizer's side: the moments and a
+# master copy of the parameters live in host memory, and the optimizer step runs there. minishard
+# does it with `ShardedOptimizer(model, opt, offload_policy=CPUOffloadPolicy())` on units that
+# offload nothing ([`OptimizerOffload`](../minishard/strategies/offload.py)). Once per step — not
+# once per gather — every gradient shard goes out and every updated shard comes back, 4Ψ/N bytes
+# each way; the device keeps the parameter and gradient shards, 8Ψ/N; the host holds 16Ψ/N either
+# way (master 4, gradients 4, moments 8 bytes an element):
+#
+# $$\text{optimizer only:}\quad \text{in} = \text{out} = \frac{4\,\Psi}{N},\qquad
+# \text{device state} = \frac{8\,\Psi}{N};\qquad
+# \text{everything:}\quad \text{in} = (2L\cdot\text{block} + \text{root})\frac{4}{N},\
+# \text{out} = \frac{4\,\Psi}{N},\qquad \text{device state} = 0.$$
+#
+# [`offload_compare`](../minishard/course/ch08.py) trains §1's two AdamW steps three ways — nothing,
+# the optimizer state, everything offloaded — and reads the ledger and the transfer logs of each
+# rank:
+#
+# <details><summary>中文</summary>
+#
+# **只卸载优化器状态——ZeRO-Offload 的做法。** 把所有状态都卸载，是 FSDP2 的 `CPUOffloadPolicy` 的做法。
+# ZeRO-Offload（Ren 等，2021）把参数留在设备上，只卸载优化器那一侧：Adam 的矩和一份主权重副本放在主机
+# 内存里，优化器 step 也在主机上跑。minishard 的写法是在不做卸载的单元上用
+# `ShardedOptimizer(model, opt, offload_policy=CPUOffloadPolicy())`。每个 step 只搬一次（而不是每次
+# gather 都搬）：梯度分片搬出，更新后的参数分片搬回，每个方向 4Ψ/N 字节；设备上保留参数分片和梯度分片，
+# 共 8Ψ/N；主机上两种做法都是 16Ψ/N（主权重 4、梯度 4、矩 8 字节/元素）。`offload_compare` 用三种方式
+# ——不卸载、只卸载优化器状态、全部卸载——训练 §1 的两个 AdamW step，读出每个 rank 的账本和搬运记录。
+#
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+runs = {w: R2.run(offload_compare, w) for w in ("nothing", "optimizer", "everything")}
+S = 4 * PSI // N                                        # one state category: 4 bytes an element
+moved = {w: out[0]["moved"][-1] for w, out in runs.items()}
+total = {w: m["h2d"] + m["d2h"] for w, m in moved.items()}
+on_device = {w: sum(out[0]["by_device"].get("device", {}).values()) for w, out in runs.items()}
+peak = {w: out[0]["peak"] for w, out in runs.items()}
+keys = {"optimizer": "opt-only", "everything": "everything"}
+print(f"{'offloaded':<11}{'in B/step':>12}{'out B/step':>12}{'device state':>14}{'host state':>12}{'device peak':>13}")
+for w, out in runs.items():
+    k = keys.get(w)
+    cols = [f"{moved[w]['h2d']:,}", f"{moved[w]['d2h']:,}", f"{on_device[w]:,}",
+            f"{sum(out[0]['by_device'].get('host', {}).values()):,}", f"{peak[w]:,}"]
+    if k:
+        cols[0] = glue(f"{k}-in-bytes", moved[w]["h2d"], "{:,}")
+        cols[4] = glue(f"{k}-device-peak", peak[w], "{:,}")
+    if w == "optimizer":
+        cols[1] = glue("opt-only-out-bytes", moved[w]["d2h"], "{:,}")
+        cols[2] = glue("opt-only-device-state", on_device[w], "{:,}")
+    print(f"{w:<11}" + "".join(f"{c:>{n}}" for c, n in zip(cols, (12, 12, 14, 12, 13))))
+print(f"bytes moved per step: everything / optimizer only = "
+      f"{glue('moved-ratio', total['everything'] / total['optimizer'], '{:.2f}')}; "
+      f"device peak: optimizer only is {glue('opt-only-peak-above', peak['optimizer'] - peak['everything'], '{:,}')} B "
+      f"above everything, {peak['nothing'] - peak['optimizer']:,} B below nothing")
+for i in range(N):
+    nothing, opt, every = (runs[w][i] for w in ("nothing", "optimizer", "everything"))
+    assert opt["losses"] == every["losses"] == nothing["losses"] == plain[i]["losses"]
+    assert all(m == {"h2d": S, "d2h": S} for m in opt["moved"])               # 4Ψ/N each way
+    assert all(m == {"h2d": h2d, "d2h": d2h} for m in every["moved"])          # §3's formula
+    assert opt["by_device"] == {"device": {"params": S, "grads": S},
+                                "host": {"master": S, "grads": S, "exp_avg": S, "exp_avg_sq": S}}
+    assert nothing["peak"] == plain[i]["ledger"]["peak"]                      # §1's run, to the byte
+    assert nothing["peak"] - opt["peak"] == 2 * S and nothing["peak"] - every["peak"] == 4 * S
+assert peak["everything"] < peak["optimizer"] <= BUDGET < peak["nothing"]
+
+# %% [markdown]
+# The trade is exact. Offloading only the optimizer state moves fewer bytes per step — the
+# parameters do not come over for every gather, only the updated shard once — but it leaves 8Ψ/N
+# of parameters and gradients on the device, so its peak sits exactly that much above
+# everything-offloaded's (and 8Ψ/N below no offload's; here it still fits §1's 80 MiB). Which one
+# a run wants depends on which is short: device memory (offload everything) or the link (offload
+# the optimizer state, and step on the CPU, as ZeRO-Offload does with its vectorised CPU Adam).
+# On a GPU ZeRO-Offload keeps fp16 parameters on the device and the fp32 master weights on the
+# host, so each crossing carries 2 bytes an element instead of 4; here everything is fp32.
+#
+# <details><summary>中文</summary>
+#
+# 这笔交换是精确的。只卸载优化器状态时每个 step 搬的字节更少——参数不必在每次 gather 前都搬过来，只有更新
+# 后的分片搬回一次——但设备上留着 8Ψ/N 的参数和梯度，所以它的峰值正好比全部卸载高出这么多（比不卸载低
+# 8Ψ/N；这里仍然放得进 §1 的 80 MiB）。选哪一种，看哪样更紧缺：设备显存（全部卸载），还是链路带宽（只卸载
+# 优化器状态，并像 ZeRO-Offload 那样用向量化的 CPU Adam 在 CPU 上做 step）。在 GPU 上，ZeRO-Offload 把
+# fp16 参数留在设备上、fp32 主权重放在主机上，所以每次搬运每个元素是 2 字节而不是 4 字节；这里全部是 fp32。
+#
+# </details>
+#
 # ## 4. How long the transfers take — measured here, modelled for a GPU
 # **Measured on this machine.** There is no GPU here: "device" and "host" are the same RAM, so a
 # host-tier transfer is a memory copy, and a disk-tier transfer a copy out of memory-mapped pages
@@ -387,7 +475,7 @@ R2.close()
 # > **要点。** 卸载把分片后的状态——参数、梯度、优化器的矩，每个 rank 16Ψ/N 字节——挪到主机内存或内存
 # > 映射文件里；设备上只留激活值和正在收集的单元。这里实测到：一个在 80 MiB 预算下会崩的运行，卸载后能在
 # > 预算内训练，结果逐位相同；每个 step 搬运的恰好是分片的字节：每个单元的参数每 gather 一次搬入一次，
-# > 梯度切片搬出一次。代价在这台 CPU 机器上只能建模、不能实测：这些字节要走 PCIe，比 HBM 慢一个数量级
+# > 梯度分片搬出一次。代价在这台 CPU 机器上只能建模、不能实测：这些字节要走 PCIe，比 HBM 慢一个数量级
 # > 以上，优化器 step 也跑在 CPU 上。容量问题变成了传输问题。用它让任务在紧缺的硬件上跑起来，或用于
 # > 很少访问、按长顺序扫描读取的状态；别指望靠它提速。
 #

@@ -118,10 +118,10 @@ def test_adam_state_made_ahead_for_offload_starts_at_step_0():
     the first step is Adam's first: bias-corrected, it moves every weight by lr against the sign
     of its gradient (|g| far above eps). A count starting at 1 would shrink that move to ~0.74 lr
     and leave every later bias correction one step off."""
-    from minishard.strategies.offload import OffloadPolicy
+    from minishard.strategies.offload import CPUOffloadPolicy
     LR = 1e-2
     torch.manual_seed(0)
-    net = fsdp.apply_fsdp(Chain(), comm=Comm(), offload_policy=OffloadPolicy("host"))
+    net = fsdp.apply_fsdp(Chain(), comm=Comm(), offload_policy=CPUOffloadPolicy())
     opt = fsdp.ShardedOptimizer(net, torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0))
     assert all(set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in net.parameters())
     net(torch.ones(2, 8)).backward()

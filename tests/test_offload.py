@@ -7,7 +7,8 @@ import pytest
 
 from minishard.core.launch import RankError
 from minishard.core.model import GPT
-from minishard.strategies.offload import OffloadError, OffloadPolicy, Tier
+from minishard.strategies.offload import (CPUOffloadPolicy, DiskOffloadPolicy, OffloadError, OffloadPolicy,
+                                          Tier)
 from minishard.training.loop import TrainConfig, train
 
 from parity import assert_parity, reference
@@ -73,11 +74,11 @@ def where_the_state_lives(rank, layout: str, directory: str) -> dict:
     from minishard.strategies import fsdp
     from minishard.core.comm import Comm
     from minishard.core.model import batch, config
-    from minishard.strategies.offload import OffloadPolicy
+    from minishard.strategies.offload import DiskOffloadPolicy
     cfg = config("nano")
     comm = Comm(rank.tracer)
     net = GPT(cfg, seed=0)
-    fsdp.apply_fsdp(net, comm=comm, layout=layout, offload_policy=OffloadPolicy("disk", directory))
+    fsdp.apply_fsdp(net, comm=comm, layout=layout, offload_policy=DiskOffloadPolicy(directory))
     opt = fsdp.ShardedOptimizer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
     files = lambda t: t.untyped_storage().filename   # noqa: E731
     out = {"tier": os.path.join(directory, f"rank{rank.rank}-"),
@@ -127,17 +128,21 @@ def test_offload_fits_a_budget_that_plain_fsdp_does_not(pools):
 
 
 def test_bad_offload_requests_are_named(tmp_path):
-    with pytest.raises(ValueError, match="unknown offload tier 'nvme'"):
-        OffloadPolicy(tier="nvme")
-    with pytest.raises(ValueError, match="needs a directory"):
-        OffloadPolicy(tier="disk")
+    with pytest.raises(TypeError, match="no-offload policy and takes no arguments.*CPUOffloadPolicy"):
+        OffloadPolicy("host")               # minishard's old spelling: refused, by name
+    with pytest.raises(ValueError, match="needs the folder"):
+        DiskOffloadPolicy("")
+    with pytest.raises(TypeError, match="pin_memory='yes'.*True or False"):
+        CPUOffloadPolicy(pin_memory="yes")
+    with pytest.raises(ValueError, match="offloads nothing"):
+        Tier(OffloadPolicy())
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     with pytest.raises(OffloadError, match="cannot be created"):
-        Tier(OffloadPolicy("disk", str(blocker / "sub")))
+        Tier(DiskOffloadPolicy(str(blocker / "sub")))
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     with pytest.raises(OffloadError, match="MiB free"):
-        Tier(OffloadPolicy("disk", str(tmp_path / "big")), needed_bytes=free * 2)
+        Tier(DiskOffloadPolicy(str(tmp_path / "big")), needed_bytes=free * 2)
     assert not any((tmp_path / "big").iterdir())      # nothing half-written
 
 
@@ -205,7 +210,7 @@ def test_each_unit_checks_room_for_its_shards_their_gradients_and_two_moments(tm
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(100 * numel, 0, 8 * numel))
     with pytest.raises(OffloadError, match="MiB free; the offloaded state needs"):
-        fsdp.fully_shard(block, offload_policy=OffloadPolicy("disk", str(tmp_path)))
+        fsdp.fully_shard(block, offload_policy=DiskOffloadPolicy(str(tmp_path)))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -236,3 +241,59 @@ def test_a_transfer_event_starts_when_the_copy_started():
     slack = 1e-6                                                   # t is rounded to 7 digits
     assert before - 0.25 - slack <= ev["t"] <= after - 0.25 + slack
     assert log.bytes == {"h2d": 4096, "d2h": 0} and log.seconds == {"h2d": 0.25, "d2h": 0.0}
+
+
+# ---------------------------------------------------------------------------- only the optimizer
+
+def test_optimizer_only_offload_keeps_parity(pools):
+    """ZeRO-Offload's choice (``ShardedOptimizer(offload_policy=CPUOffloadPolicy())``): the step
+    runs on the tier's master copies, and trains as one process does on the global batch — bit
+    for bit as the same FSDP run with nothing offloaded."""
+    from minishard.course.ch08 import offload_compare
+    kw = dict(model="nano", steps=3)
+    ours = pools(2).run(offload_compare, "optimizer", micro_batch=2, return_params=True, **kw)
+    assert_parity(ours, reference(2, 2, **kw))
+    plain = pools(2).run(offload_compare, "nothing", micro_batch=2, return_params=True, **kw)
+    assert_parity(ours, {"losses": [sum(r["losses"][s] for r in plain) / 2 for s in range(3)],
+                         "params": plain[0]["params"]}, bitwise=True)
+
+
+@pytest.mark.parametrize("N", [2, 3])
+def test_optimizer_only_against_everything_bytes_and_memory_equal_the_formula(pools, N):
+    """Per step, optimizer-only moves every gradient shard out and every updated shard in, once
+    (S each way, S the rank's fp32 shard bytes); everything-offloaded moves each unit's shard
+    in per gather (2·blocks + root) and the gradients out (S). At rest the device keeps S of
+    parameters and S of gradients with optimizer-only, nothing with everything; the tier holds
+    4S either way. The device peaks fall by 2S and 4S from the run with nothing offloaded."""
+    from minishard.course.ch08 import offload_compare
+    sizes = _shard_bytes(N, "flat")
+    S, blocks, root = sum(sizes), sum(sizes[:-1]), sizes[-1]
+    runs = {w: pools(N).run(offload_compare, w, model="nano", micro_batch=1)
+            for w in ("nothing", "optimizer", "everything")}
+    for i in range(N):
+        nothing, opt, every = (runs[w][i] for w in ("nothing", "optimizer", "everything"))
+        assert opt["losses"] == every["losses"] == nothing["losses"]
+        assert all(m == {"h2d": S, "d2h": S} for m in opt["moved"])
+        assert all(m == {"h2d": 2 * blocks + root, "d2h": S} for m in every["moved"])
+        assert all(m == {"h2d": 0, "d2h": 0} for m in nothing["moved"])
+        assert opt["by_device"] == {"device": {"params": S, "grads": S},
+                                    "host": {"master": S, "grads": S, "exp_avg": S, "exp_avg_sq": S}}
+        assert every["by_device"] == {"host": dict.fromkeys(("params", "grads", "exp_avg", "exp_avg_sq"), S)}
+        assert nothing["peak"] - opt["peak"] == 2 * S
+        assert nothing["peak"] - every["peak"] == 4 * S
+
+
+def test_bad_offload_policies_are_named():
+    """A value that is not a policy, and offloading the optimizer state two ways at once, are
+    refused with what was given and what is taken."""
+    import torch
+    from minishard.core.comm import Comm
+    from minishard.strategies import fsdp
+    with pytest.raises(TypeError, match="offload_policy='host' is not an offload policy.*CPUOffloadPolicy"):
+        fsdp.fully_shard(torch.nn.Linear(2, 2), comm=Comm(alone=True), offload_policy="host")
+    net = fsdp.fully_shard(torch.nn.Linear(2, 2), comm=Comm(alone=True), offload_policy=CPUOffloadPolicy())
+    adam = torch.optim.AdamW(net.parameters())
+    with pytest.raises(TypeError, match="ShardedOptimizer: offload_policy=True is not an offload policy"):
+        fsdp.ShardedOptimizer(net, adam, offload_policy=True)
+    with pytest.raises(ValueError, match="already keep the optimizer state in their tier.*offload one way"):
+        fsdp.ShardedOptimizer(net, adam, offload_policy=CPUOffloadPolicy())

@@ -9,7 +9,7 @@ import torch
 from minishard.core.comm import Comm
 from minishard.strategies import fsdp
 from minishard.core.model import GPT
-from minishard.strategies.offload import OffloadPolicy
+from minishard.strategies.offload import CPUOffloadPolicy
 
 from parity import assert_parity
 import replicated_tasks as T
@@ -133,7 +133,7 @@ def test_what_cannot_keep_its_own_dtype_is_refused():
         fsdp.fully_shard(GPT("nano").blocks[0], param_persistence_threshold=256, mp_policy=bf16)
     with pytest.raises(ValueError, match="replicate_params with offload"):
         fsdp.fully_shard(GPT("nano").ln_f, replicate_params=("weight", "bias"), mp_policy=bf16,
-                         offload_policy=OffloadPolicy("host"))
+                         offload_policy=CPUOffloadPolicy())
     with pytest.raises(ValueError, match="has no parameters of its own"):
         fsdp.fully_shard(torch.nn.ReLU())
 

@@ -9,7 +9,7 @@ from minishard.strategies import fsdp
 from minishard.core.comm import Comm
 from minishard.course.ch07 import stage3_train
 from minishard.core.model import GPT
-from minishard.strategies.offload import OffloadPolicy
+from minishard.strategies.offload import CPUOffloadPolicy
 from minishard.training.loop import TrainConfig
 
 from parity import assert_parity, reference
@@ -112,7 +112,7 @@ def test_the_bounds_are_counted_in_elements_and_refused_when_wrong():
             fsdp.set_stage3_limits(net, max_live_parameters=bad)
     whole = _sharded(16384)            # every parameter of a block that small: nothing to gather
     assert all(not u.layout.shard_tensors() and len(u.replicated) == 12 for u in fsdp.units(whole))
-    host = OffloadPolicy("host")
+    host = CPUOffloadPolicy()
     with pytest.raises(ValueError, match="param_persistence_threshold with offload"):
         _sharded(256, offload_policy=host)
     _sharded(32, offload_policy=host)          # nothing that small: nothing persistent, nothing refused

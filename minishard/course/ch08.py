@@ -41,3 +41,53 @@ def disk_tier_files(rank, directory: str, model: str = "tiny", micro_batch: int 
         u.release_tier()
     return {"files": len(sizes), "bytes": sum(sizes), "sizes": sizes, "units": len(folders),
             "left_behind": any(os.path.exists(d) for d in folders)}
+
+
+WHAT = ("nothing", "optimizer", "everything")
+
+
+def offload_compare(rank, what: str, model: str = "tiny", micro_batch: int = 2, steps: int = 2,
+                    lr: float = 1e-3, return_params: bool = False) -> dict:
+    """Train ``steps`` AdamW steps of FSDP (flat layout, a unit per block plus the root, no
+    prefetch: as §1's runs) with ``what`` in host memory: ``"nothing"``, ``"optimizer"`` —
+    ZeRO-Offload's choice, ``ShardedOptimizer(..., offload_policy=CPUOffloadPolicy())`` — or
+    ``"everything"``, ``fully_shard(..., offload_policy=CPUOffloadPolicy())``. Returns this
+    rank's losses, its ledger by device at the end, the device peak, the bytes each step moved
+    each way (the units' and the optimizer's transfer logs together) and, with
+    ``return_params``, the final full parameters."""
+    from minishard.core.ledger import LiveLedger, track_optimizer_state
+    from minishard.strategies import fsdp
+    from minishard.strategies.registry import optimizer_spec
+    from minishard.strategies.offload import CPUOffloadPolicy, OffloadPolicy
+    if what not in WHAT:
+        raise ValueError(f"offload_compare: what={what!r}; expected one of {WHAT}")
+    cfg = config(model)
+    ledger = LiveLedger(rank.tracer)
+    comm = Comm(rank.tracer, ledger=ledger)
+    host = CPUOffloadPolicy()
+    net = fsdp.apply_fsdp(GPT(cfg, seed=0).to(rank.device), comm=comm, ledger=ledger, layout="flat",
+                          offload_policy=host if what == "everything" else OffloadPolicy())
+    fsdp.set_prefetch(net, 0, 0)
+    opt_class, opt_kwargs = optimizer_spec("adamw", lr)          # as a run's: AdamW, decay 0.01
+    opt = fsdp.ShardedOptimizer(net, opt_class(net.parameters(), **opt_kwargs),
+                                offload_policy=host if what == "optimizer" else OffloadPolicy())
+    if opt.offload is not None:
+        opt.offload.account(ledger)
+    logs = [u.transfers for u in fsdp.units(net)] + ([opt.offload.transfers] if opt.offload else [])
+    moved = lambda d: sum(log.bytes[d] for log in logs)                       # noqa: E731
+    losses, per_step = [], []
+    for step in range(steps):
+        before = {d: moved(d) for d in ("h2d", "d2h")}
+        x, y = batch(cfg, step, micro_batch, rank.rank, rank.world_size)
+        with ledger.activations():
+            loss = net(x, y)
+        loss.backward()
+        opt.step()
+        track_optimizer_state(ledger, opt.optimizer, net, device=None if what == "nothing" else "host")
+        opt.zero_grad(set_to_none=False)
+        losses.append(loss.item())
+        per_step.append({d: moved(d) - before[d] for d in before})
+    out = {"losses": losses, "by_device": ledger.by_device(), "peak": ledger.peak, "moved": per_step}
+    if return_params:
+        out["params"] = fsdp.full_parameters(net)
+    return out

@@ -29,7 +29,8 @@ One file per idea, in the order of the lifecycle:
     limits.py   DeepSpeed's ZeRO-3 bounds: prefetch bucket, max live parameters, persistence
     replicated.py  parameters kept whole on every rank, in their own dtype; units of nothing else
     hooks.py    every hook, each a single call to a named method of the unit
-    api.py      fully_shard, MixedPrecisionPolicy, prefetch settings, no_sync, clip_grad_norm_,
+    api.py      fully_shard, MixedPrecisionPolicy, prefetch settings (FSDP2's default: the unit
+                before in backward, none in forward), no_sync, clip_grad_norm_,
                 full_parameters
     recipe.py   apply_fsdp: the GPT sharded one unit per block (or Linear), then the root; the
                 fsdp / fsdp_flat / hsdp strategies built on it (FSDPBuilt)
@@ -39,12 +40,14 @@ from .api import (MixedPrecisionPolicy, clip_grad_norm_, full_parameters, fully_
                   no_sync, set_modules_to_backward_prefetch, set_modules_to_forward_prefetch,
                   set_prefetch, units)
 from .limits import set_stage3_limits
+from ..offload import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
 from .optim import ShardedOptimizer
 from .recipe import apply_fsdp, wrap_targets
 from .state import MemoryState, TrainingState
 from .unit import FSDPUnit
 
-__all__ = ["fully_shard", "apply_fsdp", "wrap_targets", "MixedPrecisionPolicy", "MemoryState", "TrainingState",
+__all__ = ["fully_shard", "apply_fsdp", "wrap_targets", "MixedPrecisionPolicy", "OffloadPolicy",
+           "CPUOffloadPolicy", "DiskOffloadPolicy", "MemoryState", "TrainingState",
            "FSDPUnit", "ShardedOptimizer", "set_prefetch", "set_modules_to_forward_prefetch",
            "set_modules_to_backward_prefetch", "units", "no_sync", "keep_gathered", "clip_grad_norm_",
            "full_parameters", "set_stage3_limits"]

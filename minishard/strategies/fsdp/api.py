@@ -11,7 +11,7 @@ from minishard.core import quantized
 from minishard.strategies.clipping import clip_sharded_grad_norm_
 from minishard.core.comm import Comm
 from minishard.core.ledger import LiveLedger
-from minishard.strategies.offload import OffloadPolicy, Tier, state_bytes
+from minishard.strategies.offload import OffloadPolicy, Tier, checked_policy, state_bytes
 from . import hooks
 from .layout import FlatLayout, PerParamLayout
 from .slots import ParamSlot, collect_slots
@@ -32,9 +32,8 @@ class MixedPrecisionPolicy:
 
 def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedger | None = None,
                 reshard_after_forward: bool | int | None = None,
-                mp_policy: MixedPrecisionPolicy | None = None, layout: str = "per_param",
-                manual: bool = False, name: str | None = None,
-                offload_policy: OffloadPolicy | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), layout: str = "per_param",
+                manual: bool = False, name: str | None = None, offload_policy: OffloadPolicy = OffloadPolicy(),
                 replicate: Comm | None = None, replicate_params: tuple[str, ...] = (),
                 param_persistence_threshold: int | None = None, quantized_weights: bool | int = False,
                 quantized_gradients: bool | int = False) -> nn.Module:
@@ -48,9 +47,9 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     backward gathers inside groups of k consecutive ranks (a node) — FSDP2's rule: 1 is False,
     the group's size is True.
     ``manual=True`` registers no hooks: call ``unshard``/``reshard``/``reduce_scatter_grads``
-    yourself. ``offload_policy``: FSDP2's knob — an ``offload.OffloadPolicy`` naming the tier
-    (host memory, or memory-mapped files) that keeps the unit's shards, their gradients and (see
-    ``ShardedOptimizer``) the optimizer state; the unit makes its own ``offload.Tier`` there.
+    yourself. ``offload_policy``: FSDP2's, as there — ``OffloadPolicy()`` (default) offloads nothing,
+    ``CPUOffloadPolicy()`` keeps the shards, their gradients and the optimizer state in host
+    memory, ``DiskOffloadPolicy(directory)`` in memory-mapped files (the unit's ``offload.Tier``).
     ``replicate``: hybrid sharding (HSDP) — ``comm`` is the shard group (a node), ``replicate``
     joins the ranks holding the same shard on other nodes (see ``Comm.split``).
     ``replicate_params``: names of parameters or submodules of ``module`` (``("ln1", "ln2")``)
@@ -64,6 +63,7 @@ def fully_shard(module: nn.Module, *, comm: Comm | None = None, ledger: LiveLedg
     the gradient reduction (as an all-to-all), in int8 (True or 8) or int4 (4) with one scale per
     block of ``quantized.BLOCK`` elements (``minishard/core/quantized.py``)."""
     name = name or type(module).__name__
+    offload_policy = checked_policy(offload_policy, name)
     if hasattr(module, "_fsdp_unit"):
         raise ValueError(f"{name} is already an FSDP unit: fully_shard a module once")
     if layout not in ("per_param", "flat"):
@@ -154,16 +154,16 @@ def _units_inside(module: nn.Module) -> list[FSDPUnit]:
     return inside
 
 
-def _tier(policy: OffloadPolicy | None, rank: int, unit: str, layout) -> Tier | None:
+def _tier(policy: OffloadPolicy, rank: int, unit: str, layout) -> Tier | None:
     """The unit's own place in its offload tier, with room for its shards' state."""
-    if policy is None:
+    if policy.tier is None:
         return None
     shards = sum(t.numel() for t in layout.shard_tensors())
     return Tier(policy, rank, unit=unit, needed_bytes=state_bytes(shards))
 
 
 def _split_replicated(slots: list[ParamSlot], asked: tuple[str, ...] | str, persistent: tuple[str, ...],
-                      unit: str, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy | None):
+                      unit: str, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy):
     """(the slots kept whole, the slots to shard, the modules computing in their replicated
     parameters' dtype): those ``replicate_params`` names (``asked``) and those under the
     persistence threshold (``persistent``)."""
@@ -181,7 +181,7 @@ def _split_replicated(slots: list[ParamSlot], asked: tuple[str, ...] | str, pers
         raise ValueError(f"replicate_params: {unit} has no parameter or submodule {missing} "
                          f"(its parameters: {[s.fqn for s in slots][:6]}...)")
     whole = [s for s in slots if any(match(s, n) for n in names)]
-    if offload_policy is not None:
+    if offload_policy.tier is not None:
         # the tier holds the shards, their gradients and moments, and the step runs there; a
         # parameter kept whole would stay on the device with its gradient and moments, outside
         # what the tier accounts for, and the step would straddle both

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from minishard.strategies.offload import OffloadPolicy, OptimizerOffload, checked_policy
 from minishard.strategies.optim_state import ensure_optimizer_state
 from .api import units
 from .state import MemoryState
@@ -26,14 +27,24 @@ class ShardedOptimizer:
     on the CPU for host memory, over memory-mapped files for the disk tier — and nothing
     crosses for it.
 
+    Only the optimizer's side offloaded instead — ZeRO-Offload's choice —
+    ``ShardedOptimizer(model, opt, offload_policy=CPUOffloadPolicy())`` on units with no
+    offload: the moments and a master copy of the shards live in the tier and the step runs
+    there; the gradient shards go out and the updated shards come back, once per step
+    (``offload.OptimizerOffload``).
+
     A checkpoint asks the units, not this wrapper, what the rank holds (``FSDPUnit.checkpoint_regions``):
     a plain torch optimizer over ``model.parameters()`` is checkpointed the same way."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 offload_policy: OffloadPolicy = OffloadPolicy()):
         self.optimizer = optimizer
         self.units = units(model)
         self.param_groups = optimizer.param_groups
         tiers = {t: tier for u in self.units for t, tier in u.offloaded().items()}
+        self.offload = self._offload(checked_policy(offload_policy, "ShardedOptimizer"), bool(tiers))
+        if self.offload is not None:
+            tiers = dict.fromkeys(self.offload.params, self.offload.tier)
         if tiers:
             ensure_optimizer_state(optimizer, lambda p: tiers[p].zeros_like(p) if p in tiers
                                    else torch.zeros_like(p))
@@ -49,7 +60,20 @@ class ShardedOptimizer:
             if u.memory_state is not MemoryState.SHARDED:
                 raise RuntimeError(f"optimizer step while FSDP unit {u.name} is {u.memory_state.value}: "
                                    f"step after backward, when every unit holds only its shard")
-        return self.optimizer.step(closure)
+        if self.offload is None:
+            return self.optimizer.step(closure)
+        with self.offload.stepping():
+            return self.optimizer.step(closure)
+
+    def _offload(self, policy: OffloadPolicy, units_offload: bool) -> OptimizerOffload | None:
+        if policy.tier is None:
+            return None
+        if units_offload:
+            raise ValueError("ShardedOptimizer(offload_policy=...): the units already keep the optimizer "
+                             "state in their tier (fully_shard(offload_policy=...)); offload one way")
+        comm = self.units[0].comm
+        return OptimizerOffload(policy, [p for g in self.param_groups for p in g["params"]],
+                                comm.rank, comm.tracer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

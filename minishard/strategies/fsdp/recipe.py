@@ -85,7 +85,7 @@ def build_fsdp(strategy, net: nn.Module, config, comm, ledger, *, layout: str = 
                hybrid: bool = False) -> FSDPBuilt:
     """ZeRO-3 / FSDP: every block a unit, the root takes the rest; hybrid shards inside groups
     of ``shard_size`` ranks and replicates across them."""
-    from ..offload import OffloadPolicy, check_room, state_bytes
+    from ..offload import check_room, policy_of, state_bytes
     opt_class, opt_kwargs = optimizer_spec(config.optimizer, config.lr)
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if config.precision == "bf16_mixed" else None
     comms, replica_group = (comm,), None
@@ -95,9 +95,8 @@ def build_fsdp(strategy, net: nn.Module, config, comm, ledger, *, layout: str = 
                              f"{config.shard_size}")
         comm, replica_group = comm.split(config.shard_size)
         comms = (comm, replica_group)
-    offload = None
+    offload = policy_of(config.offload, config.offload_dir)    # None: OffloadPolicy(), no offload
     if config.offload is not None:      # room for the whole state first: no unit half-made
-        offload = OffloadPolicy(config.offload, config.offload_dir)
         check_room(offload, state_bytes(sum(p.numel() for p in net.parameters()) // comm.world_size))
     kw = dict(comm=comm, ledger=ledger, mp_policy=mp, offload_policy=offload, replicate=replica_group,
               layout=layout, param_persistence_threshold=config.param_persistence_threshold,

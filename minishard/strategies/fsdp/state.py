@@ -130,7 +130,9 @@ class RootContext:
     def __init__(self) -> None:
         self.root: FSDPUnit | None = None          # the unit that ran forward first
         self.units: list[FSDPUnit] = []            # every unit under the root, the root first
-        self.prefetch_depth = (0, 0)               # (forward, backward), when no list is given
+        # (forward, backward) depth when no list is given: FSDP2's default, which gathers the
+        # unit before in backward and nothing ahead in forward (set_prefetch changes it)
+        self.prefetch_depth = (0, 1)
         self.stage3_limits = Stage3Limits()         # DeepSpeed's bounds (``limits.py``)
         self._recording: list[FSDPUnit] | None = None
         self._forward_order: list[FSDPUnit] | None = None
