@@ -34,23 +34,23 @@
 # backward runs the model in reverse). This notebook measures what that buys and what it costs on
 # real ranks; the reasoning is in [tutorial/07-prefetch.md](../tutorial/07-prefetch.md).
 #
-# **The one-line "syntax"** — prefetch depth k, N ranks, fp32 AdamW; the peak comes at the start
-# of backward, when every activation is alive, the root computes the head and k blocks are
+# **The one-line "syntax"** — prefetch depth d, N ranks, fp32 AdamW; the peak comes at the start
+# of backward, when every activation is alive, the root computes the head and d blocks are
 # already gathered for backward:
 #
-# $$\text{peak per rank} = \frac{16\,\Psi}{N} + \text{root} + k\cdot\text{block} + \text{activations},
-# \qquad \text{full parameters held} = \text{root} + (k+1)\cdot\text{block}.$$
+# $$\text{peak per rank} = \frac{16\,\Psi}{N} + \text{root} + d\cdot\text{block} + \text{activations},
+# \qquad \text{full parameters held} = \text{root} + (d+1)\cdot\text{block}.$$
 #
 # ```python
-# set_prefetch(model, forward=k, backward=k)               # depth k for every unit of the root
+# set_prefetch(model, forward=d, backward=d)               # depth d for every unit of the root
 # set_modules_to_forward_prefetch(model.blocks[0], [model.blocks[1]])   # or explicit, per unit
 # ```
 #
 # <details><summary>中文</summary>
 #
-# **一行"语法"**——预取深度 k，N 个 rank，fp32 AdamW。峰值出现在反向开始时：所有激活值都还在显存里，root 在算
-# head，k 个 block 已经为反向收集好。每个 rank 的峰值 = 16Ψ/N + root + k·block + 激活值；同时持有的完整
-# 参数 = root + (k+1)·block。`set_prefetch` 给 root 下的所有单元设置预取深度，
+# **一行"语法"**——预取深度 d，N 个 rank，fp32 AdamW。峰值出现在反向开始时：所有激活值都还在显存里，root 在算
+# head，d 个 block 已经为反向收集好。每个 rank 的峰值 = 16Ψ/N + root + d·block + 激活值；同时持有的完整
+# 参数 = root + (d+1)·block。`set_prefetch` 给 root 下的所有单元设置预取深度，
 # `set_modules_to_forward_prefetch` 则逐个单元显式指定。
 #
 # </details>
@@ -85,7 +85,7 @@ R2 = Ranks(2)                                                        # one warm 
 
 # %% [markdown]
 # ## 1. The schedule: what is in flight while each unit computes
-# Two training steps for each depth k = 0, 1, 2, 3, in both layouts: FSDP1's flat buffer
+# Two training steps for each depth d = 0, 1, 2, 3, in both layouts: FSDP1's flat buffer
 # (`fsdp_flat`) and FSDP2's per-parameter shards (`fsdp`). Everything else is the same: tiny
 # model, one unit per block plus the root, micro-batch 4.
 
@@ -111,7 +111,7 @@ for k in DEPTHS:
     rows = who_is_gathered(traces["fsdp_flat", k], rank=0, step=1)
     for p in ("forward", "backward"):
         line = "  ".join(f"{short([r['unit']])}[{short(r['in_flight'])}]" for r in rows if r["pass"] == p)
-        print(f"k={k} {p:<9} {line}")
+        print(f"d={k} {p:<9} {line}")
     order = {"forward": blocks, "backward": blocks[::-1]}
     for r in rows:                            # the rule: the next k units of the pass, in its order
         seq = order[r["pass"]]
@@ -121,7 +121,7 @@ for k in DEPTHS:
     assert who_is_gathered(traces["fsdp", k], rank=0, step=1) == rows
 
 # %% [markdown]
-# `b2[b3,b4]` reads: block 2 computes while the all-gathers of blocks 3 and 4 travel. With k = 0
+# `b2[b3,b4]` reads: block 2 computes while the all-gathers of blocks 3 and 4 travel. With d = 0
 # nothing is ever in flight: each unit gathers when it is reached, and compute waits. In
 # backward the order is reversed, and the root (which computes the head first) prefetches the
 # *last* blocks. (The root itself is gathered once per step and kept: chapter 06.)
@@ -136,7 +136,7 @@ for k in DEPTHS:
 def formula(k):
     return STATE + ROOT + k * BLOCK + ACT
 
-print(f"{'k':>2}{'formula':>14}{'peak flat':>14}{'peak per-param':>16}{'flat − formula':>16}")
+print(f"{'d':>2}{'formula':>14}{'peak flat':>14}{'peak per-param':>16}{'flat − formula':>16}")
 for k in DEPTHS:
     flat, pp = (sweep[s, k][0]["ledger"]["peak"] for s in ("fsdp_flat", "fsdp"))
     print(f"{k:>2}{formula(k):>14,}{glue(f'peak-flat-k{k}', flat, '{:,}'):>14}"
@@ -151,11 +151,11 @@ for k in DEPTHS:
 for k in DEPTHS[1:]:                                               # one block per unit of depth
     assert sweep["fsdp_flat", k][0]["ledger"]["peak"] - sweep["fsdp_flat", k - 1][0]["ledger"]["peak"] == BLOCK
 flat0, pp0 = (sweep[s, 0][0]["ledger"]["peak"] for s in ("fsdp_flat", "fsdp"))
-print(f"k=0: the per-parameter peak is {glue('per-param-k0-excess', pp0 / flat0 - 1, '{:.1%}')} above the flat one")
+print(f"d=0: the per-parameter peak is {glue('per-param-k0-excess', pp0 / flat0 - 1, '{:.1%}')} above the flat one")
 
 # %% [markdown]
 # The formula is exact to the byte for the flat layout; the per-parameter layout peaks at the
-# same bytes from k = 1 on (at k = 0 its peak falls inside backward, 0.8% above). Each unit of
+# same bytes from d = 1 on (at d = 0 its peak falls inside backward, 0.8% above). Each unit of
 # depth costs one block: 3,159,040 bytes here, 436 MB of bf16 for a Llama-3-8B block, 1.7 GB
 # for a Llama-3-70B block — on every rank, whatever N is.
 #
@@ -166,7 +166,7 @@ print(f"k=0: the per-parameter peak is {glue('per-param-k0-excess', pp0 / flat0 
 # %%
 # NBVAL_CHECK_OUTPUT
 print(f"{'':>2}{'flat layout':>15}{'per-parameter layout':>54}")
-print(f"{'k':>2}{'unsharded':>15}{'unsharded':>15}{'in flight':>13}{'both at once':>15}"
+print(f"{'d':>2}{'unsharded':>15}{'unsharded':>15}{'in flight':>13}{'both at once':>15}"
       f"{'root+(k+1)·block':>19}")
 for k in DEPTHS:
     f, p = gathered_peaks(traces["fsdp_flat", k]), gathered_peaks(traces["fsdp", k])
@@ -181,12 +181,12 @@ for k in DEPTHS:
 # %% [markdown]
 # * **Flat (FSDP1)** gathers straight into the unit's full buffer, allocated when the gather
 #   starts: a prefetched unit is `unsharded` memory at once, and the category peaks at
-#   root + (k+1) blocks.
+#   root + (d+1) blocks.
 # * **Per-parameter (FSDP2)** gathers into one packed buffer per unit and allocates the
 #   parameters only at the copy-out, when the unit is about to compute. So `unsharded` never
-#   exceeds the root and one block, and the prefetched units are *in flight* instead: k blocks
+#   exceeds the root and one block, and the prefetched units are *in flight* instead: d blocks
 #   of buffers (or the root's buffer, the largest single gather here). Counting both, the same
-#   root + (k+1) blocks come back as soon as depth dominates (k = 2, 3) — plus, at every
+#   root + (d+1) blocks come back as soon as depth dominates (d = 2, 3) — plus, at every
 #   copy-out, the unit's packed buffer and its parameters side by side for a moment, which is
 #   2 × root when the root copies out. Same bytes, different ledger lines: when you read an OOM
 #   report, prefetched parameters may be filed under communication buffers.
@@ -204,7 +204,7 @@ prefetch_timeline({"k = 0 (no prefetch)": traces["fsdp_flat", 0], "k = 1": trace
 
 # %% [markdown]
 # Without prefetch every block's pale bar sits *before* its teal bar, red wherever compute
-# stopped until the bytes arrived. With k = 1 the pale bar of block i+1 lies under the teal bar
+# stopped until the bytes arrived. With d = 1 the pale bar of block i+1 lies under the teal bar
 # of block i — it traveled while block i computed — and most red is gone. Measured per
 # all-gather (the root's, issued first in the step, can hide behind nothing):
 
@@ -215,7 +215,7 @@ for k in (0, 1):
     for p in ("forward", "backward"):
         rs = [r for r in rows if r["pass"] == p]
         waited = glue(f"block-wait-k{k}-{p}", sum(r["waited"] for r in rs) * 1e3, "{:.1f}")
-        print(f"k={k} {p:<9}: {len(rs)} block all-gathers, {sum(r['seconds'] for r in rs) * 1e3:6.1f} ms "
+        print(f"d={k} {p:<9}: {len(rs)} block all-gathers, {sum(r['seconds'] for r in rs) * 1e3:6.1f} ms "
               f"in flight, compute waited {waited:>6} ms "
               f"({statistics.mean(r['hidden'] for r in rs):.0%} hidden on average)")
 
@@ -274,11 +274,11 @@ RACE = (0, 1, 3)
 race = R2.run(prefetch_race, depths=RACE, model="tiny", steps=3, micro_batch=4)
 med = {key: {k: statistics.median(max(a, b) for a, b in zip(race[0][key][k], race[1][key][k]))
              for k in RACE} for key in ("step_s", "exposed_s", "cpu_s")}
-print(f"{'k':>2}{'step (ms)':>11}{'waited (ms)':>13}{'CPU (ms)':>10}")
+print(f"{'d':>2}{'step (ms)':>11}{'waited (ms)':>13}{'CPU (ms)':>10}")
 for k in RACE:
     print(f"{k:>2}{glue(f'race-step-k{k}', med['step_s'][k] * 1e3, '{:.0f}'):>11}"
           f"{glue(f'race-waited-k{k}', med['exposed_s'][k] * 1e3, '{:.1f}'):>13}{med['cpu_s'][k] * 1e3:>10.0f}")
-print("exposed communication with k=1 below k=0:", med["exposed_s"][1] < med["exposed_s"][0])
+print("exposed communication with d=1 below d=0:", med["exposed_s"][1] < med["exposed_s"][0])
 
 # %% [markdown]
 # What to expect, and why it is not asserted here. Prefetch removes the *waiting* — the time
@@ -288,7 +288,7 @@ print("exposed communication with k=1 below k=0:", med["exposed_s"][1] < med["ex
 # threads copy the bytes over loopback on the same two cores the ranks compute on, and other
 # processes take turns on them too. What prefetch still hides here is mostly *skew*: a gather
 # cannot complete until the slower rank has joined it, and without prefetch the faster rank
-# idles at every unit. In most of our runs the waits drop as soon as k ≥ 1 (§3's single step shows
+# idles at every unit. In most of our runs the waits drop as soon as d ≥ 1 (§3's single step shows
 # them almost gone for the blocks), while the step time follows less clearly and deeper prefetch
 # sometimes helps a little more, sometimes not — under this much noise, not a claim to assert.
 # The memory cost of §2, in contrast, is exact on every run. (`scripts/gpu_check.py` is where the GPU side gets measured.)
@@ -304,7 +304,7 @@ BUDGET = 129 * 2**20                                                 # 135,266,3
 for k in DEPTHS:
     verdict = "fits" if formula(k) <= BUDGET else f"over by {glue(f'budget-over-k{k}', formula(k) - BUDGET, '{:,}')} B"
     peak = glue("budget-peak-k1", formula(k), "{:,}") if k == 1 else f"{formula(k):,}"
-    print(f"k={k}: peak {peak} B -> {verdict}")
+    print(f"d={k}: peak {peak} B -> {verdict}")
 assert [formula(k) <= BUDGET for k in DEPTHS] == [True, True, False, False]
 
 # %% [markdown]
@@ -314,14 +314,14 @@ assert [formula(k) <= BUDGET for k in DEPTHS] == [True, True, False, False]
 # NBVAL_CHECK_OUTPUT
 budget_kw = dict(strategy="fsdp_flat", model="tiny", micro_batch=4, steps=2, device_budget=BUDGET)
 fits = R2.run(train, TrainConfig(prefetch=1, **budget_kw))
-print("k=1: peak per rank", [o["ledger"]["peak"] for o in fits], "<= budget:",
+print("d=1: peak per rank", [o["ledger"]["peak"] for o in fits], "<= budget:",
       all(o["ledger"]["peak"] <= BUDGET for o in fits))
 assert all(o["ledger"]["peak"] == formula(1) for o in fits)
 try:
     R2.run(train, TrainConfig(prefetch=3, **budget_kw))
     raise AssertionError("depth 3 should not fit")
 except RankError as e:
-    print("k=3:", e.error.split(" would take")[0] + " ... over its budget")
+    print("d=3:", e.error.split(" would take")[0] + " ... over its budget")
     assert e.error.startswith("DeviceOutOfMemory") and "over its budget of 129.0 MiB" in e.error
 
 # %% [markdown]
@@ -336,10 +336,10 @@ R2.close()
 # %% [markdown]
 # ## 6. So: what does prefetch buy, and what does it cost?
 #
-# > **Takeaway.** Prefetch depth k issues the all-gathers of the next k units (the previous k in
+# > **Takeaway.** Prefetch depth d issues the all-gathers of the next d units (the previous d in
 # > backward) while this one computes, so their bytes travel under compute instead of in front
-# > of it. The price is exact: k more blocks' full parameters resident at the peak,
-# > 16Ψ/N + root + k·block + activations at the start of backward — measured to the byte.
+# > of it. The price is exact: d more blocks' full parameters resident at the peak,
+# > 16Ψ/N + root + d·block + activations at the start of backward — measured to the byte.
 # > Depth 1 hides most of what can be hidden (it needs one unit's compute to cover one unit's
 # > gather); more depth only helps when compute per unit is uneven, and costs a block each time.
 # > So when FSDP runs out of memory with sharding on, look at the prefetch depth before you
@@ -347,9 +347,9 @@ R2.close()
 #
 # <details><summary>中文</summary>
 #
-# > **要点。** 预取深度 k 在当前单元计算时发起后面 k 个单元（反向时是前面 k 个）的 all-gather，让传输与
-# > 计算重叠，而不是挡在计算前面。代价是精确的：峰值时多驻留 k 个 block 的完整参数，反向开始时为
-# > 16Ψ/N + root + k·block + 激活值——测量精确到字节。深度 1 就能藏住能藏的大部分（一个单元的计算覆盖
+# > **要点。** 预取深度 d 在当前单元计算时发起后面 d 个单元（反向时是前面 d 个）的 all-gather，让传输与
+# > 计算重叠，而不是挡在计算前面。代价是精确的：峰值时多驻留 d 个 block 的完整参数，反向开始时为
+# > 16Ψ/N + root + d·block + 激活值——测量精确到字节。深度 1 就能藏住能藏的大部分（一个单元的计算覆盖
 # > 一个单元的 gather）；只有各单元计算量不均匀时，更深才有用，而每加一级都要多花一个 block。所以开着
 # > 分片的 FSDP 还是 OOM 时，先查预取深度，再去怪分片：很多 FSDP 的 OOM 是预取太激进。
 #
@@ -377,8 +377,8 @@ R2.close()
 # use depth 1 in backward, where the peak is — `set_prefetch(model, forward=2, backward=1)`.
 # </details>
 #
-# 3. In §2's per-parameter table, "both at once" is 2 × root at k = 0 and 1, not
-#    root + (k+1) blocks. When does that moment matter on a real model?
+# 3. In §2's per-parameter table, "both at once" is 2 × root at d = 0 and 1, not
+#    root + (d+1) blocks. When does that moment matter on a real model?
 #
 # <details><summary>Answer</summary>
 #
@@ -390,7 +390,7 @@ R2.close()
 
 # %% [markdown]
 # ## Exercise: the prefetch schedule
-# Write which units a unit starts gathering when it begins computing, with prefetch depth k, in
+# Write which units a unit starts gathering when it begins computing, with prefetch depth d, in
 # forward and in backward. The check trains the nano model on 2 real ranks with depths 0–3 and
 # compares your schedule with the all-gathers the trace shows in flight.
 #
@@ -400,7 +400,7 @@ R2.close()
 #
 # <details><summary>中文</summary>
 #
-# **练习：预取调度。** 写出预取深度为 k 时，一个单元开始计算时要发起哪些单元的 gather，前向、反向各一份。
+# **练习：预取调度。** 写出预取深度为 d 时，一个单元开始计算时要发起哪些单元的 gather，前向、反向各一份。
 # 检查程序在 2 个真实 rank 上用深度 0–3 训练 nano 模型，把你的调度与轨迹中在途的 all-gather 对比。写在
 # 下面的单元格里（或编辑 `minishard/course/exercises/ch07.py` 里的桩函数），再运行检查；参考答案在
 # `solutions/ch07.py`，先自己试。
@@ -469,7 +469,7 @@ for name, (k, limits, j) in settings.items():
 assert ROOT + 2 * BLOCK <= 4 * CAP < ROOT + 3 * BLOCK               # the cap, in bytes
 
 # %% [markdown]
-# * **The bucket** is a window of elements: a bucket of exactly k blocks is depth k, byte for
+# * **The bucket** is a window of elements: a bucket of exactly d blocks is depth d, byte for
 #   byte; a bucket between one and two blocks holds one (a block is gathered whole or not at
 #   all). Where units differ in size — a large embedding, MoE experts — the bucket keeps the
 #   bytes in flight steady where a depth would not.
@@ -493,7 +493,7 @@ assert ROOT + 2 * BLOCK <= 4 * CAP < ROOT + 3 * BLOCK               # the cap, i
 small = {n: p.numel() for n, p in TINY.named_parameters() if p.numel() <= 1024}
 P = sum(small.values())
 print(f"{glue('persistent-params', len(small))} persistent parameters, "
-      f"P = {glue('persistent-elements', P, '{:,}')} elements of Ψ = {PSI:,}")
+      f"Ψ_p = {glue('persistent-elements', P, '{:,}')} elements of Ψ = {PSI:,}")
 base = bounds["depth 0"][0]
 kept = R.run(stage3_train, TrainConfig(prefetch=0, **run_kw), param_persistence_threshold=1024)
 r = kept[0]
@@ -508,12 +508,12 @@ for o in kept:
     assert o["by_op"]["all_reduce"]["calls"] == 2 * (1 + len(TINY.blocks))   # one per unit a step
     assert o["by_op"]["all_reduce"]["payload"] == 2 * 4 * P
     assert base["by_op"]["reduce_scatter"]["payload"] - o["by_op"]["reduce_scatter"]["payload"] == 2 * 4 * P
-print("state per rank: 16·((Ψ − P)/N + P) =", f"{glue('state-with-persistence', 16 * ((PSI - P) // 2 + P), '{:,}')} B, "
+print("state per rank: 16·((Ψ − Ψ_p)/N + Ψ_p) =", f"{glue('state-with-persistence', 16 * ((PSI - P) // 2 + P), '{:,}')} B, "
       f"was 16·Ψ/N = {glue('state-all-sharded', 16 * PSI // 2, '{:,}')} B")
 R.close()
 
 # %% [markdown]
-# The P = 20,480 persistent elements leave every all-gather and reduce-scatter; their gradients
+# The Ψ_p = 20,480 persistent elements leave every all-gather and reduce-scatter; their gradients
 # travel in one all-reduce per unit and step (7 more collectives, 4P bytes), and each rank holds
 # them whole — parameters, gradients and both Adam moments: 16P(1 − 1/N) bytes more per rank,
 # 163,840 on two ranks. The number of all-gathers does not move: minishard gathers by unit, and

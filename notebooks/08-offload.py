@@ -437,11 +437,11 @@ print(f"with recomputation's extra forward: compute {glue('compute-recompute-s',
 # small: the optimizer step now runs on the CPU, streaming all 16Ψ/N bytes of state through host
 # memory every step, with the eight GPUs' processes sharing that memory's bandwidth.
 #
-# The ratio is what matters. Per GPU the inbound shards take about 8Ψ/(N·B) seconds (B the PCIe
+# The ratio is what matters. Per GPU the inbound shards take about 8Ψ/(N·β_h) seconds (β_h the PCIe
 # bandwidth; the 4Ψ/N of gradients go out at the same time, the other way) and the compute
 # about 6Ψ·T/F (T tokens per GPU per step, F achieved FLOP/s), so
 #
-# $$\frac{\text{transfer}}{\text{compute}} \approx \frac{4F}{3\,N\,T\,B}.$$
+# $$\frac{\text{transfer}}{\text{compute}} \approx \frac{4F}{3\,N\,T\,\beta_h}.$$
 #
 # Few tokens per step, few GPUs to spread the state over, or a slow link — and the transfer
 # dominates. That is the capacity-to-transfer trade in one line:

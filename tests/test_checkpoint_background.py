@@ -158,15 +158,51 @@ def test_the_three_saves_stall_and_write_side_by_side(pools, tmp_path):
     last round's checkpoints all on disk: the background save's files are the synchronous
     save's byte for byte (nothing trained between them), DCP's has its metadata."""
     from minishard.course import ch09
-    out = pools(2).run(ch09.save_stalls, str(tmp_path), 1, model="nano")
-    for o in out:
-        assert len(o["rounds"]) == 1 and sorted(o["rounds"][0]) == sorted(ch09.SAVES)
-        for name, m in o["rounds"][0].items():
+    out = pools(2).run(ch09.save_stalls, str(tmp_path), 2, model="nano")
+    for o in out:                             # two rounds: the second one's order rotated
+        assert len(o["rounds"]) == 2 and all(sorted(r) == sorted(ch09.SAVES) for r in o["rounds"])
+        for name, m in [(n, m) for r in o["rounds"] for n, m in r.items()]:
             assert 0 < m["stall"] <= m["written"] and m["slowed"] >= 0, (name, m)
             assert m["visible"] == pytest.approx(m["stall"] + m["slowed"]), (name, m)
+        for r in o["rounds"]:                 # nothing runs beside a synchronous save: it slows
+            sync = r["synchronous"]           # nothing (its slowed time is the loop's, not its call's)
+            assert sync["slowed"] < sync["stall"], sync
     for name in ch09.SAVES:                   # each round as slow as its slowest rank
-        assert ch09.slowest(out, name, "stall") == [max(o["rounds"][0][name]["stall"] for o in out)]
+        assert ch09.slowest(out, name, "stall") == [max(o["rounds"][k][name]["stall"] for o in out)
+                                                    for k in range(2)]
     last = Path(out[0]["last"])
     assert sorted(p.name for p in tmp_path.iterdir()) == [last.name]        # earlier rounds removed
     assert _files(last / "background") == _files(last / "synchronous")
     assert (last / "dcp_async" / ".metadata").exists()
+
+
+def full_state_of(rank, root: str, strategy: str, model: str = "nano") -> dict:
+    """Rank task: one step of ``strategy``, a sharded checkpoint, then chapter 09's full state
+    gathered on rank 0 — what each rank sent, and (rank 0) whether it equals the checkpoint."""
+    from minishard.core.model import GPT, batch, config
+    from minishard.course import ch09
+    from minishard.strategies.registry import build
+    from minishard.training.step import train_step
+    comm, cfg = Comm(rank.tracer), config(model)
+    built = build(GPT(cfg, seed=0), TrainConfig(strategy, model=model), comm)
+    train_step(built, [batch(cfg, 0, 2, comm.rank, comm.world_size)])
+    checkpoint.save(built.model, built.optimizer, Path(root) / strategy, comm=comm, step=1)
+    full, measured = ch09.full_state_on_rank0(built.model, built.optimizer, comm)
+    out = {"rank": comm.rank, "sent": measured["sent"], "peak": measured["peak"]}
+    if comm.rank == 0:
+        saved = checkpoint.read_full(Path(root) / strategy)
+        out["equal"] = sorted(saved) == sorted(full) and all(
+            torch.equal(full[n], saved[n].reshape(-1)) for n in full)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_the_full_state_on_rank0_receives_a_replica_once(pools, tmp_path, strategy):
+    """Chapter 09 §8 under replicas (DDP's every tensor, ZeRO-1's parameters): each rank sends
+    its chunk of a replica once, as the sharded save writes it — rank 1 of 2 sends half the
+    state, not its whole replica again — and rank 0's gathered state is the checkpoint."""
+    from minishard.core.model import GPT
+    out = pools(2).run(full_state_of, str(tmp_path), strategy)
+    state = 12 * GPT("nano", device="meta").num_params()
+    assert out[0]["equal"] and out[0]["sent"] == 0 and out[0]["peak"] == state
+    assert out[1]["sent"] == state // 2, (out[1]["sent"], state)

@@ -167,6 +167,17 @@ def test_a_survivor_that_loads_the_complete_but_unrenamed_new_checkpoint_fails()
         ch09.check_survivor(survivor)
 
 
+def test_a_ch09_survivor_that_never_looks_aside_at_the_old_checkpoint_fails():
+    """A save killed between its two renames left no ck: the load reads .ck.old, the previous
+    checkpoint renamed aside. A survivor that only knows ck says there is nothing to load."""
+    from minishard.course.exercises import ch09
+
+    def survivor(entries):
+        return "ck" if entries.get("ck") else None
+    with pytest.raises(ExerciseFailed, match=r"killed between the two renames.*'\.ck\.old'"):
+        ch09.check_survivor(survivor)
+
+
 def test_tensor_parallel_that_gathers_the_weight_fails(ranks):
     from minishard.course.exercises import ch10
 

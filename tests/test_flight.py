@@ -252,3 +252,60 @@ def test_a_group_named_by_hundreds_of_ranks_stays_inside_its_slot(tmp_path):
     body = flight_file.read(flight_file.path_for(tmp_path, 0))
     assert body["torn"] == [] and [(e["seq"], e["op"], e["bytes"]) for e in body["entries"]] == [
         (1, "all_gather", 16), (2, "all_gather", 16)]
+
+
+# ---- a run that left only traces (no dump, no ring): what the doctor reads from them
+
+def _only_traces_run(directory, world, per_rank):
+    """Traces with collective events only: ``per_rank`` rank -> [(op, tag, numel, issued, done,
+    members or None)], in the order they completed (the order a trace holds them)."""
+    from minishard.core import trace
+    events = []
+    for r, collectives in per_rank.items():
+        t = trace.Tracer(r, world, origin=0.0)
+        for op, tag, numel, issued, done, members in collectives:
+            t.emit("collective", t=issued, t_end=done, op=op, payload=4 * numel, wire=4 * numel,
+                   dtype="float32", group=len(members) if members else world, tag=tag, step=0,
+                   **({"members": members} if members else {}))
+        events += t.events
+    trace.write_dir(events, directory)
+    return directory
+
+
+def test_with_only_traces_a_trace_that_stops_short_is_not_called_a_hang(tmp_path, capsys):
+    """A trace holds what completed: rank 1's trace ending one collective before rank 0's says
+    nothing of whether rank 1 issued it. No finding, and exit status 3 (not checked), not 1."""
+    from minishard.cli import main
+    from minishard.instruments import doctor
+    ar = lambda k: ("all_reduce", f"bucket{k}", 8, 0.1 * k, 0.1 * k + 0.05, None)  # noqa: E731
+    d = _only_traces_run(tmp_path, 2, {0: [ar(0), ar(1), ar(2)], 1: [ar(0), ar(1)]})
+    assert doctor.diagnose(d).findings == []
+    assert main(["doctor", str(d)]) == 3
+    assert "hangs and deaths cannot be checked" in capsys.readouterr().out
+
+
+def test_with_only_traces_collectives_are_compared_in_the_order_issued_not_completed(tmp_path):
+    """Two prefetched all-gathers, issued in the same order on both ranks; on rank 0 the second
+    completed first. Their seqs are the order issued (the flight recorder's): no desync."""
+    from minishard.cli import main
+    d = _only_traces_run(tmp_path, 2, {
+        0: [("all_gather", "blocks.1", 8, 1.1, 1.3, None), ("all_gather", "blocks.0", 8, 1.0, 1.5, None)],
+        1: [("all_gather", "blocks.0", 8, 1.0, 1.2, None), ("all_gather", "blocks.1", 8, 1.1, 1.4, None)]})
+    assert main(["doctor", str(d)]) == 3
+
+
+def test_with_only_traces_a_desync_in_a_subgroup_is_a_finding_naming_its_group(tmp_path):
+    """Ranks 0 and 1 swap two units in their shard group, ranks 2 and 3 do not: a desync of
+    group[0, 1], its collectives described in elements; exit status 1, not 3."""
+    from minishard.cli import main
+    from minishard.instruments import doctor
+    ag = lambda tag, k, m: ("all_gather", tag, 8, k, k + 0.05, m)  # noqa: E731
+    d = _only_traces_run(tmp_path, 4, {
+        0: [ag("blocks.0", 1.0, [0, 1]), ag("blocks.1", 1.1, [0, 1])],
+        1: [ag("blocks.1", 1.0, [0, 1]), ag("blocks.0", 1.1, [0, 1])],
+        2: [ag("blocks.0", 1.0, [2, 3]), ag("blocks.1", 1.1, [2, 3])],
+        3: [ag("blocks.0", 1.0, [2, 3]), ag("blocks.1", 1.1, [2, 3])]})
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks) == ("desync", [0, 1]), (f.kind, f.ranks)
+    assert "of group 'group[0, 1]'" in f.title and "all_gather of blocks.0 [8] float32, 32 B" in f.title, f.title
+    assert main(["doctor", str(d)]) == 1

@@ -202,3 +202,26 @@ def test_mixed_precision_ddp_names_the_moments_for_the_master_they_step():
     assert all(t.startswith("master_") for t in moments), moments[:3]
     now = ledger.current()
     assert now["exp_avg"] == now["exp_avg_sq"] == now["master"] == 4 * count_params(net)
+
+
+def test_the_optimizer_state_is_entered_on_the_device_asked_for():
+    """Offloaded moments live in host memory: ``device="host"`` enters them there, not on the
+    ledger's device."""
+    net = GPT("nano")
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(*batch(net.cfg, 0, 1)).backward()
+    opt.step()
+    ledger = LiveLedger()
+    track_optimizer_state(ledger, opt, net, device="host")
+    moment = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert ledger.by_device() == {"host": {"exp_avg": moment, "exp_avg_sq": moment}}
+
+
+def test_sgds_momentum_buffers_are_entered_as_momentum():
+    net = GPT("nano")
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    net(*batch(net.cfg, 0, 1)).backward()
+    opt.step()
+    ledger = LiveLedger()
+    track_optimizer_state(ledger, opt, net)
+    assert ledger.current() == {"momentum": sum(p.numel() * p.element_size() for p in net.parameters())}

@@ -202,7 +202,9 @@ def variant_in(variant: str, line: str) -> bool:
     # an English variant: a whole word, and not the English name in parentheses after a term,
     # alone or as the first item: 微批次（micro-batch）, 微批次（micro-batch，条序列）
     line = re.sub(r"（[\x20-\x7e]*）|\([\x20-\x7e]*\)|(?<=[（(])[\x20-\x7e]+(?=[，、；])", " ", line)
-    return re.search(rf"(?<![\w-]){re.escape(variant)}s?(?![\w-])", line, re.I) is not None
+    # a whole word of English: a Chinese character beside it ("每个bucket的") does not make it part
+    # of a longer word (\w would: CJK characters are word characters)
+    return re.search(rf"(?<![A-Za-z0-9_-]){re.escape(variant)}s?(?![A-Za-z0-9_-])", line, re.I) is not None
 
 
 ZH_PAGES = sorted(ZH.glob("*.md"))
@@ -264,7 +266,7 @@ def test_the_variant_check_catches_the_words_of_one_term_per_concept(tmp_path, m
 # ("再诊断它", "诊断出来", "做一次诊断") is followed by none of these.
 DOCTOR_AS_SUBJECT = re.compile(
     r"诊断(?=(?:就|才|会|也|都|再|只|还|先|不再|不先)?"
-    r"(?:读|说|给出|找|指出|点出|比较|看到|报告|认为|停|把|按|排|分得出|对齐|什么)"
+    r"(?:读|说|给出|找|指出|点出|比较|看到|报告|认为|停|把|按|排|分得出|对齐|什么|从|发现|列出|返回|输出|最先)"
     r"|的(?:发现|结论|退出码|输出|答案))"
     r"|记录器\s*[+＋与和]\s*\**诊断(?!工具)|[（(]诊断[）)]")
 
@@ -349,3 +351,17 @@ def test_every_notebook_labels_its_chinese_blocks_alike():
     kinds = {tuple(v) for v in labels.values()}
     assert len(kinds) == 1, "the notebooks' 中文 labels differ:\n" + "\n".join(
         f"  {k}: {v}" for k, v in labels.items())
+
+
+def test_the_checks_catch_a_variant_written_against_chinese_and_the_doctor_reading_traces(tmp_path, monkeypatch):
+    """An English variant with no space before the Chinese beside it is still the variant; the
+    doctor that reads the traces, finds or lists something is the tool (诊断工具)."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "02-ddp.md"
+    page.write_text("每个bucket的 all-reduce 都在反向期间开始。\n"                  # 1
+                    "梯度桶（bucket）可以；bucketing 不是变体。\n"
+                    "诊断从轨迹里的显存账本把它们都读了出来。\n"                  # 3
+                    "诊断发现 rank 1 的梯度范数不同。\n"                           # 4
+                    "诊断工具从轨迹里读出来，再诊断一次。\n", encoding="utf-8")
+    assert [b.split(":")[1] for b in rejected_uses(page)] == ["1"], rejected_uses(page)
+    assert [b.split(":")[1] for b in doctor_as_subject(page)] == ["3", "4"], doctor_as_subject(page)

@@ -1,6 +1,6 @@
 """Chapter 07 exercise: the prefetch schedule.
 
-With prefetch depth k, when a unit starts computing, FSDP starts the all-gathers of the next k
+With prefetch depth d, when a unit starts computing, FSDP starts the all-gathers of the next d
 units of the pass, so they travel while this one computes. Forward runs the root first (it owns
 the embeddings), then the blocks in order; backward also starts with the root (it owns the head)
 and runs the blocks in reverse. Write which units a unit prefetches.
