@@ -1494,6 +1494,10 @@ BUGS = [
         "U units · d prefetch depth ·", "U units · k prefetch depth ·", "tests/test_notation.py"),
     Bug("notation: chapter 08 names the host link B beside b the micro-batch", "tutorial/08-offload.md",
         "8Ψ/(N·β_h) seconds per step (β_h the", "8Ψ/(N·B) seconds per step (B the", "tests/test_notation.py"),
+    Bug("architecture: the folder table's sizes left behind the code", "docs/architecture.md",
+        "the trace, the model; the private PyTorch it leans on (`c10d.py`, `autograd_private.py`); how bytes and dtypes are written (`words.py`) | 2.7k |",
+        "the trace, the model; the private PyTorch it leans on (`c10d.py`, `autograd_private.py`); how bytes and dtypes are written (`words.py`) | 2.3k |",
+        "tests/test_code_shape.py"),
 ]
 
 

@@ -38,3 +38,16 @@ def test_the_reading_order_names_files_that_exist_and_their_lines():
         lines = sum(len((ROOT / "minishard" / f).read_text().splitlines()) for f in files)
         said = int(re.search(r"~([\d,]+)", p).group(1).replace(",", ""))
         assert abs(lines - said) <= 0.1 * lines, (p.split()[0], files, lines, said)
+
+
+def test_the_architecture_maps_folder_sizes_as_they_are():
+    """docs/architecture.md's folder table says how many lines each part of ``minishard/`` is: each
+    count within 10% of today's, so the map a reader starts from does not drift from the code."""
+    import re
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| ((?:`[\w/]+/`(?:, )?)+) \| .* \| ([\d.]+)k \|$", doc, re.M)
+    assert len(rows) >= 9, rows
+    for folders, said in rows:
+        names = re.findall(r"`([\w/]+)/`", folders)
+        lines = sum(len(f.read_text().splitlines()) for n in names for f in (ROOT / "minishard" / n).rglob("*.py"))
+        assert abs(lines - 1000 * float(said)) <= 0.1 * lines, (names, lines, said)
