@@ -1498,6 +1498,10 @@ BUGS = [
         "the trace, the model; the private PyTorch it leans on (`c10d.py`, `autograd_private.py`); how bytes and dtypes are written (`words.py`) | 2.7k |",
         "the trace, the model; the private PyTorch it leans on (`c10d.py`, `autograd_private.py`); how bytes and dtypes are written (`words.py`) | 2.3k |",
         "tests/test_code_shape.py"),
+    Bug("ch09 kill: the rank that should die mid-write never does", "minishard/course/ch09.py",
+        "        if rank.rank == die_rank:\n            with open(file, \"wb\") as f:",
+        "        if rank.rank == die_rank + 99:\n            with open(file, \"wb\") as f:",
+        "tests/test_checkpoint_background.py -k killed_inside"),
 ]
 
 

@@ -206,3 +206,25 @@ def test_the_full_state_on_rank0_receives_a_replica_once(pools, tmp_path, strate
     state = 12 * GPT("nano", device="meta").num_params()
     assert out[0]["equal"] and out[0]["sent"] == 0 and out[0]["peak"] == state
     assert out[1]["sent"] == state // 2, (out[1]["sent"], state)
+
+
+def test_a_rank_killed_inside_a_background_write_leaves_the_last_checkpoint_loadable(tmp_path):
+    """Chapter 09 §8's kill, on real ranks: rank 1 dies (SIGKILL) with 1,000 bytes of its file
+    written. The dead save stays under ``.NAME.saving`` without ``metadata.json``; the checkpoint
+    under its name is step 2's and loads on one process, every block verified; the next save
+    clears the dead one away."""
+    from minishard import GPT, RankError, Ranks
+    from minishard.course.ch09 import killed_mid_write
+    path = tmp_path / "killed"
+    with pytest.raises(RankError):                # (rank 0 may report first: its peer vanished)
+        with Ranks(2, timeout=120) as own:
+            own.run(killed_mid_write, str(path), 1, model="nano")
+    saving = tmp_path / ".killed.saving"
+    assert (saving / "rank1.safetensors").stat().st_size == 1000
+    assert not (saving / "metadata.json").exists()
+    net = GPT("nano", seed=7)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    info = checkpoint.load(net, opt, path, comm=Comm())
+    assert (info["step"], info["saved_world_size"]) == (2, 2)
+    checkpoint.save(net, opt, path, comm=Comm(), step=3)
+    assert not saving.exists() and checkpoint.load(net, opt, path, comm=Comm())["step"] == 3
