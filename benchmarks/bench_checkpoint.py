@@ -241,42 +241,18 @@ def _save_calls(here: Path) -> dict:
                                                      process_group=_HELD["dcp_group"])}
 
 
-def _written(handle) -> bool:
-    done = getattr(handle, "done", None)            # PendingSave, Future; a sync save is written
-    return done() if callable(done) else True
-
-
 def stall_round(rank, root: str, k: int) -> dict[str, dict[str, float]]:
     """One round on this rank: each contender's stall, the slowdown of the bursts that ran
-    beside its write, and the seconds until it was written (the order rotates with k)."""
+    beside its write, and the seconds until it was written (the order rotates with k) — timed
+    by the course's ``time_saves``, so chapter 09 and this benchmark measure alike."""
     import torch.distributed as dist
+    from minishard.course.ch09 import time_saves
     here = Path(root) / f"stall{k}-n{rank.world_size}"
     if rank.rank == 0:
         here.mkdir(parents=True)
     dist.barrier()
-    alone = []
-    for _ in range(3):                  # every rank bursting, nothing being written
-        t = time.perf_counter()
-        _burst()
-        alone.append(time.perf_counter() - t)
-    burst = statistics.median(alone)
-    calls, out = _save_calls(here), {}
-    for name in SAVES[k % len(SAVES):] + SAVES[:k % len(SAVES)]:
-        dist.barrier()
-        t0 = time.perf_counter()
-        handle = calls[name]()
-        t1 = time.perf_counter()
-        bursts = 0
-        while not _written(handle):                 # training goes on beside the write
-            _burst()
-            bursts += 1
-        t2 = time.perf_counter()
-        for finish in ("wait", "result"):           # PendingSave.wait, Future.result
-            if callable(getattr(handle, finish, None)):
-                getattr(handle, finish)()
-        slowed = max(0.0, (t2 - t1) - bursts * burst)
-        out[name] = {"stall": t1 - t0, "slowed": slowed, "visible": t1 - t0 + slowed,
-                     "written": time.perf_counter() - t0}
+    order = SAVES[k % len(SAVES):] + SAVES[:k % len(SAVES)]
+    out = time_saves(_save_calls(here), order, _burst)
     dist.barrier()
     if rank.rank == 0:
         shutil.rmtree(here)

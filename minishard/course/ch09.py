@@ -80,27 +80,28 @@ def _save_calls(ms, tf, comm: Comm, dcp_group, here: Path) -> dict:
                                                      process_group=dcp_group)}
 
 
-def _stall_round(ms, tf, comm: Comm, dcp_group, here: Path, k: int, burst: tuple) -> dict:
-    """One round, the three saves one after another (the order rotating with ``k``). For each:
-    the **stall** (the call until it returns: the step is blocked), the **slowed** time (how much
-    longer the compute that ran beside the write took than alone), **visible** = the two, and
-    **written** (the call until the checkpoint is on disk)."""
+def time_saves(calls: dict, order, burst) -> dict[str, dict[str, float]]:
+    """Each save of ``calls`` (name -> the call the training step makes) in ``order``, with
+    ``burst()`` — a fixed piece of compute standing in for training — run beside its write until
+    it is on disk. Per save: the **stall** (the call until it returns: the step is blocked), the
+    **slowed** time (how much longer the bursts beside the write took than alone), **visible** =
+    the two, and **written** (the call until the checkpoint is on disk). The benchmark
+    (``benchmarks/bench_checkpoint.py --what stall``) times its contenders with this too."""
     import torch.distributed as dist
     alone = []
     for _ in range(3):                          # every rank computing, nothing being written
         t = time.perf_counter()
-        _burst(burst)
+        burst()
         alone.append(time.perf_counter() - t)
-    one = sorted(alone)[1]
-    calls, out = _save_calls(ms, tf, comm, dcp_group, here), {}
-    for name in SAVES[k % 3:] + SAVES[:k % 3]:
+    one, out = sorted(alone)[1], {}
+    for name in order:
         dist.barrier()
         t0 = time.perf_counter()
         handle = calls[name]()
         t1 = time.perf_counter()
         bursts = 0
         while callable(getattr(handle, "done", None)) and not handle.done():
-            _burst(burst)                       # training goes on beside the write
+            burst()                             # training goes on beside the write
             bursts += 1
         t2 = time.perf_counter()
         for finish in ("wait", "result"):       # PendingSave.wait, Future.result
@@ -134,7 +135,8 @@ def save_stalls(rank, root: str, rounds: int = 3, *, model: str = "tiny") -> dic
     rows = []
     for k in range(-1, rounds):
         here = Path(root) / f"round{k}"
-        rows.append(_stall_round(ms, tf, comm, dcp_group, here, k, burst))
+        order = SAVES[k % 3:] + SAVES[:k % 3]           # the order rotates round by round
+        rows.append(time_saves(_save_calls(ms, tf, comm, dcp_group, here), order, lambda: _burst(burst)))
         dist.barrier()
         if comm.rank == 0 and k < rounds - 1:
             shutil.rmtree(here)

@@ -105,8 +105,11 @@ def read_dir(directory: str | Path) -> Report:
     only_traces = not dumps and bool(traces)
     if only_traces:
         dumps = {r: from_trace(p, r) for r, p in traces.items()}
-        for body in dumps.values():          # a rank that completed no collective of the world
-            body["world_size"] = max(max(b["world_size"] for b in dumps.values()), max(dumps) + 1)
+        # the world's collectives say its size; a rank that completed none of them says no less
+        world = max([e["group_size"] for b in dumps.values() for e in b["entries"] if e["group"] == "world"]
+                    + [max(dumps) + 1])
+        for body in dumps.values():
+            body["world_size"] = world
     sizes = {r: b["world_size"] for r, b in dumps.items()}
     if len(set(sizes.values())) > 1:
         raise TraceFormatError(f"{d}: dumps of different runs: world sizes "
@@ -122,7 +125,8 @@ def from_trace(path: Path, rank: int) -> dict:
     """A dump read from a rank's trace, for a run recorded before rings were written (or whose
     rings were deleted). A trace holds a collective only once it *completed*, flat, with no call
     line: the order in which the ranks completed their collectives can be compared, a collective
-    issued and never completed — a hang, a death — leaves no sign."""
+    issued and never completed — a hang, a death — leaves no sign. (Its world size is the
+    run's: :func:`read_dir` sets it from every rank's trace.)"""
     events, _ = read_events(path, damaged="stop")
     done = sorted((ev for ev in events if ev["kind"] == "collective"), key=lambda ev: ev["t"])
     seqs: dict[str, int] = {}
@@ -130,15 +134,10 @@ def from_trace(path: Path, rank: int) -> dict:
     for ev in done:
         group = "world" if "members" not in ev else "group[" + ", ".join(map(str, ev["members"])) + "]"
         seqs[group] = seqs.get(group, -1) + 1
-        size = _itemsize(ev.get("dtype"))
+        kind = getattr(torch, ev.get("dtype") or "", None)
+        size = kind.itemsize if isinstance(kind, torch.dtype) else 0
         entries.append({"seq": seqs[group], "op": ev["op"], "group": group, "group_size": ev["group"],
                         "shapes": [[ev["payload"] // size]] if size else [], "dtypes": [ev.get("dtype", "?")],
                         "bytes": ev["payload"], "state": "completed", "tag": ev.get("tag", ""),
                         "step": ev.get("step"), "src": ev.get("src")})
-    world = max([e["group_size"] for e in entries if e["group"] == "world"], default=rank + 1)
-    return {"rank": rank, "world_size": world, "reason": "trace", "entries": entries}
-
-
-def _itemsize(dtype: str | None) -> int:
-    kind = getattr(torch, dtype or "", None)
-    return torch.empty((), dtype=kind).element_size() if isinstance(kind, torch.dtype) else 0
+    return {"rank": rank, "world_size": None, "reason": "trace", "entries": entries}

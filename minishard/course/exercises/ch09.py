@@ -108,11 +108,10 @@ def _make(root, entries: dict[str, bool], saved) -> None:
 def minishard_survivor(root) -> str | None:
     """What minishard's load does with ``root/ck``: reads the metadata (of ``ck`` or, after a
     save that died between its renames, of ``.ck.old``) and verifies every block, or refuses."""
-    from minishard.checkpoint import CheckpointError, read_full, read_metadata
+    from minishard.checkpoint import CheckpointError, read_full
     from minishard.checkpoint.format import resolve
     try:
-        read_metadata(root / "ck")
-        read_full(root / "ck")
+        read_full(root / "ck")                  # resolves ck, reads its metadata, verifies every block
     except CheckpointError:
         return None
     return resolve(root / "ck").name
