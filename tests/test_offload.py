@@ -297,3 +297,105 @@ def test_bad_offload_policies_are_named():
         fsdp.ShardedOptimizer(net, adam, offload_policy=True)
     with pytest.raises(ValueError, match="already keep the optimizer state in their tier.*offload one way"):
         fsdp.ShardedOptimizer(net, adam, offload_policy=CPUOffloadPolicy())
+
+
+# ---------------------------------------------------------------------------- a fourth outsider's round
+
+def test_each_tier_name_stands_for_its_policy(tmp_path):
+    """``TrainConfig(offload=...)``'s names: None no offload, "host" FSDP2's CPUOffloadPolicy
+    (pinned by default), "disk" the memory-mapped files of a folder; anything else refused."""
+    from minishard.strategies.offload import policy_of
+    assert type(policy_of(None)) is OffloadPolicy and policy_of(None).tier is None
+    host = policy_of("host")
+    assert type(host) is CPUOffloadPolicy and host.tier == "host" and host.pin_memory is True
+    disk = policy_of("disk", str(tmp_path))
+    assert type(disk) is DiskOffloadPolicy and disk.directory == str(tmp_path)
+    with pytest.raises(ValueError, match="needs a directory"):
+        policy_of("disk")
+    with pytest.raises(ValueError, match="unknown offload tier 'nvme'"):
+        policy_of("nvme")
+
+
+def test_none_as_an_offload_policy_offloads_nothing():
+    """``offload_policy=None`` reads as ``OffloadPolicy()``: no unit tier, no optimizer tier."""
+    import torch
+    from minishard.core.comm import Comm
+    from minishard.strategies import fsdp
+    net = fsdp.fully_shard(torch.nn.Linear(2, 2), comm=Comm(alone=True), offload_policy=None)
+    assert all(u.tier is None and u.offloaded() == {} for u in fsdp.units(net))
+    opt = fsdp.ShardedOptimizer(net, torch.optim.AdamW(net.parameters()), offload_policy=None)
+    assert opt.offload is None
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_host_tier_pins_only_when_asked_and_a_cuda_device_exists(monkeypatch, tmp_path, cuda):
+    """FSDP2's ``pin_memory``: True pins the host copies (where CUDA exists), False never does;
+    a disk tier has nothing to pin."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert Tier(CPUOffloadPolicy()).pin is cuda
+    assert Tier(CPUOffloadPolicy(pin_memory=False)).pin is False
+    disk = Tier(DiskOffloadPolicy(str(tmp_path)))
+    assert not disk.pin
+    disk.cleanup()
+
+
+def test_optimizer_offload_steps_what_has_a_gradient_and_gives_each_tensor_back():
+    """ZeRO-Offload's step on plain tensors: a frozen parameter gets no master copy; one with no
+    gradient this step is left alone (torch skips it too) and moves no bytes; one with a
+    gradient steps on its master copy and comes back into the very storage and gradient it had,
+    equal to the master; 4 bytes an element each way."""
+    import torch
+    from minishard.strategies.offload import OptimizerOffload
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    off = OptimizerOffload(CPUOffloadPolicy(), [a, b, frozen])
+    assert [id(p) for p in off.params] == [id(a), id(b)] and len(off.master) == len(off.grads) == 2
+    opt = torch.optim.SGD([a, b, frozen], lr=0.5)
+    a.grad = torch.ones_like(a)
+    a_ptr, a_grad, a_before, b_before = a.data_ptr(), a.grad, a.detach().clone(), b.detach().clone()
+    with off.stepping():
+        assert a.data_ptr() == off.master[a].data_ptr() and a.grad is off.grads[a]
+        assert b.grad is None
+        opt.step()
+    assert a.data_ptr() == a_ptr and a.grad is a_grad
+    assert torch.equal(a.detach(), a_before - 0.5) and torch.equal(off.master[a], a.detach())
+    assert torch.equal(b.detach(), b_before) and b.grad is None
+    assert off.transfers.bytes == {"h2d": 4 * 12, "d2h": 4 * 12}
+
+
+def optimizer_tier_files(rank, directory: str) -> dict:
+    """Rank task: Chain sharded with nothing offloaded, AdamW over two parameter groups (the
+    blocks decayed, the head not), only the optimizer offloaded to a disk tier: for every
+    parameter, the files its moments are mapped from before and after a step; the bytes moved."""
+    import torch
+    from minishard.core.comm import Comm
+    from minishard.strategies import fsdp
+    from chain import Chain
+    torch.manual_seed(0)
+    net = fsdp.apply_fsdp(Chain(), comm=Comm(rank.tracer))
+    groups = [{"params": list(net.blocks.parameters())}, {"params": list(net.head.parameters()), "weight_decay": 0.0}]
+    opt = fsdp.ShardedOptimizer(net, torch.optim.AdamW(groups, lr=1e-2), offload_policy=DiskOffloadPolicy(directory))
+    files = lambda p: [opt.state[p][k].untyped_storage().filename if k in opt.state[p] else None   # noqa: E731
+                       for k in ("exp_avg", "exp_avg_sq")]
+    out = {"before": [files(p) for p in net.parameters()]}
+    net(torch.ones(2, 8)).backward()
+    opt.step()
+    out["after"] = [files(p) for p in net.parameters()]
+    out["moved"] = dict(opt.offload.transfers.bytes)
+    out["shard_bytes"] = sum(p.numel() * p.element_size() for p in net.parameters())
+    out["offloaded"] = len(opt.offload.params) == len(list(net.parameters()))
+    opt.offload.release()
+    return out
+
+
+def test_optimizer_only_disk_tier_holds_every_groups_moments(pools, tmp_path):
+    """``ShardedOptimizer(offload_policy=DiskOffloadPolicy(...))`` over units that offload
+    nothing: every parameter group's shards are offloaded, their moments are files of the tier
+    from before the first step, and every shard crosses once each way."""
+    for r in pools(2).run(optimizer_tier_files, str(tmp_path)):
+        assert r["offloaded"]
+        for when in ("before", "after"):
+            assert all(f is not None and f.startswith(str(tmp_path)) for fs in r[when] for f in fs), (when, r[when])
+        assert r["moved"] == {"h2d": r["shard_bytes"], "d2h": r["shard_bytes"]}
