@@ -47,10 +47,12 @@ _TORCH = os.sep + "torch" + os.sep
 _HERE = tuple(os.path.join(_PACKAGE, "core", f) for f in ("comm.py", "flight.py"))
 
 
-def call_sites(depth: int = 2, issuer: type = object) -> tuple[str, str]:
+def call_sites(depth: int = 2, issuer: type = object, library: str | None = None) -> tuple[str, str]:
     """(the engine's line that issued the collective, the first line outside minishard and
     torch), each as ``file:line in function``. ``issuer``: the communicator's class; its methods
-    are not the call site, in whichever file a subclass of it lives."""
+    are not the call site, in whichever file a subclass of it lives. ``library``: the folder of
+    another training library whose collectives a watch records (DeepSpeed): its ``comm`` folder
+    is the communicator, its other lines are the engine's line, and none is the caller."""
     own = _methods(issuer)
     f, where, caller = sys._getframe(0), "", ""
     for _ in range(depth):                     # (a shallow stack: a script's top level)
@@ -59,7 +61,13 @@ def call_sites(depth: int = 2, issuer: type = object) -> tuple[str, str]:
         path = f.f_code.co_filename
         if path not in _HERE and f.f_code not in own and _TORCH not in path and not path.startswith("<frozen"):
             site = f"{_short(path)}:{f.f_lineno} in {f.f_code.co_name}"
-            where = where or site
+            if library is None:
+                where = where or site
+            elif path.startswith(library):      # the library's own lines: never the caller
+                if not path.startswith(os.path.join(library, "comm")):
+                    where = where or site
+                f = f.f_back
+                continue
             if not path.startswith(_PACKAGE):
                 caller = site
         f = f.f_back
@@ -107,11 +115,12 @@ class FlightRecorder:
 
     def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
                step: int | None, phase: str | None, t: float, *, issuer: type = object,
-               **extra) -> dict:
+               library: str | None = None, **extra) -> dict:
         """Enter a collective as it is issued; the entry is completed in place. ``issuer``: the
-        class of the communicator that issues it (see :func:`call_sites`). ``extra``: what else
-        must agree across ranks (a broadcast's ``src``)."""
-        where, caller = call_sites(3, issuer)
+        class of the communicator that issues it, ``library`` the training library a watch
+        records (see :func:`call_sites`). ``extra``: what else must agree across ranks (a
+        broadcast's ``src``)."""
+        where, caller = call_sites(3, issuer, library)
         with self._lock:
             seq = self._seq[group] = self._seq.get(group, -1) + 1
             entry = {"seq": seq, "op": op, "group": group, "group_size": group_size,

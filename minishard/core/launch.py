@@ -116,6 +116,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, s
             tasks, results, collective_timeout: float = INIT_TIMEOUT_S) -> None:
     sys.path[:] = sys_path
     torch.set_num_threads(threads)
+    # what torchrun tells each rank it starts, so that a library that reads it (DeepSpeed asks
+    # for LOCAL_RANK) runs on a warm rank as under torchrun; the group itself is made below
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=INIT_TIMEOUT_S))

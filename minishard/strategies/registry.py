@@ -13,6 +13,7 @@ subclass, where the strategy does something of its own in a step), and one line 
     ddp   zero1   zero2   fsdp (ZeRO-3, per-parameter, as FSDP2)   fsdp_flat (FSDP1)   hsdp
     single (one process: the reference)   ddp_naive   zero1_allreduce
     torch_ddp   torch_zero1   torch_fsdp (PyTorch's own: oracles and benchmark baselines)
+    deepspeed_zero0 … deepspeed_zero3 (DeepSpeed's ZeRO, where the idea comes from)
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class Strategy:
     hybrid: bool = False               # shards inside groups of shard_size ranks, replicates across
     buckets: bool = False              # reduces gradients in buckets of bucket_cap_mb
     mixed_precision: str = "bf16_mixed"   # the ledger's precision when a run asks for bf16_mixed
+    library: str = "minishard"         # whose code it is: minishard, torch, or deepspeed
 
     def ledger_precision(self, precision: str) -> str:
         return self.mixed_precision if precision == "bf16_mixed" else precision
@@ -81,6 +83,20 @@ class Built:
         (``quiet``), the strategy's way of holding its gradients back, if it has one; otherwise
         the gradients reduce as backward makes them."""
         return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through the model: autograd, whose hooks reduce as gradients become ready
+        (DeepSpeed's engine runs its own)."""
+        loss.backward()
+
+    def step(self) -> None:
+        """The optimizer's step (DeepSpeed's engine clips, steps and gathers in its own)."""
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        """Zero the gradients in place: the buffers the ledger counts live for the whole run, as
+        the memory formulas have them."""
+        self.optimizer.zero_grad(set_to_none=False)
 
     def synchronise(self, tracer=None) -> None:
         """The gradients summed over ranks after backward: nothing to do for a strategy that
@@ -199,11 +215,14 @@ _ALL = [
     Strategy("hsdp", "hybrid sharding (HSDP)", 3, "fsdp.recipe:build_fsdp", dict(hybrid=True), offloads=True,
              hybrid=True, mixed_precision="bf16_fsdp"),
     Strategy("torch_ddp", "PyTorch DistributedDataParallel", 0, "torch_native:build_torch_ddp",
-             aliases=("torch-ddp",), instrumented=False, buckets=True),
+             aliases=("torch-ddp",), instrumented=False, buckets=True, library="torch"),
     Strategy("torch_zero1", "PyTorch DDP + ZeroRedundancyOptimizer", 1, "torch_native:build_torch_ddp",
-             dict(zero=True), aliases=("torch-zero1",), instrumented=False, buckets=True),
+             dict(zero=True), aliases=("torch-zero1",), instrumented=False, buckets=True, library="torch"),
     Strategy("torch_fsdp", "PyTorch FSDP2 fully_shard", 3, "torch_native:build_torch_fsdp",
-             aliases=("torch-fsdp",), instrumented=False, mixed_precision="bf16_fsdp"),
+             aliases=("torch-fsdp",), instrumented=False, mixed_precision="bf16_fsdp", library="torch"),
+    *(Strategy(f"deepspeed_zero{k}", f"DeepSpeed ZeRO stage {k}", k,
+               "deepspeed_native:build_deepspeed", dict(stage=k), aliases=(f"deepspeed-zero{k}",),
+               instrumented=False, buckets=True, library="deepspeed") for k in range(4)),
 ]
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
 _ALIASES: dict[str, Strategy] = {a: s for s in _ALL for a in s.aliases}

@@ -62,6 +62,16 @@ def _minishard_fsdp(s) -> bool:
     return s.stage == 3 and s.instrumented
 
 
+def _fsdp(s) -> bool:
+    """FSDP units, minishard's or PyTorch's (DeepSpeed's stage 3 has none: it gathers submodules)."""
+    return s.stage == 3 and s.library != "deepspeed"
+
+
+def _zero3_bounds(s) -> bool:
+    """DeepSpeed's ZeRO-3 bounds: minishard's FSDP, and DeepSpeed's stage 3 whose they are."""
+    return _minishard_fsdp(s) or s.name == "deepspeed_zero3"
+
+
 # Which strategies read each knob: a knob set away from its default under a strategy that never
 # reads it would change nothing, silently. ``TrainConfig.unused()`` lists them; the command line
 # refuses every one. ``TrainConfig`` itself refuses ``offload`` and the ZeRO-3 bounds; the others
@@ -70,18 +80,18 @@ def _minishard_fsdp(s) -> bool:
 # ``bucket_cap_mb``, ``wrap`` and ``reshard_root``).
 KNOBS: dict[str, tuple[Callable[[Any], bool], str]] = {       # knob: (reads it?, who, in words)
     "bucket_cap_mb": (lambda s: s.buckets, "the strategies that reduce gradients in buckets"),
-    "wrap": (lambda s: s.stage == 3, "FSDP"),
-    "reshard_after_forward": (lambda s: s.stage == 3, "FSDP"),
+    "wrap": (_fsdp, "FSDP"),
+    "reshard_after_forward": (_fsdp, "FSDP"),
     "reshard_root": (_minishard_fsdp, "minishard's FSDP"),
-    "prefetch": (lambda s: s.stage == 3, "FSDP"),
+    "prefetch": (_fsdp, "FSDP"),
     "accumulation": (lambda s: _minishard_fsdp(s) or s.name in ("zero2", "torch_fsdp"), "FSDP and ZeRO-2"),
     "quantized_weights": (_minishard_fsdp, "minishard's FSDP"),
     "quantized_gradients": (_minishard_fsdp, "minishard's FSDP"),
     "shard_size": (lambda s: s.hybrid, "hybrid sharding"),
     "offload": (lambda s: s.offloads, "an FSDP strategy"),
-    "prefetch_bucket_size": (_minishard_fsdp, "an FSDP strategy"),
-    "max_live_parameters": (_minishard_fsdp, "an FSDP strategy"),
-    "param_persistence_threshold": (_minishard_fsdp, "an FSDP strategy"),
+    "prefetch_bucket_size": (_zero3_bounds, "an FSDP strategy or DeepSpeed's stage 3"),
+    "max_live_parameters": (_zero3_bounds, "an FSDP strategy or DeepSpeed's stage 3"),
+    "param_persistence_threshold": (_zero3_bounds, "an FSDP strategy or DeepSpeed's stage 3"),
 }
 
 
@@ -217,10 +227,27 @@ class TrainConfig:
                 raise ConfigError("{%(q)s}: ZeRO++ quantizes to 8 or 4 bits an element; give "
                                   "{%(q)s:name} (int8), {%(q)s:name} 8 or {%(q)s:name} 4" % {"q": name},
                                   python=str(e), **{name: getattr(self, name)}) from None
+        if strategy.library == "deepspeed":
+            self._check_deepspeed(strategy)
         if self.accumulation == "gathered" and strategy.name == "zero2":
             raise ConfigError("{accumulation} gathered keeps FSDP's parameters gathered between "
                               "micro-batches; ZeRO-2 holds them whole on every rank already (use "
                               "sync or no_sync)", accumulation="gathered")
+
+    def _check_deepspeed(self, strategy) -> None:
+        """What DeepSpeed's engine does not do under ``train`` (strategies/deepspeed_native.py)."""
+        if self.precision != "fp32":
+            raise ConfigError("{precision}: DeepSpeed's strategies train in fp32 here (this CPU has "
+                              "no fast bf16 matmuls); use fp32", precision=self.precision)
+        if self.accum != 1:
+            raise ConfigError("{accum}: DeepSpeed's strategies take one micro-batch a step here "
+                              "(DeepSpeed decides when to reduce by its own micro-step counter); "
+                              "use accum 1, or give micro_batch the whole batch", accum=self.accum)
+        for name in ("save_to", "resume_from"):
+            if getattr(self, name) is not None:
+                raise ConfigError("{%s}: DeepSpeed saves its own checkpoints (engine.save_checkpoint); "
+                                  "minishard.checkpoint.from_deepspeed turns one into minishard's"
+                                  % name, **{name: getattr(self, name)})
 
     def _check_saves(self) -> None:
         every = self.save_every

@@ -35,16 +35,15 @@ def train_step(built: Built, batches: Sequence[tuple[torch.Tensor, torch.Tensor]
                 with _phase(ledger, tracer, "forward"), counting():
                     loss = built.model(x, y) / accum            # forward
                 with _phase(ledger, tracer, "backward"):
-                    loss.backward()                             # backward (most reduce meanwhile)
+                    built.backward(loss)                        # backward (most reduce meanwhile)
             loss_sum += loss.item()
         built.synchronise(tracer)                               # synchronise (naive DDP only)
         with _phase(ledger, tracer, "optimizer"):
             if clip is not None:
                 built.clip_grad_norm(clip)                      # clip, by the global norm
-            built.optimizer.step()                              # step
+            built.step()                                        # step
             built.track_state(ledger)                           # (the moments the first step made)
-            built.optimizer.zero_grad(set_to_none=False)        # zero, in place: the gradient
-            # buffers the ledger counts live for the whole run, as the memory formulas have them
+            built.zero_grad()                                   # zero, in place
     return loss_sum
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 import torch
 
 from minishard.instruments import health
+from . import deepspeed
 
 
 def attach(w) -> None:
     facts = w.flight.facts
     facts["run"] = {"watched": w.kind, "world_size": w.tracer.world_size}
     whole = [(n, p) for n, p in w.model.named_parameters() if not _is_dtensor(p)]
-    if w.kind == "ddp" and whole:
+    # replicas: DDP's, and DeepSpeed's below stage 3 (stage 3 holds partitions, as FSDP2 shards)
+    if (w.kind == "ddp" or w.kind == "deepspeed" and deepspeed.stage(w.model) < 3) and whole:
         facts["weights_start"] = health.fingerprint((n.removeprefix("module."), p) for n, p in whole)
     if w.built is not None:              # taken before fully_shard: what each rank built
         facts["weights_built"] = dict(w.built)

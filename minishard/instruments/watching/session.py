@@ -18,8 +18,9 @@ from minishard.core.trace import Tracer
 from .basics import WatchError
 
 SUPPORTED = ("torch.nn.parallel.DistributedDataParallel (any torch.optim optimizer, or "
-             "ZeroRedundancyOptimizer), FSDP2 torch.distributed.fsdp.fully_shard, or minishard's "
-             "own DDP, ZeroOptimizer and fully_shard")
+             "ZeroRedundancyOptimizer), FSDP2 torch.distributed.fsdp.fully_shard, DeepSpeed's "
+             "engine (deepspeed.initialize, ZeRO stages 0-3), or minishard's own DDP, "
+             "ZeroOptimizer and fully_shard")
 
 # optimizer state keys -> the ledger's categories (other keys, e.g. Adam's `step`, not counted)
 OPTIMIZER_STATE = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum_buffer": "momentum"}
@@ -31,14 +32,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kind(model: torch.nn.Module, optimizer) -> str:
-    """"ddp", "fsdp2" or "minishard", or a WatchError naming what is supported. (FSDP's classes
-    are looked up only if imported: a job that never imported them cannot hold one.)"""
+    """"ddp", "fsdp2", "deepspeed" or "minishard", or a WatchError naming what is supported.
+    (FSDP's classes are looked up only if imported: a job that never imported them cannot hold
+    one.)"""
+    from .deepspeed import is_engine
     from .own import recorders
+    if is_engine(model):
+        return "deepspeed"
     fsdp = sys.modules.get("torch.distributed.fsdp")
     for name, m in model.named_modules():
         where = f"{type(m).__name__}" + (f" (module {name!r})" if name else "")
         if any(c.__module__.startswith("deepspeed") for c in type(m).__mro__):
-            raise WatchError(f"minishard.watch: {where} is DeepSpeed's; supported are {SUPPORTED}")
+            raise WatchError(f"minishard.watch: {where} is DeepSpeed's but not its engine; watch "
+                             f"the engine deepspeed.initialize returned. Supported are {SUPPORTED}")
         if fsdp and isinstance(m, fsdp.FullyShardedDataParallel):
             raise WatchError(f"minishard.watch: FSDP1 {where} is not supported; supported are "
                              f"{SUPPORTED} (FSDP2: fully_shard each block, then the root)")
@@ -59,9 +65,13 @@ def _group_name(group) -> str:
     return f"pg{group.group_name}"
 
 
-def _stepped(optimizer):
+def _stepped(optimizer, model=None):
     """The torch optimizer whose ``step`` marks the optimizer phase: minishard's
-    ShardedOptimizer steps the one it wraps."""
+    ShardedOptimizer steps the one it wraps, DeepSpeed's ZeRO optimizer too (and a DeepSpeed
+    engine watched without its optimizer has one)."""
+    from .deepspeed import is_engine, optimizer_of
+    if optimizer is None and model is not None and is_engine(model):
+        return optimizer_of(model)
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     inner = getattr(optimizer, "optimizer", None)
@@ -79,7 +89,7 @@ class Watch:
         self.model, self.optimizer, self._trace = model, optimizer, trace
         self._given_flight, self.built = flight, built
         self.kind = _kind(model, optimizer)      # refuse an unsupported wrapper at once
-        self._stepped = _stepped(optimizer)
+        self._stepped = _stepped(optimizer, model)
         self.tracer: Tracer | None = None
         self._lock = threading.RLock()           # DDP's and ZeRO's completions run in gloo's threads
         self._guard = threading.local()          # re-entrancy: inside a hook that records
@@ -87,6 +97,7 @@ class Watch:
         self._live: dict[int, tuple[str, int, str]] = {}   # id(storage) -> (category, bytes, tag)
         self._gathered: set[int] = set()         # storages of gathered FSDP2 parameters
         self._phase: str | None = None
+        self._sweeps: list = []                  # what re-reads a library's holdings at each phase
         self._in_step = self._closed = False
         self._file = None
         # what a run report shows, folded as events go by (minishard's own strategies have
@@ -97,7 +108,7 @@ class Watch:
 
     # ------------------------------------------------------------------ enter: checks first
     def __enter__(self) -> "Watch":
-        from . import calls, ddp, facts, fsdp2, own
+        from . import calls, ddp, deepspeed, facts, fsdp2, own
         if not (dist.is_available() and dist.is_initialized()):
             raise WatchError("minishard.watch: torch.distributed's process group is not "
                              "initialised; call dist.init_process_group(...) (or run under "
@@ -131,6 +142,8 @@ class Watch:
                 fsdp2.attach(self, self.model)
             elif self.kind == "ddp":
                 ddp.attach(self, self.model)
+            elif self.kind == "deepspeed":       # (holds its parameters in its own containers)
+                deepspeed.attach(self, self.model)
             calls.attach(self)
             self._attach_phases()
             if self._given_flight is None:       # (under train() its recorder has them already)
@@ -139,8 +152,9 @@ class Watch:
                 own.activations(self, ledgers)
                 own.optimizer_state(self, ledgers)
             else:
-                for name, p in self.model.named_parameters():     # FSDP: this rank's shard
-                    self._track("params", _local(p).untyped_storage(), f"param:{name}")
+                if self.kind != "deepspeed":
+                    for name, p in self.model.named_parameters():     # FSDP: this rank's shard
+                        self._track("params", _local(p).untyped_storage(), f"param:{name}")
                 self._attach_optimizer_state()
                 self._attach_activations()
         except BaseException:
@@ -198,10 +212,12 @@ class Watch:
             self._emit("free", category=category, bytes=nbytes, tag=tag, device=device)
 
     # ------------------------------------------------------------------ collectives
-    def _issued(self, op: str, tensor, nbytes: int, group, tag: str, t: float) -> dict:
-        """Enter a collective in the flight recorder as it is issued (a hang leaves it so)."""
+    def _issued(self, op: str, tensor, nbytes: int, group, tag: str, t: float,
+                library: str | None = None) -> dict:
+        """Enter a collective in the flight recorder as it is issued (a hang leaves it so);
+        ``library``: the folder of the training library that issued it (its line is ``where``)."""
         return self.flight.issued(op, _group_name(group), dist.get_world_size(group), (tensor,),
-                                  nbytes, tag, self.tracer.step, self._phase, t)
+                                  nbytes, tag, self.tracer.step, self._phase, t, library=library)
 
     def _collective(self, op: str, payload: int, dtype: str, group, t: float, t_end: float,
                     tag: str, step, src: int | None = None, entry: dict | None = None) -> None:
@@ -249,6 +265,8 @@ class Watch:
 
     def _begin(self, name: str) -> None:
         """End the phase that is open, begin ``name`` (and the step, if none is open)."""
+        for sweep in self._sweeps:
+            sweep()
         if not self._in_step:
             self._emit("phase", name="step", edge="begin")
             self._in_step = True
@@ -258,6 +276,8 @@ class Watch:
         self._phase = name
 
     def _end_step(self) -> None:
+        for sweep in self._sweeps:
+            sweep()
         if self._phase:
             self._emit("phase", name=self._phase, edge="end")
             self._phase = None

@@ -1,0 +1,302 @@
+"""DeepSpeed's ZeRO under watch: its collectives, its partitions and buckets in the ledger, and
+stage 3's fetched submodules as units.
+
+Every collective DeepSpeed issues goes through one object, ``deepspeed.comm``'s backend (``cdb``,
+a ``TorchBackend`` over torch.distributed): its methods are wrapped on that instance while the
+watch is on, so each call is recorded once, with its payload, its group and the DeepSpeed line
+that issued it (the flight recorder's ``where``; ``caller`` stays the user's line).
+
+What the engine holds is read from its ZeRO optimizer's own containers (``held``: one list per
+stage, each entry a category, a tensor and a tag) at every phase change and just before every
+collective, and entered by storage, once, freed when the storage dies — so the ledger follows
+DeepSpeed's buckets as they are made and dropped:
+
+* stage 0 (no ZeRO): the parameters; the gradients as autograd accumulates them; the flat
+  buffer DeepSpeed all-reduces them in, a communication buffer;
+* stages 1 and 2: the flat buffer every parameter of a group is a view of (``params``, padded
+  for alignment), the fp32 partition each rank steps (``master`` — in fp32 training a second
+  copy of the rank's part of the weights, which stage 3 does not keep), its gradient, the reduce
+  bucket (``reduce_bucket_size`` elements, a communication buffer, allocated whole);
+* stage 3: the rank's partition of every parameter (``params``), the fp32 partition (the same
+  storage in fp32 training), the gradient partitions (``grads``), the reduce bucket; each
+  submodule's gathered parameters (``unsharded``, tagged with the module's name — and
+  ``persistent`` for those under ``stage3_param_persistence_threshold``, gathered once and kept).
+
+A tensor a collective is given that none of these holds is a communication buffer (DeepSpeed's
+transient flat buckets). The optimizer's moments, the phases and the activations are the
+watch's own (``session.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .basics import WatchError, _bytes, _dtype
+
+# DeepSpeed's internals this module reaches, and why no public API serves (checked on
+# CHECKED_ON; tests/test_private_torch.py resolves each against the installed DeepSpeed, and on
+# live engines of every stage for "Class#attribute")
+CHECKED_ON = ("0.19.8",)
+_Z = "deepspeed.runtime.zero"
+PRIVATE = {
+    "deepspeed.comm.comm#cdb": "the one backend object every DeepSpeed collective goes through; "
+        "its methods are wrapped on the instance (deepspeed.comm's module functions are "
+        "reached through it, and its all-gather is a function it captured at start)",
+    "deepspeed.comm.torch.TorchBackend.all_reduce": "the methods wrapped: their arguments "
+        "name the tensors and the group",
+    "deepspeed.comm.torch.TorchBackend.all_gather_into_tensor": "the same, all-gather",
+    "deepspeed.comm.torch.TorchBackend.reduce_scatter_tensor": "the same, reduce-scatter",
+    f"{_Z}.stage_1_and_2.DeepSpeedZeroOptimizer#bit16_groups_flat": "the flat buffer each "
+        "parameter group's parameters are views of (no accessor)",
+    f"{_Z}.stage_1_and_2.DeepSpeedZeroOptimizer#single_partition_of_fp32_groups": "the fp32 "
+        "partition each rank steps",
+    f"{_Z}.stage_1_and_2.DeepSpeedZeroOptimizer#ipg_buckets": "the reduce bucket(s), "
+        "reduce_bucket_size elements each",
+    f"{_Z}.stage_1_and_2.DeepSpeedZeroOptimizer#averaged_gradients": "the gradient partitions "
+        "stage 2 keeps",
+    f"{_Z}.stage3.DeepSpeedZeroOptimizer_Stage3#fp16_partitioned_groups_flat": "the rank's "
+        "partition of every parameter, flat",
+    f"{_Z}.stage3.DeepSpeedZeroOptimizer_Stage3#fp32_partitioned_groups_flat": "the fp32 "
+        "partition the optimizer steps",
+    f"{_Z}.stage3.DeepSpeedZeroOptimizer_Stage3#grad_partitions_flat_buffer": "the reduced "
+        "gradient partitions",
+    f"{_Z}.stage3.DeepSpeedZeroOptimizer_Stage3#ipg_buckets": "stage 3's reduce bucket, "
+        "reduce_bucket_size elements",
+    f"{_Z}.stage3.DeepSpeedZeroOptimizer_Stage3#parameter_offload": "the object that owns the "
+        "parameter coordinator",
+    f"{_Z}.partitioned_param_coordinator.PartitionedParameterCoordinator.fetch_sub_module":
+        "a submodule's parameters gathered before it runs: the unit's unshard, patched on the "
+        "instance (no event marks it)",
+    f"{_Z}.partitioned_param_coordinator.PartitionedParameterCoordinator.release_sub_module":
+        "the same, released after it ran: the unit's reshard",
+    f"{_Z}.partitioned_param_coordinator.PartitionedParameterCoordinator."
+    "_PartitionedParameterCoordinator__all_gather_params_": "the gathers a fetch starts, for "
+        "the submodule and its prefetches (name-mangled)",
+}
+
+# cdb's method -> (the op in the trace, its parameters after self, in order — read from
+# deepspeed/comm/torch.py, whose decorators hide them from inspect; tests/test_private_torch.py
+# compares them with the installed source — and the ones holding the payload: minishard's
+# convention, the reduced buffer, the whole gathered / scattered buffer)
+COLLECTIVES = {
+    "all_reduce": ("all_reduce", ("tensor", "op", "group", "async_op"), "tensor"),
+    "all_reduce_coalesced": ("all_reduce", ("tensors", "op", "group", "async_op"), "tensors"),
+    "broadcast": ("broadcast", ("tensor", "src", "group", "async_op"), "tensor"),
+    "all_gather_into_tensor": ("all_gather", ("output_tensor", "input_tensor", "group", "async_op"),
+                               "output_tensor"),
+    "all_gather": ("all_gather", ("tensor_list", "tensor", "group", "async_op"), "tensor_list"),
+    "all_gather_coalesced": ("all_gather", ("output_tensors", "input_tensors", "group", "async_op"),
+                             "output_tensors"),
+    "reduce_scatter_tensor": ("reduce_scatter", ("output_tensor", "input_tensor", "op", "group",
+                                                 "async_op"), "input_tensor"),
+    "reduce_scatter": ("reduce_scatter", ("output", "input_list", "op", "group", "async_op"),
+                       "input_list"),
+    "all_to_all_single": ("all_to_all", ("output", "input", "output_split_sizes",
+                                         "input_split_sizes", "group", "async_op"), "input"),
+}
+
+
+def _tensors(x) -> list:
+    return [t for t in (x if isinstance(x, (list, tuple)) else [x]) if torch.is_tensor(t)]
+
+
+def is_engine(model) -> bool:
+    """A DeepSpeed engine (checked without importing DeepSpeed: a job that never imported it
+    cannot hold one)."""
+    return any(c.__module__.startswith("deepspeed") and c.__name__ == "DeepSpeedEngine"
+               for c in type(model).__mro__)
+
+
+def optimizer_of(engine):
+    """The torch optimizer whose step is the optimizer phase: the one DeepSpeed's ZeRO optimizer
+    wraps, or the engine's own at stage 0."""
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else opt
+
+
+def stage(engine) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+# ---------------------------------------------------------------------------- what it holds
+def held(engine):
+    """(category, tensor, tag) for everything DeepSpeed's ZeRO optimizer holds now, stage by
+    stage (see the module's docstring); the parameters first, so that a container aliasing them
+    (stage 3's fp32 partition in fp32 training) is not counted twice."""
+    z, opt = stage(engine), engine.optimizer
+    if z == 0:
+        for name, p in engine.module.named_parameters():
+            yield "params", p, f"param:{name}"
+        return
+    if z in (1, 2):
+        for i, flat in enumerate(opt.bit16_groups_flat):
+            yield "params", flat, f"flat group {i} (every parameter a view of it)"
+        for i, part in enumerate(opt.single_partition_of_fp32_groups):
+            yield "master", part, f"fp32 partition {i}"
+            if part.grad is not None:
+                yield "grads", part.grad, f"fp32 partition {i}'s gradient"
+        for dtype, bucket in opt.ipg_buckets.items():
+            for j, buf in enumerate(bucket.buffer):
+                yield "comm_buffers", buf, f"reduce bucket {j} (reduce_bucket_size)"
+        for i, grads in (getattr(opt, "averaged_gradients", None) or {}).items():
+            for g in ([grads] if torch.is_tensor(grads) else grads or []):
+                yield "grads", g, f"gradient partition {i}"
+        return
+    if getattr(opt, "lp_param_buffer", None) is not None:
+        yield "params", opt.lp_param_buffer, "partitions (every parameter's part of it)"
+    for i, flat in enumerate(opt.fp16_partitioned_groups_flat):
+        yield "params", flat, f"partition group {i}"
+    for i, part in enumerate(opt.fp32_partitioned_groups_flat):
+        yield "master", part, f"fp32 partition {i}"
+        if part.grad is not None:
+            yield "grads", part.grad, f"fp32 partition {i}'s gradient"
+    if opt.grad_partitions_flat_buffer is not None:
+        yield "grads", opt.grad_partitions_flat_buffer, "gradient partitions"
+    for bucket in opt.ipg_buckets.values():
+        if bucket.buffer is not None:
+            yield "comm_buffers", bucket.buffer, "reduce bucket (reduce_bucket_size)"
+
+
+class Adapter:
+    """One watch's hold on one engine: what is patched, and the names stage 3's units carry."""
+
+    def __init__(self, w, engine):
+        import deepspeed.comm.comm as ds_comm
+        if ds_comm.cdb is None:
+            raise WatchError("minishard.watch: DeepSpeed's communication backend is not set up; "
+                             "call deepspeed.init_distributed() and deepspeed.initialize() first")
+        self.w, self.engine, self.cdb = w, engine, ds_comm.cdb
+        self.stage = stage(engine)
+        self.tag: str | None = None              # stage 3: the units a gather is for
+        # a parameter's owning module, by the parameter's identity (stage 3's units)
+        self.owner = {id(p): name or "root" for name, m in engine.module.named_modules()
+                      for p in m.parameters(recurse=False)}
+        self.units: dict[str, str] = {}          # unit -> its state, as last emitted
+        self.library = os.path.dirname(os.path.dirname(ds_comm.__file__))   # .../deepspeed
+
+    # ------------------------------------------------------------------ the ledger
+    def sweep(self) -> None:
+        for category, t, tag in held(self.engine):
+            if t is not None and t.numel():
+                self.w._track(category, t.untyped_storage(), tag)
+
+    def _buffer(self, t) -> None:
+        """A tensor a collective is given: nothing else holds it, so it is a buffer."""
+        if torch.is_tensor(t) and t.numel():
+            self.w._track("comm_buffers", t.untyped_storage(), "DeepSpeed's flat bucket")
+
+    # ------------------------------------------------------------------ collectives
+    def wrap_collectives(self) -> None:
+        for method, (op, params, payload) in COLLECTIVES.items():
+            orig = getattr(self.cdb, method, None)
+            if orig is not None:
+                setattr(self.cdb, method, self._recorded(method, op, params, payload, orig))
+                self.w._undo.append(lambda method=method: self.cdb.__dict__.pop(method, None))
+
+    def _recorded(self, method: str, op: str, params: tuple, payload: str, orig):
+        w = self.w
+
+        def wrapped(*args, **kwargs):
+            if w._quiet():                       # (one of DeepSpeed's collectives calls another)
+                return orig(*args, **kwargs)
+            a = {**dict(zip(params, args)), **kwargs}
+            self.sweep()
+            tensors = _tensors(a[payload])
+            if self.tag is not None and op == "all_gather":     # stage 3: a unit's parameters
+                for t in tensors:
+                    w._track("unsharded", t.untyped_storage(), f"unsharded:{self.tag}")
+            for t in (t for p in params for t in _tensors(a.get(p))):
+                self._buffer(t)
+            group, src = a.get("group"), a.get("src")
+            nbytes, dtype = sum(_bytes(t) for t in tensors), _dtype(tensors[0])
+            tag = self.tag or f"deepspeed.{method}"
+            t0, step = w.tracer.now(), w.tracer.step
+            entry = w._issued(op, tensors[0], nbytes, group, tag, t0, library=self.library)
+            with w._recording():
+                work = orig(*args, **kwargs)
+            w._when_done(work if a.get("async_op") else None, lambda t1: w._collective(
+                op, nbytes, dtype, group, t0, t1, tag, step, src, entry=entry))
+            return work
+        return wrapped
+
+    # ------------------------------------------------------------------ stage 3's units
+    def wrap_units(self) -> None:
+        if self.stage != 3:
+            return
+        coordinator = self.engine.optimizer.parameter_offload.get_param_coordinator()
+        fetch, release = coordinator.fetch_sub_module, coordinator.release_sub_module
+        gather_name = "_PartitionedParameterCoordinator__all_gather_params_"
+        gather = getattr(coordinator, gather_name)
+        fetching: list[str] = []
+
+        def fetch_sub_module(module, forward):
+            name = self._name(module)
+            fetching.append(name)
+            try:
+                fetch(module, forward)
+            finally:
+                fetching.pop()
+            self._state(name, "unsharded")
+
+        def release_sub_module(module, forward=False):
+            release(module, forward)
+            name = self._name(module)
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+            if any(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in module.parameters(recurse=False)):
+                self._state(name, "sharded")
+
+        def all_gather_params(params, forward, quantize=False):
+            units = sorted({self.owner.get(id(p), "?") for p in params})
+            mine = fetching[-1] if fetching else None
+            tag = units[0] + (f" +{len(units) - 1}" if len(units) > 1 else "")
+            persistent = all(getattr(p, "ds_persist", False) for p in params)
+            self.tag = ("persistent:" if persistent else "" if units == [mine] else "prefetch:") + tag
+            for u in units:
+                self._state(u, "unsharding")
+            try:
+                gather(params, forward, quantize)
+            finally:
+                self.tag = None
+            for p in params:                    # (a gather DeepSpeed made without a collective)
+                self.w._track("unsharded", p.data.untyped_storage(), f"unsharded:{self.owner.get(id(p), '?')}")
+
+        setattr(coordinator, "fetch_sub_module", fetch_sub_module)
+        setattr(coordinator, "release_sub_module", release_sub_module)
+        setattr(coordinator, gather_name, all_gather_params)
+        self.w._undo.append(lambda: [coordinator.__dict__.pop(n, None) for n in
+                                     ("fetch_sub_module", "release_sub_module", gather_name)])
+
+    def _name(self, module) -> str:
+        for p in module.parameters(recurse=False):
+            return self.owner.get(id(p), "?")
+        return next((n or "root" for n, m in self.engine.module.named_modules() if m is module), "?")
+
+    def _state(self, unit: str, state: str) -> None:
+        if self.units.get(unit) != state and unit != "?":
+            self.units[unit] = state
+            self.w._emit("unit", name=unit, state=state)
+
+    # ------------------------------------------------------------------ gradients (stages 0-1)
+    def hook_grads(self) -> None:
+        """Stages 0 and 1 keep every full gradient in ``.grad`` until the step's reduction."""
+        if self.stage > 1:
+            return
+        for name, p in self.engine.module.named_parameters():
+            if p.requires_grad:
+                h = p.register_post_accumulate_grad_hook(lambda p, name=name: p.grad is not None and
+                    self.w._track("grads", p.grad.untyped_storage(), f"grad:{name}"))
+                self.w._undo.append(h.remove)
+
+
+def attach(w, engine) -> Adapter:
+    """Record ``engine``'s collectives, holdings and (stage 3) units in the watch ``w``."""
+    a = Adapter(w, engine)
+    a.sweep()
+    w._sweeps.append(a.sweep)                   # at every phase change too
+    a.wrap_collectives()
+    a.wrap_units()
+    a.hook_grads()
+    return a
