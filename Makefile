@@ -21,11 +21,18 @@ AVX2_KERNEL_PATH = ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
 setup: $(VENV)/.installed
 
+# DeepSpeed builds from source against the torch installed first (--no-build-isolation), without
+# its C++/CUDA ops (DS_BUILD_OPS=0: on a CPU it needs none, and the course's CPU AdamW is
+# torch's); the one op it compiles at its first start (its shared-memory all-reduce, ~30 s with
+# ninja) is compiled here once, so that no test or notebook pays for it.
+DEEPSPEED_SPEC ?= deepspeed==0.19.8    # (pyproject's deepspeed extra pins the same)
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
+	$(BIN)/pip install -q -e ".[dev,deepspeed]"
+	$(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
 	touch $@
 
 # The browser tests (tests/test_browser.py, tests/test_site.py) drive Debian's chromium through
