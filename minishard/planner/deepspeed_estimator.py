@@ -80,3 +80,56 @@ def deepspeed_estimate(n_params: int, largest_layer: int, stage: int, gpus_per_n
             init = 4 * largest_layer * n if zero_init else fp32_init
             rows.append(row(f"{opts}, zero_init={zero_init}", off, init, gathered))
     return rows
+
+
+# ----------------------------------------------------------------------------- what it holds
+def deepspeed_holdings(stage: int, numels: list[int], world_size: int, rank: int,
+                       reduce_bucket_size: int) -> dict[str, tuple[str, int]]:
+    """What DeepSpeed's ZeRO optimizer (0.19) allocates on rank ``rank`` in fp32 training, term by
+    term: ``{term: (ledger category, bytes)}``, for parameters of ``numels`` elements in model
+    order — what ``minishard.watch`` measures of a DeepSpeed engine, to the byte (tested).
+
+    Stages 1 and 2 flatten a group's parameters into one buffer padded to a multiple of 2N
+    elements (DeepSpeed's alignment: ``nccl_start_alignment_factor`` 2 times N), every parameter a
+    view of it, and give rank r the r-th N-th of it, ``F/N``: a **copy** of it in fp32 (the
+    partition its optimizer steps, even when the model is fp32 already), its two moments, and at
+    the step its gradient; the gradients they reduce arrive in the rank's gradient partition,
+    which holds **whole** the gradients of every parameter that touches the rank's part. Stage 3
+    cuts every parameter into N parts of ``ceil(n/N)`` elements and keeps a second fp32 copy of
+    them too (its alias for same-dtype partitions compares a device to a device name, which are
+    not equal); its gradient partitions and its reduce bucket live for the whole run. The
+    reduce bucket is ``reduce_bucket_size`` elements, allocated whole."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"DeepSpeed's ZeRO stages are 1, 2 and 3, not {stage!r}")
+    N, psi = world_size, sum(numels)
+    bucket = ("comm_buffers", 4 * reduce_bucket_size)
+    if stage == 3:
+        part = sum(-(-n // N) for n in numels)
+        return {"partitions": ("params", 4 * part), "fp32 partitions": ("master", 4 * part),
+                "exp_avg": ("exp_avg", 4 * part), "exp_avg_sq": ("exp_avg_sq", 4 * part),
+                "gradient partitions": ("grads", 4 * part),
+                "fp32 partitions' gradient (at the step)": ("grads", 4 * part),
+                "reduce bucket": bucket}
+    flat = -(-psi // (2 * N)) * 2 * N
+    part = flat // N
+    lo, hi = rank * part, (rank + 1) * part
+    touching = [(s, n) for s, n in _starts(numels) if s < hi and s + n > lo]
+    # from the first parameter touching the part to the last one's end — or the part's end,
+    # which on the last rank lies past every parameter, in the padding
+    whole = max(hi, touching[-1][0] + touching[-1][1]) - min(lo, touching[0][0]) if touching else 0
+    out = {"flat parameters (padded to 2N)": ("params", 4 * flat),
+           "fp32 partition": ("master", 4 * part), "exp_avg": ("exp_avg", 4 * part),
+           "exp_avg_sq": ("exp_avg_sq", 4 * part),
+           "gradient partition (whole parameters)": ("grads", 4 * whole),
+           "fp32 partition's gradient (at the step)": ("grads", 4 * part),
+           "reduce bucket": bucket}
+    if stage == 1:
+        out["every full gradient (during backward)"] = ("grads", 4 * psi)
+    return out
+
+
+def _starts(numels: list[int]):
+    start = 0
+    for n in numels:
+        yield start, n
+        start += n

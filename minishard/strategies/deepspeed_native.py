@@ -53,6 +53,9 @@ def deepspeed_config(config, stage: int) -> dict:
                                                       "stage3_param_persistence_threshold")})
     return {"train_micro_batch_size_per_gpu": config.micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": config.clip or 0.0, "zero_optimization": zero,
+            # SGD is element-wise as Adam is: DeepSpeed's partitions serve it the same way, but
+            # DeepSpeed names only its own tested optimizers and refuses the rest without this
+            "zero_allow_untested_optimizer": True,
             "steps_per_print": 2 ** 31 - 1, "wall_clock_breakdown": False}
 
 

@@ -17,8 +17,8 @@ DeepSpeed's buckets as they are made and dropped:
   for alignment), the fp32 partition each rank steps (``master`` — in fp32 training a second
   copy of the rank's part of the weights, which stage 3 does not keep), its gradient, the reduce
   bucket (``reduce_bucket_size`` elements, a communication buffer, allocated whole);
-* stage 3: the rank's partition of every parameter (``params``), the fp32 partition (the same
-  storage in fp32 training), the gradient partitions (``grads``), the reduce bucket; each
+* stage 3: the rank's partition of every parameter (``params``), the fp32 partition (a copy,
+  as in stages 1 and 2), the gradient partitions (``grads``), the reduce bucket; each
   submodule's gathered parameters (``unsharded``, tagged with the module's name — and
   ``persistent`` for those under ``stage3_param_persistence_threshold``, gathered once and kept).
 
@@ -124,40 +124,42 @@ def stage(engine) -> int:
 # ---------------------------------------------------------------------------- what it holds
 def held(engine):
     """(category, tensor, tag) for everything DeepSpeed's ZeRO optimizer holds now, stage by
-    stage (see the module's docstring); the parameters first, so that a container aliasing them
-    (stage 3's fp32 partition in fp32 training) is not counted twice."""
+    stage (see the module's docstring); the parameters first, so that a container that is a
+    view of another (stage 3's groups of its partitions buffer) is counted once, as what it is."""
     z, opt = stage(engine), engine.optimizer
     if z == 0:
         for name, p in engine.module.named_parameters():
             yield "params", p, f"param:{name}"
         return
+    # (the tags are the terms of minishard.planner.deepspeed_estimator.deepspeed_holdings, which
+    # gives each one's bytes: the watch's ledger and the formula are compared term by term)
     if z in (1, 2):
-        for i, flat in enumerate(opt.bit16_groups_flat):
-            yield "params", flat, f"flat group {i} (every parameter a view of it)"
-        for i, part in enumerate(opt.single_partition_of_fp32_groups):
-            yield "master", part, f"fp32 partition {i}"
+        for flat in opt.bit16_groups_flat:
+            yield "params", flat, "flat parameters (padded to 2N)"
+        for part in opt.single_partition_of_fp32_groups:
+            yield "master", part, "fp32 partition"
             if part.grad is not None:
-                yield "grads", part.grad, f"fp32 partition {i}'s gradient"
-        for dtype, bucket in opt.ipg_buckets.items():
-            for j, buf in enumerate(bucket.buffer):
-                yield "comm_buffers", buf, f"reduce bucket {j} (reduce_bucket_size)"
-        for i, grads in (getattr(opt, "averaged_gradients", None) or {}).items():
+                yield "grads", part.grad, "fp32 partition's gradient (at the step)"
+        for bucket in opt.ipg_buckets.values():
+            for buf in bucket.buffer:
+                yield "comm_buffers", buf, "reduce bucket"
+        for grads in (getattr(opt, "averaged_gradients", None) or {}).values():
             for g in ([grads] if torch.is_tensor(grads) else grads or []):
-                yield "grads", g, f"gradient partition {i}"
+                yield "grads", g, "gradient partition (whole parameters)"
         return
     if getattr(opt, "lp_param_buffer", None) is not None:
-        yield "params", opt.lp_param_buffer, "partitions (every parameter's part of it)"
-    for i, flat in enumerate(opt.fp16_partitioned_groups_flat):
-        yield "params", flat, f"partition group {i}"
-    for i, part in enumerate(opt.fp32_partitioned_groups_flat):
-        yield "master", part, f"fp32 partition {i}"
+        yield "params", opt.lp_param_buffer, "partitions"
+    for flat in opt.fp16_partitioned_groups_flat:
+        yield "params", flat, "partitions"
+    for part in opt.fp32_partitioned_groups_flat:
+        yield "master", part, "fp32 partitions"
         if part.grad is not None:
-            yield "grads", part.grad, f"fp32 partition {i}'s gradient"
+            yield "grads", part.grad, "fp32 partitions' gradient (at the step)"
     if opt.grad_partitions_flat_buffer is not None:
         yield "grads", opt.grad_partitions_flat_buffer, "gradient partitions"
     for bucket in opt.ipg_buckets.values():
         if bucket.buffer is not None:
-            yield "comm_buffers", bucket.buffer, "reduce bucket (reduce_bucket_size)"
+            yield "comm_buffers", bucket.buffer, "reduce bucket"
 
 
 class Adapter:
@@ -175,6 +177,7 @@ class Adapter:
         self.owner = {id(p): name or "root" for name, m in engine.module.named_modules()
                       for p in m.parameters(recurse=False)}
         self.units: dict[str, str] = {}          # unit -> its state, as last emitted
+        self.unit_params: dict[str, list] = {}   # stage 3: unit -> the parameters it owns
         self.library = os.path.dirname(os.path.dirname(ds_comm.__file__))   # .../deepspeed
 
     # ------------------------------------------------------------------ the ledger
@@ -182,6 +185,7 @@ class Adapter:
         for category, t, tag in held(self.engine):
             if t is not None and t.numel():
                 self.w._track(category, t.untyped_storage(), tag)
+        self.refresh()
 
     def _buffer(self, t) -> None:
         """A tensor a collective is given: nothing else holds it, so it is a buffer."""
@@ -224,29 +228,36 @@ class Adapter:
 
     # ------------------------------------------------------------------ stage 3's units
     def wrap_units(self) -> None:
+        """Stage 3: a unit is a module that owns parameters itself (DeepSpeed fetches each before
+        it runs). Its state is read from its parameters' own (``ds_status``: all available —
+        unsharded, any in flight — unsharding, else sharded) whenever the coordinator fetches or
+        releases, and at every sweep: DeepSpeed releases in several places (after a module, at
+        the end of backward, on a trace change), and the parameters always say what happened."""
         if self.stage != 3:
             return
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        self._status = ZeroParamStatus
+        for name, m in self.engine.module.named_modules():
+            params = list(m.parameters(recurse=False))
+            if params:
+                self.unit_params[name] = params
         coordinator = self.engine.optimizer.parameter_offload.get_param_coordinator()
         fetch, release = coordinator.fetch_sub_module, coordinator.release_sub_module
         gather_name = "_PartitionedParameterCoordinator__all_gather_params_"
         gather = getattr(coordinator, gather_name)
-        fetching: list[str] = []
+        fetching: list[str | None] = []
 
         def fetch_sub_module(module, forward):
-            name = self._name(module)
-            fetching.append(name)
+            fetching.append(self._name(module))
             try:
                 fetch(module, forward)
             finally:
                 fetching.pop()
-            self._state(name, "unsharded")
+            self.refresh()
 
         def release_sub_module(module, forward=False):
             release(module, forward)
-            name = self._name(module)
-            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-            if any(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in module.parameters(recurse=False)):
-                self._state(name, "sharded")
+            self.refresh()
 
         def all_gather_params(params, forward, quantize=False):
             units = sorted({self.owner.get(id(p), "?") for p in params})
@@ -263,19 +274,27 @@ class Adapter:
             for p in params:                    # (a gather DeepSpeed made without a collective)
                 self.w._track("unsharded", p.data.untyped_storage(), f"unsharded:{self.owner.get(id(p), '?')}")
 
-        setattr(coordinator, "fetch_sub_module", fetch_sub_module)
-        setattr(coordinator, "release_sub_module", release_sub_module)
-        setattr(coordinator, gather_name, all_gather_params)
-        self.w._undo.append(lambda: [coordinator.__dict__.pop(n, None) for n in
-                                     ("fetch_sub_module", "release_sub_module", gather_name)])
+        for name, f in (("fetch_sub_module", fetch_sub_module), ("release_sub_module", release_sub_module),
+                        (gather_name, all_gather_params)):
+            setattr(coordinator, name, f)
+            self.w._undo.append(lambda name=name: coordinator.__dict__.pop(name, None))
 
-    def _name(self, module) -> str:
+    def refresh(self) -> None:
+        """Every unit's state, from its parameters' (emitted where it changed)."""
+        for unit, params in self.unit_params.items():
+            status = {p.ds_status for p in params}
+            self._state(unit, "unsharded" if status == {self._status.AVAILABLE} else
+                        "unsharding" if self._status.INFLIGHT in status else "sharded")
+
+    def _name(self, module) -> str | None:
+        """A unit's name: the module that owns parameters itself (DeepSpeed fetches every
+        module; one that owns none, as a model's root, gathers nothing of its own)."""
         for p in module.parameters(recurse=False):
-            return self.owner.get(id(p), "?")
-        return next((n or "root" for n, m in self.engine.module.named_modules() if m is module), "?")
+            return self.owner.get(id(p))
+        return None
 
     def _state(self, unit: str, state: str) -> None:
-        if self.units.get(unit) != state and unit != "?":
+        if self.units.get(unit, "sharded") != state and unit != "?":
             self.units[unit] = state
             self.w._emit("unit", name=unit, state=state)
 
