@@ -137,3 +137,42 @@ def fsdp2_own_seeds(rank, out, fingerprinted: bool):
         opt.zero_grad()
         w.step()
     return "done"
+
+
+def deepspeed_job(rank, stage, death, out):
+    """A user's DeepSpeed job at ZeRO ``stage`` under ``minishard.watch``: the engine's own
+    backward and step. The dying rank dies as the torch jobs' does, mid-backward of step
+    ``STEP``; its extra collective goes through DeepSpeed's own ``deepspeed.comm.all_reduce``."""
+    import deepspeed
+    import deepspeed.comm as ds_comm
+    from minishard.strategies.deepspeed_native import deepspeed_config
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    cfg = minishard.model_config("nano")
+    net = minishard.GPT(cfg)
+    bounds = dict(param_persistence_threshold=0, max_live_parameters=0) if stage == 3 else {}
+    config = deepspeed_config(TrainConfig(strategy=f"deepspeed_zero{stage}", model="nano", micro_batch=2,
+                                          bucket_cap_mb=0.05, **bounds), stage)
+    engine, opt, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config,
+                                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    dying = rank.rank == DYING and death is not None
+    with minishard.watch(engine, opt, trace=out) as w:
+        for step in range(2):
+            if dying and death == "early" and step == STEP:
+                return "left early"
+            if dying and step == STEP:
+                def on_output(module, args, out):
+                    out.register_hook(lambda g: _deepspeed_death(death, ds_comm))
+                net.blocks[0].register_forward_hook(on_output)
+            x, y = minishard.batch(cfg, step, 2, rank.rank, rank.world_size)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            w.step()
+    return "done"
+
+
+def _deepspeed_death(death, ds_comm):
+    if death == "abort":
+        ds_comm.all_reduce(torch.zeros(8), async_op=True)
+        os.abort()
+    _die(death, lambda t: ds_comm.all_reduce(t))

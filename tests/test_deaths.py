@@ -8,7 +8,8 @@ death takes the pool with it), for minishard's engine and for PyTorch's DDP and 
 line, and ``minishard doctor`` exits 1. The same jobs run healthy find nothing and exit 0.
 
 The default suite runs each death once on 2 ranks (minishard's engine: all four; PyTorch's DDP: the
-size mismatch of the issue and the early exit; FSDP2: the kill mid-backward) and the mismatch on 4 ranks;
+size mismatch of the issue and the early exit; FSDP2: the kill mid-backward; DeepSpeed's ZeRO-2 and
+ZeRO-3: the kill mid-backward and one collective more) and the mismatch on 4 ranks;
 ``MINISHARD_ALL_DEATHS=1`` runs every job with every death on 2 and 4 ranks.
 """
 import os
@@ -24,10 +25,11 @@ import death_tasks
 from death_tasks import DYING
 
 ALL = os.environ.get("MINISHARD_ALL_DEATHS") == "1"
-JOBS = ("minishard", "torch_ddp", "torch_fsdp")
+JOBS = ("minishard", "torch_ddp", "torch_fsdp", "deepspeed_zero2", "deepspeed_zero3")
 DEFAULT = {("minishard", d, 2) for d in death_tasks.DEATHS} | {
     ("torch_ddp", "mismatch", 2), ("torch_ddp", "early", 2), ("torch_fsdp", "sigkill", 2),
-    ("minishard", "mismatch", 4)}
+    ("minishard", "mismatch", 4)} | {
+    (f"deepspeed_zero{k}", d, 2) for k in (2, 3) for d in ("sigkill", "mismatch")}
 CASES = [(j, d, n) for n in (2, 4) for j in JOBS for d in death_tasks.DEATHS
          if ALL or (j, d, n) in DEFAULT]
 TIMEOUT_S = 6          # the collective timeout: how long the others wait for a rank that left
@@ -35,7 +37,8 @@ TIMEOUT_S = 6          # the collective timeout: how long the others wait for a 
 
 def _run(job: str, death: str | None, n: int, out, pool=None):
     task, args = ((death_tasks.minishard_engine, (death, str(out))) if job == "minishard" else
-                  (death_tasks.torch_job, (job.removeprefix("torch_"), death, str(out))))
+                  (death_tasks.deepspeed_job, (int(job[-1]), death, str(out))) if job.startswith("deepspeed")
+                  else (death_tasks.torch_job, (job.removeprefix("torch_"), death, str(out))))
     if pool is not None:
         return pool.run(task, *args)
     with Ranks(n, timeout=120, collective_timeout=TIMEOUT_S) as own:
@@ -49,12 +52,22 @@ def test_a_rank_that_dies_is_named_with_its_collective_and_line(tmp_path, job, d
     _run(job, death, n, out)
     found = {f.kind: f for f in doctor.diagnose(out).findings}
     text = "\n".join(f"{f.kind}: {f.title} | " + " | ".join(f.evidence) for f in found.values())
-    if death == "mismatch":              # gloo aborts every rank the bad pair touched
+    if death == "mismatch" and job == "deepspeed_zero2":
+        # DeepSpeed's ZeRO-1/2 reduce in a process group of their own: the extra all-reduce, in
+        # the world group, pairs with nothing; each rank waits for the other in its own group
+        f = next(f for f in doctor.diagnose(out).findings if "group 'world'" in f.title)
+        assert f.kind == "hang" and DYING in f.ranks and "one collective more on rank 1" in f.title, text
+        assert "[4] float32, 16 B" in " ".join(f.evidence) and "death_tasks.py" in " ".join(f.evidence), text
+        assert "timeout" in found, text
+    elif death == "mismatch":            # gloo aborts every rank the bad pair touched
         f = found["desync"]
         assert DYING in f.ranks, text
         assert "[4] float32, 16 B" in f.title and "seq " in f.title, text
         assert "death_tasks.py" in " ".join(f.evidence), text          # the extra call's line
-        assert "died" in found and DYING in found["died"].ranks, text
+        if job == "deepspeed_zero3":     # paired with an all-gather of another size: gloo did not
+            assert "timeout" in found, text       # abort here, both ranks waited until the timeout
+        else:
+            assert "died" in found and DYING in found["died"].ranks, text
     elif death in ("sigkill", "abort"):
         f = found["died"]
         assert f.ranks == [DYING], text

@@ -323,9 +323,11 @@ def test_unsupported_wrappers_are_named():
     with pytest.raises(WatchError, match="FSDP1 FullyShardedDataParallel .*supported are "
                                          ".*DistributedDataParallel.*fully_shard"):
         minishard.watch(fsdp1)
-    DeepSpeedEngine = type("DeepSpeedEngine", (torch.nn.Module,), {"__module__": "deepspeed.runtime.engine"})
-    with pytest.raises(WatchError, match="DeepSpeedEngine is DeepSpeed's; supported are"):
-        minishard.watch(DeepSpeedEngine())
+    # DeepSpeed's engine is watched (tests/test_deepspeed.py); its other modules are named
+    PipelineModule = type("PipelineModule", (torch.nn.Module,), {"__module__": "deepspeed.runtime.pipe.module"})
+    with pytest.raises(WatchError, match="PipelineModule is DeepSpeed's but not its engine; watch the "
+                                         "engine deepspeed.initialize returned. Supported are"):
+        minishard.watch(PipelineModule())
     with pytest.raises(WatchError, match="Linear is wrapped by nothing watch knows"):
         minishard.watch(torch.nn.Linear(2, 2))
 

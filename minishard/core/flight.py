@@ -47,12 +47,14 @@ _TORCH = os.sep + "torch" + os.sep
 _HERE = tuple(os.path.join(_PACKAGE, "core", f) for f in ("comm.py", "flight.py"))
 
 
-def call_sites(depth: int = 2, issuer: type = object, library: str | None = None) -> tuple[str, str]:
+def call_sites(depth: int = 2, issuer: type = object,
+               library: tuple[str, ...] | None = None) -> tuple[str, str]:
     """(the engine's line that issued the collective, the first line outside minishard and
     torch), each as ``file:line in function``. ``issuer``: the communicator's class; its methods
-    are not the call site, in whichever file a subclass of it lives. ``library``: the folder of
-    another training library whose collectives a watch records (DeepSpeed): its ``comm`` folder
-    is the communicator, its other lines are the engine's line, and none is the caller."""
+    are not the call site, in whichever file a subclass of it lives. ``library``: another
+    training library whose collectives a watch records (DeepSpeed) — its folder, then the files
+    or folders of its plumbing (its communicator, its decorators): its other lines are the
+    engine's line, and none of its lines is the caller."""
     own = _methods(issuer)
     f, where, caller = sys._getframe(0), "", ""
     for _ in range(depth):                     # (a shallow stack: a script's top level)
@@ -63,15 +65,16 @@ def call_sites(depth: int = 2, issuer: type = object, library: str | None = None
             site = f"{_short(path)}:{f.f_lineno} in {f.f_code.co_name}"
             if library is None:
                 where = where or site
-            elif path.startswith(library):      # the library's own lines: never the caller
-                if not path.startswith(os.path.join(library, "comm")):
+            elif path.startswith(library[0]):   # the library's own lines: never the caller
+                if not path.startswith(library[1:]):
                     where = where or site
                 f = f.f_back
                 continue
             if not path.startswith(_PACKAGE):
                 caller = site
         f = f.f_back
-    return where, caller
+    # (a collective the user's own line issued through the library: that line is both)
+    return where or caller, caller
 
 
 @functools.cache
@@ -115,7 +118,7 @@ class FlightRecorder:
 
     def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
                step: int | None, phase: str | None, t: float, *, issuer: type = object,
-               library: str | None = None, **extra) -> dict:
+               library: tuple[str, ...] | None = None, **extra) -> dict:
         """Enter a collective as it is issued; the entry is completed in place. ``issuer``: the
         class of the communicator that issues it, ``library`` the training library a watch
         records (see :func:`call_sites`). ``extra``: what else must agree across ranks (a

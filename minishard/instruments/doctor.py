@@ -213,10 +213,18 @@ def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
                         else f"rank {r}'s dump is PyTorch's own flight recorder's (it records no reason)")
     wait = (f"; {ranks_word(waiting)} wait{'s' if len(waiting) == 1 else ''} in "
             f"{'it' if shown == first else f'seq {shown}'}") if waiting else ""
+    # a group the ranks behind never used at all, whose first collective the ranks ahead issued
+    # instead of the next one of a stream they shared with them (where the others wait now): one
+    # collective more on the ranks ahead (a line only they ran) — or one fewer on the others; both
+    # are named, and the evidence's call sites tell which
+    unused = first == min(held[ahead[0]]) and all(not held.get(r) for r in behind) and \
+        _left_a_stream(dumps, group, ahead, behind)
+    either = (f", the first of that group {ranks_word(ahead)} issued: one collective more on "
+              f"{ranks_word(ahead)}, or one fewer on {ranks_word(behind)}") if unused else ""
     return Finding(
-        "hang", behind,
+        "hang", sorted(behind + ahead) if unused else behind,
         f"{ranks_word(behind)} never issued seq {first} of group {group!r}"
-        f"{f' ({_what(e)})' if shown == first else ''}{wait}",
+        f"{f' ({_what(e)})' if shown == first else ''}{either}{wait}",
         evidence,
         f"the collective at seq {first} must run on every rank, even one with nothing to send: "
         f"make {ranks_word(behind)} issue it too (all-reduce zeros for parameters without a "
@@ -250,6 +258,22 @@ def never_completed(group: str, held: dict[int, dict[int, dict]], ranks: list[in
             "(killed, or stuck in another group's collective), or, issued with async_op=True, "
             "it was never waited for")
     return None
+
+
+def _left_a_stream(dumps: dict[int, dict], group: str, ahead: list[int], behind: list[int]) -> bool:
+    """Each rank behind waits in another group's collective whose seq the ranks ahead had come
+    up to — they hold the one before it, not it: they left that stream for ``group``. (Ranks
+    that each began with another group, with nothing shared before, waited in a cycle of orders
+    instead.)"""
+    waits = [e for r in behind for e in dumps[r]["entries"] if e["group"] != group and e["state"] == "issued"]
+    if not waits:
+        return False
+    for e in waits:
+        for a in ahead:
+            seqs = {x["seq"] for x in dumps[a]["entries"] if x["group"] == e["group"]}
+            if e["seq"] in seqs or e["seq"] - 1 not in seqs:
+                return False
+    return True
 
 
 def _waiting_elsewhere(dump: dict, group: str) -> bool:

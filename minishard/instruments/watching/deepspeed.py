@@ -178,7 +178,11 @@ class Adapter:
                       for p in m.parameters(recurse=False)}
         self.units: dict[str, str] = {}          # unit -> its state, as last emitted
         self.unit_params: dict[str, list] = {}   # stage 3: unit -> the parameters it owns
-        self.library = os.path.dirname(os.path.dirname(ds_comm.__file__))   # .../deepspeed
+        # DeepSpeed's folder, then its plumbing: its communicator and its profiling decorator
+        # (instrument_w_nvtx wraps the calls that issue collectives): the line that issued a
+        # collective is the first one past them
+        root = os.path.dirname(os.path.dirname(ds_comm.__file__))
+        self.library = (root, os.path.join(root, "comm") + os.sep, os.path.join(root, "utils", "nvtx.py"))
 
     # ------------------------------------------------------------------ the ledger
     def sweep(self) -> None:

@@ -213,9 +213,10 @@ class Watch:
 
     # ------------------------------------------------------------------ collectives
     def _issued(self, op: str, tensor, nbytes: int, group, tag: str, t: float,
-                library: str | None = None) -> dict:
+                library: tuple[str, ...] | None = None) -> dict:
         """Enter a collective in the flight recorder as it is issued (a hang leaves it so);
-        ``library``: the folder of the training library that issued it (its line is ``where``)."""
+        ``library``: the training library that issued it (its folder, then its plumbing's:
+        ``core.flight.call_sites``), whose line is ``where``."""
         return self.flight.issued(op, _group_name(group), dist.get_world_size(group), (tensor,),
                                   nbytes, tag, self.tracer.step, self._phase, t, library=library)
 
