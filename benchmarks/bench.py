@@ -1,4 +1,4 @@
-"""minishard against PyTorch's own strategies: step time, interleaved, in one run.
+"""minishard and DeepSpeed against PyTorch's own strategies: step time, interleaved, in one run.
 
     python benchmarks/bench.py                 # 2 and 4 ranks, tiny GPT (6.9 M params)
     python benchmarks/bench.py --world-sizes 2 --rounds 3 --steps 8
@@ -54,6 +54,20 @@ CONTENDERS = [
      "torch FSDP2 fully_shard (block + root)", True),
     ("minishard FSDP, per-parameter, prefetch 1", dict(strategy="fsdp", prefetch=1,
                                                        track_activations=False),
+     "torch FSDP2 fully_shard (block + root)", True),
+    # DeepSpeed's ZeRO, where the idea comes from (unwatched, as PyTorch's baselines), against the
+    # same PyTorch baselines as minishard's stage of it: the two ratios side by side compare them
+    ("DeepSpeed ZeRO-1", dict(strategy="deepspeed_zero1", trace=False),
+     "torch DDP + ZeroRedundancyOptimizer", True),
+    ("DeepSpeed ZeRO-2", dict(strategy="deepspeed_zero2", trace=False),
+     "torch DDP + ZeroRedundancyOptimizer", True),
+    # its defaults keep a model under 1e9 parameters gathered after the first step (live and
+    # reuse-distance bounds of 1e9, parameters under 1e5 elements never sharded): in effect
+    # ZeRO-2; bounded to 0, it gathers every submodule every time, as ZeRO-3 is told
+    ("DeepSpeed ZeRO-3 (its defaults)", dict(strategy="deepspeed_zero3", trace=False),
+     "torch FSDP2 fully_shard (block + root)", True),
+    ("DeepSpeed ZeRO-3 (every gather: bounds 0)",
+     dict(strategy="deepspeed_zero3", trace=False, max_live_parameters=0, param_persistence_threshold=0),
      "torch FSDP2 fully_shard (block + root)", True),
 ]
 

@@ -118,12 +118,12 @@ class FlightRecorder:
 
     def issued(self, op: str, group: str, group_size: int, tensors, nbytes: int, tag: str,
                step: int | None, phase: str | None, t: float, *, issuer: type = object,
-               library: tuple[str, ...] | None = None, **extra) -> dict:
+               sites: tuple[str, str] | None = None, **extra) -> dict:
         """Enter a collective as it is issued; the entry is completed in place. ``issuer``: the
-        class of the communicator that issues it, ``library`` the training library a watch
-        records (see :func:`call_sites`). ``extra``: what else must agree across ranks (a
-        broadcast's ``src``)."""
-        where, caller = call_sites(3, issuer, library)
+        class of the communicator that issues it (see :func:`call_sites`); ``sites``: (where,
+        caller) when the issuer found them itself (a watch of another library). ``extra``: what
+        else must agree across ranks (a broadcast's ``src``)."""
+        where, caller = sites or call_sites(3, issuer)
         with self._lock:
             seq = self._seq[group] = self._seq.get(group, -1) + 1
             entry = {"seq": seq, "op": op, "group": group, "group_size": group_size,

@@ -33,6 +33,7 @@ import os
 
 import torch
 
+from minishard.core.flight import call_sites
 from .basics import WatchError, _bytes, _dtype
 
 # DeepSpeed's internals this module reaches, and why no public API serves (checked on
@@ -213,22 +214,40 @@ class Adapter:
             a = {**dict(zip(params, args)), **kwargs}
             self.sweep()
             tensors = _tensors(a[payload])
-            if self.tag is not None and op == "all_gather":     # stage 3: a unit's parameters
-                for t in tensors:
-                    w._track("unsharded", t.untyped_storage(), f"unsharded:{self.tag}")
+            if self.stage == 3 and op == "all_gather":          # a unit's parameters, gathered
+                self._gathered(tensors, [t for p in params if p != payload for t in _tensors(a.get(p))])
             for t in (t for p in params for t in _tensors(a.get(p))):
                 self._buffer(t)
             group, src = a.get("group"), a.get("src")
             nbytes, dtype = sum(_bytes(t) for t in tensors), _dtype(tensors[0])
-            tag = self.tag or f"deepspeed.{method}"
+            # the unit it gathers (stage 3's fetches), else the DeepSpeed function that issued it
+            sites = call_sites(1, library=self.library)
+            tag = self.tag or sites[0].rpartition(" in ")[2] or f"deepspeed.{method}"
             t0, step = w.tracer.now(), w.tracer.step
-            entry = w._issued(op, tensors[0], nbytes, group, tag, t0, library=self.library)
+            entry = w._issued(op, tensors[0], nbytes, group, tag, t0, sites=sites)
             with w._recording():
                 work = orig(*args, **kwargs)
             w._when_done(work if a.get("async_op") else None, lambda t1: w._collective(
                 op, nbytes, dtype, group, t0, t1, tag, step, src, entry=entry))
             return work
         return wrapped
+
+    def _gathered(self, outputs: list, inputs: list) -> None:
+        """Stage 3's all-gather outputs are parameters: a fetch's (tagged with its unit), or — when
+        DeepSpeed gathers outside a fetch (the parameters it keeps whole, again after each step) —
+        the parameter whose partition is the input (its ``ds_tensor``: DeepSpeed points the
+        parameter at the output only once the gather is done)."""
+        if self.tag is not None:
+            for t in outputs:
+                self.w._track("unsharded", t.untyped_storage(), f"unsharded:{self.tag}")
+            return
+        owners = {p.ds_tensor.data_ptr(): (self.owner.get(id(p), "?"), getattr(p, "ds_persist", False))
+                  for p in self.engine.module.parameters() if getattr(p, "ds_tensor", None) is not None}
+        for t in inputs[:1]:
+            unit, persistent = owners.get(t.data_ptr(), (None, False))
+            for out in outputs if unit is not None else ():
+                self.w._track("unsharded", out.untyped_storage(),
+                              f"unsharded:{'persistent:' if persistent else ''}{unit}")
 
     # ------------------------------------------------------------------ stage 3's units
     def wrap_units(self) -> None:

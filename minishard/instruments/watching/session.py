@@ -213,12 +213,11 @@ class Watch:
 
     # ------------------------------------------------------------------ collectives
     def _issued(self, op: str, tensor, nbytes: int, group, tag: str, t: float,
-                library: tuple[str, ...] | None = None) -> dict:
+                sites: tuple[str, str] | None = None) -> dict:
         """Enter a collective in the flight recorder as it is issued (a hang leaves it so);
-        ``library``: the training library that issued it (its folder, then its plumbing's:
-        ``core.flight.call_sites``), whose line is ``where``."""
+        ``sites``: its (where, caller), if the recorder taking it found them already."""
         return self.flight.issued(op, _group_name(group), dist.get_world_size(group), (tensor,),
-                                  nbytes, tag, self.tracer.step, self._phase, t, library=library)
+                                  nbytes, tag, self.tracer.step, self._phase, t, sites=sites)
 
     def _collective(self, op: str, payload: int, dtype: str, group, t: float, t_end: float,
                     tag: str, step, src: int | None = None, entry: dict | None = None) -> None:
