@@ -113,6 +113,23 @@ def test_every_collective_deepspeed_issues_is_recorded_once_with_its_size(watche
         assert sum(len(s) for s in res[r]["logged"].values()) == len(events)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_optimizer_is_watched_and_on_a_cpu_moves_nothing(pools, tmp_path, stage):
+    """ZeRO-Offload (``offload_optimizer`` to the CPU, torch's AdamW stepping there) runs and is
+    watched: every collective as DeepSpeed logs it, the fp32 partition found. On this machine the
+    CPU is the device, so every storage is entered on the device — what offload moves shows only
+    where an accelerator computes (the watch enters a CPU storage there as host)."""
+    zero = {"offload_optimizer": {"device": "cpu"}, **(STAGE3 if stage == 3 else {})}
+    res = pools(2).run(deepspeed_tasks.user_job, stage, str(tmp_path), zero, bucket_cap_mb=BUCKET_MB)
+    for r in (0, 1):
+        events = read_events(tmp_path / f"rank{r}.jsonl")
+        ops = [e for e in events if e["kind"] == "collective"]
+        assert len(ops) == sum(len(s) for s in res[r]["logged"].values())
+        held = _held_by_tag(tmp_path / f"rank{r}.jsonl")
+        assert held.get("fp32 partition" if stage < 3 else "fp32 partitions", 0) > 0, sorted(held)
+        assert {e["device"] for e in events if e["kind"] == "alloc"} == {"device"}
+
+
 # ----------------------------------------------------------------------------- the ledger
 def _held_by_tag(path) -> dict[str, int]:
     """The most bytes each tag held at once over the run (a tag's allocations minus its frees)."""

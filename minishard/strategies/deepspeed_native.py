@@ -14,6 +14,11 @@ built from ``TrainConfig``'s knobs, each mapped to the DeepSpeed setting of the 
     prefetch_bucket_size   stage3_prefetch_bucket_size          (None: DeepSpeed's default)
     max_live_parameters    stage3_max_live_parameters and stage3_max_reuse_distance
     param_persistence_threshold   stage3_param_persistence_threshold
+    offload="host"         offload_optimizer to the CPU (ZeRO-Offload: the fp32 partition, its
+                           gradient and the moments there, the step there), and at stage 3
+                           offload_param too; the optimizer stays torch's (not DeepSpeedCPUAdam,
+                           a C++ op this install does not build). On a machine without an
+                           accelerator the CPU *is* the device: it runs, and nothing moves.
 
 DeepSpeed is imported only when such a strategy is built (``pip install deepspeed``: the engine
 never needs it). What DeepSpeed does not do here is refused before a rank starts
@@ -51,7 +56,12 @@ def deepspeed_config(config, stage: int) -> dict:
             "stage3_max_reuse_distance": _or(live, "stage3_max_reuse_distance"),
             "stage3_param_persistence_threshold": _or(config.param_persistence_threshold,
                                                       "stage3_param_persistence_threshold")})
+    if config.offload == "host":
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": config.micro_batch, "gradient_accumulation_steps": 1,
+            "zero_force_ds_cpu_optimizer": False,    # (torch's optimizer on the CPU partition)
             "gradient_clipping": config.clip or 0.0, "zero_optimization": zero,
             # SGD is element-wise as Adam is: DeepSpeed's partitions serve it the same way, but
             # DeepSpeed names only its own tested optimizers and refuses the rest without this

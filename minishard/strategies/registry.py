@@ -222,7 +222,7 @@ _ALL = [
              aliases=("torch-fsdp",), instrumented=False, mixed_precision="bf16_fsdp", library="torch"),
     *(Strategy(f"deepspeed_zero{k}", f"DeepSpeed ZeRO stage {k}", k,
                "deepspeed_native:build_deepspeed", dict(stage=k), aliases=(f"deepspeed-zero{k}",),
-               instrumented=False, buckets=True, library="deepspeed") for k in range(4)),
+               instrumented=False, buckets=True, offloads=k > 0, library="deepspeed") for k in range(4)),
 ]
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
 _ALIASES: dict[str, Strategy] = {a: s for s in _ALL for a in s.aliases}

@@ -88,7 +88,7 @@ KNOBS: dict[str, tuple[Callable[[Any], bool], str]] = {       # knob: (reads it?
     "quantized_weights": (_minishard_fsdp, "minishard's FSDP"),
     "quantized_gradients": (_minishard_fsdp, "minishard's FSDP"),
     "shard_size": (lambda s: s.hybrid, "hybrid sharding"),
-    "offload": (lambda s: s.offloads, "an FSDP strategy"),
+    "offload": (lambda s: s.offloads, "an FSDP strategy or DeepSpeed's ZeRO"),
     "prefetch_bucket_size": (_zero3_bounds, "an FSDP strategy or DeepSpeed's stage 3"),
     "max_live_parameters": (_zero3_bounds, "an FSDP strategy or DeepSpeed's stage 3"),
     "param_persistence_threshold": (_zero3_bounds, "an FSDP strategy or DeepSpeed's stage 3"),
@@ -243,6 +243,10 @@ class TrainConfig:
             raise ConfigError("{accum}: DeepSpeed's strategies take one micro-batch a step here "
                               "(DeepSpeed decides when to reduce by its own micro-step counter); "
                               "use accum 1, or give micro_batch the whole batch", accum=self.accum)
+        if self.offload == "disk":
+            raise ConfigError("{offload}: DeepSpeed's NVMe offload needs its async-I/O op, which "
+                              "this install does not build (DS_BUILD_OPS=0); use host",
+                              offload=self.offload)
         for name in ("save_to", "resume_from"):
             if getattr(self, name) is not None:
                 raise ConfigError("{%s}: DeepSpeed saves its own checkpoints (engine.save_checkpoint); "
