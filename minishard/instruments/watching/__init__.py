@@ -1,5 +1,6 @@
-"""Watch a training job in minishard's trace: PyTorch's own DDP, ZeroRedundancyOptimizer and FSDP2
-— and minishard's own strategies — with two lines in anyone's script, on every rank::
+"""Watch a training job in minishard's trace: PyTorch's own DDP, ZeroRedundancyOptimizer and FSDP2,
+DeepSpeed's engine — and minishard's own strategies — with two lines in anyone's script, on every
+rank::
 
     with minishard.watch(model, optimizer, trace="traces/mine") as w:
         for x, y in loader:
@@ -10,7 +11,9 @@
 
 Supported, on gloo: torch's ``DistributedDataParallel`` (any ``torch.optim`` optimizer, or a
 ``ZeroRedundancyOptimizer``), FSDP2 ``fully_shard`` (any wrapping, ``reshard_after_forward``
-True or False, ``MixedPrecisionPolicy``), and minishard's ``DDP`` / ``ZeroOptimizer`` /
+True or False, ``MixedPrecisionPolicy``), DeepSpeed's engine (``deepspeed.initialize``, ZeRO
+stages 0–3, ``offload_optimizer``: ``with minishard.watch(engine, optimizer, trace=DIR)``, the
+loop ``engine.backward(loss); engine.step()``), and minishard's ``DDP`` / ``ZeroOptimizer`` /
 ``fully_shard``. Not yet: NCCL timing (times are taken on the host), FSDP2's
 ``reshard_after_forward=int`` (drawn as ``sharded``), a DDP that already has a comm hook, FSDP2
 modules with several parameter groups. Each rank streams ``rank{r}.jsonl`` (``trace.py``), a
@@ -34,6 +37,9 @@ The instruments, measured in docs/watch-spike.md, one file each:
   reduce-scatter (public setters), tag = the unit's module name, and its units' states from
   its parameter groups' memory-state changes.
 * ``ddp.py`` — DDP's buckets through a comm hook around DDP's own ``allreduce_hook``.
+* ``deepspeed.py`` — DeepSpeed's engine: its communication backend's collectives, what its ZeRO
+  optimizer holds (term by term, as ``planner.deepspeed_estimator.deepspeed_holdings`` counts
+  it), stage 3's fetched submodules as units; DeepSpeed's internals in this one adapter.
 * ``calls.py`` — everything else (ZeRO's broadcasts, a user's own collectives): wrappers on
   ``torch.distributed``'s Python functions, quiet while a hook above records the same call.
 * ``own.py`` — minishard's own strategies record every collective, unit state and byte
