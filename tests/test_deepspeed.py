@@ -131,13 +131,15 @@ def test_offload_optimizer_is_watched_and_on_a_cpu_moves_nothing(pools, tmp_path
 
 
 # ----------------------------------------------------------------------------- the ledger
-def _held_by_tag(path) -> dict[str, int]:
-    """The most bytes each tag held at once over the run (a tag's allocations minus its frees)."""
+def _held_by_tag(path, category: bool = False) -> dict:
+    """The most bytes each tag (or, with ``category``, each (category, tag)) held at once over the
+    run: a tag's allocations minus its frees."""
     now, most = {}, {}
     for e in read_events(path):
         if e["kind"] in ("alloc", "free"):
-            now[e["tag"]] = now.get(e["tag"], 0) + (e["bytes"] if e["kind"] == "alloc" else -e["bytes"])
-            most[e["tag"]] = max(most.get(e["tag"], 0), now[e["tag"]])
+            key = (e["category"], e["tag"]) if category else e["tag"]
+            now[key] = now.get(key, 0) + (e["bytes"] if e["kind"] == "alloc" else -e["bytes"])
+            most[key] = max(most.get(key, 0), now[key])
     return most
 
 
@@ -150,16 +152,18 @@ def test_what_the_watch_measures_is_deepspeeds_holdings_term_by_term(watched, st
     d, res = watched[stage, N]
     bucket = int(BUCKET_MB * 2 ** 20) // 4
     for r in range(N):
-        held = _held_by_tag(d / f"rank{r}.jsonl")
+        held = _held_by_tag(d / f"rank{r}.jsonl", category=True)
         want = deepspeed_holdings(stage, res[r]["numels"], N, r, bucket)
-        moments = {k: held.get(k) for k in held if k.startswith("opt:exp_avg")}
-        assert moments == {"opt:exp_avg:0": want["exp_avg"][1], "opt:exp_avg_sq:0": want["exp_avg_sq"][1]}
+        moments = {k: v for k, v in held.items() if k[1].startswith("opt:exp_avg")}
+        assert moments == {("exp_avg", "opt:exp_avg:0"): want["exp_avg"][1],
+                           ("exp_avg_sq", "opt:exp_avg_sq:0"): want["exp_avg_sq"][1]}
         for term, (category, nbytes) in want.items():
             if term.startswith("exp_avg"):
                 continue
-            got = (sum(v for k, v in held.items() if k.startswith("grad:")) if term.startswith("every full")
-                   else held.get(term))
-            assert got == nbytes, f"stage {stage}, N={N}, rank {r}: {term}: measured {got}, formula {nbytes}"
+            got = (sum(v for (c, k), v in held.items() if c == category and k.startswith("grad:"))
+                   if term.startswith("every full") else held.get((category, term)))
+            assert got == nbytes, (f"stage {stage}, N={N}, rank {r}: {term} ({category}): measured {got}, "
+                                   f"formula {nbytes}")
 
 
 def test_stage_3_gathers_each_submodule_by_name_and_frees_it(watched):
@@ -178,6 +182,46 @@ def test_stage_3_gathers_each_submodule_by_name_and_frees_it(watched):
     # a unit's gathered parameters, padded to N: its qkv Linear's weight and bias, whole
     assert held["unsharded:blocks.0.attn.qkv"] == 4 * (3 * 64 * 64 + 3 * 64), held
     assert res[0]["held"].get("unsharded", 0) == 0          # all given back after the step
+
+
+def test_each_collective_names_the_deepspeed_line_that_issued_it_and_the_users(watched):
+    """The flight recorder's two call sites, past DeepSpeed's plumbing (its communicator and its
+    nvtx decorator): ``where`` DeepSpeed's own line (its reduction of a bucket, its fetch of a
+    unit), ``caller`` the user's loop."""
+    import json
+    for stage in (2, 3):
+        d, _ = watched[stage, 2]
+        entries = json.loads((d / "flight_rank0.json").read_text())["entries"]
+        assert entries
+        for e in entries:
+            assert "deepspeed/runtime/" in e["where"], e
+            assert "deepspeed_tasks.py" in e["caller"], e
+        wheres = {e["where"].rpartition(" in ")[2] for e in entries}
+        assert ("allreduce_bucket" in wheres) if stage == 2 else ("_dist_allgather_fn" in wheres), wheres
+
+
+def test_replicas_are_fingerprinted_below_stage_3_and_not_at_it(watched):
+    """Stages 0–2 hold the weights whole on every rank: the watch notes their fingerprint for the
+    doctor (ranks that start apart are found); stage 3 holds partitions, different by design."""
+    import json
+    for stage in (0, 2, 3):
+        d, _ = watched[stage, 2]
+        facts = [json.loads((d / f"flight_rank{r}.json").read_text())["facts"] for r in (0, 1)]
+        if stage < 3:
+            assert facts[0]["weights_start"] == facts[1]["weights_start"] and facts[0]["weights_start"]
+        else:
+            assert "weights_start" not in facts[0]
+
+
+def test_stage_3s_defaults_keep_a_small_model_whole(pools, tmp_path):
+    """Left at its defaults, DeepSpeed's stage 3 keeps every parameter under 1e5 elements whole —
+    every one of the nano model's — and gathers them again after each step, outside any fetch:
+    the watch enters them as gathered parameters (``persistent:``), all 4Ψ of them."""
+    res = pools(2).run(deepspeed_tasks.user_job, 3, str(tmp_path), None, bucket_cap_mb=BUCKET_MB)
+    held = _held_by_tag(tmp_path / "rank0.jsonl", category=True)
+    persistent = {k: v for k, v in held.items() if k[1].startswith("unsharded:persistent:")}
+    assert persistent and all(c == "unsharded" for c, _ in persistent)
+    assert res[0]["held"]["unsharded"] == 4 * sum(res[0]["numels"])
 
 
 def test_the_player_and_the_doctor_read_a_deepspeed_trace(watched, capsys):
