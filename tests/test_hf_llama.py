@@ -184,7 +184,7 @@ def test_a_rank_killed_mid_backward_is_named_with_its_last_collective(tmp_path, 
     backward = _line("model.backward(loss)" if job == "zero3" else "loss.backward()")
     assert f"called from tests/hf_tasks.py:{backward} in train" in died.evidence[0], text
     waits = "all_gather of model.layers.0.mlp.down_proj" if job == "zero3" else "reduce_scatter of model.layers.0"
-    assert re.match(rf"rank {DYING} never issued seq \d+ of group 'world' \({re.escape(waits)}\)",
-                    found["hang"].title), text
+    assert re.fullmatch(rf"rank {DYING} never issued seq \d+ of group 'world' \({re.escape(waits)}\); "
+                        rf"rank 0 waits in it", found["hang"].title), text
     assert main(["doctor", str(out)]) == 1
     capsys.readouterr()
