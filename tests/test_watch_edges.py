@@ -362,3 +362,25 @@ def test_a_collective_whose_future_fails_stays_issued_never_completed():
         else:
             fut.set_exception(RuntimeError("Connection reset by peer"))
     assert recorded == ["completed"]
+
+
+def test_a_ddp_bucket_whose_all_reduce_fails_stays_issued_never_completed():
+    """The same for DDP's bucket: its future's failure reaches DDP, and nothing is recorded."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+    from minishard.instruments.watching import ddp
+    recorded = []
+    w = SimpleNamespace(tracer=SimpleNamespace(now=lambda: 1.0, step=0), _track=lambda *a: None,
+                        _issued=lambda *a: {}, _recording=nullcontext,
+                        _collective=lambda *a, **k: recorded.append(a))
+    bucket = SimpleNamespace(buffer=lambda: torch.zeros(4), index=lambda: 0)
+    for outcome in ("completed", "failed"):
+        fut = torch.futures.Future()
+        chained = ddp._bucket(w, bucket, lambda group, b: fut, None)
+        if outcome == "completed":
+            fut.set_result(torch.zeros(4))
+        else:
+            fut.set_exception(RuntimeError("Connection reset by peer"))
+            with pytest.raises(RuntimeError, match="Connection reset"):
+                chained.wait()
+    assert len(recorded) == 1
