@@ -1567,6 +1567,23 @@ BUGS = [
     second_reader("offload4 ch08: optimizer-only moments entered as device memory", "minishard/course/ch08.py",
         'device=None if what == "nothing" else "host")', 'device=None if what != "everything" else "host")',
         "tests/test_offload.py -k 'optimizer_only or what_has_a_gradient'"),
+    Bug("watch hf: an FSDP2 unit named by its class (LlamaDecoderLayer), not HF's module name",
+        "minishard/instruments/watching/fsdp2.py", 'unit = name or "root"', "unit = type(m).__name__",
+        "tests/test_hf_llama.py -k fsdp2_units"),
+    Bug("watch hf: FSDP2's reduce-scatters recorded with no bytes", "minishard/instruments/watching/fsdp2.py",
+        '"reduce_scatter", nbytes, dtype, group, t0, t1, self.unit, step, entry=entry))',
+        '"reduce_scatter", 0, dtype, group, t0, t1, self.unit, step, entry=entry) and None)',
+        "tests/test_hf_llama.py -k fsdp2_units"),
+    Bug("watch hf: the flight ring not written as the run flies (a SIGKILLed rank leaves nothing)",
+        "minishard/instruments/watching/session.py", "            self.flight.fly_to(self._trace)",
+        "            pass", "tests/test_hf_llama.py -k 'killed and fsdp2'"),
+    Bug("watch session: an async collective whose future failed recorded as completed",
+        "minishard/instruments/watching/session.py", "                f.value()", "                pass",
+        "tests/test_watch_edges.py -k future_fails"),
+    Bug("watch ddp: a bucket whose all-reduce failed recorded as completed",
+        "minishard/instruments/watching/ddp.py",
+        "value = f.value()        # a failed all-reduce raises here: issued, never completed",
+        "value = None", "tests/test_watch_edges.py -k ddp_bucket_whose"),
 ]
 
 

@@ -46,6 +46,8 @@ DOCUMENTS = ("README.md", "tutorial/00-how-to-run.md")
 NOT_RUN = {
     "make ": "sets up .venv and opens the course or runs the whole suite, which runs this test",
     "python3 -m venv ": "creates and installs the environment this test already runs in",
+    "DS_BUILD_OPS=0 .venv/bin/pip install ": "installs DeepSpeed into the environment this test already runs in",
+    ".venv/bin/pip install ": "installs minishard into the environment this test already runs in",
     ".venv/bin/python -m pytest ": "the whole suite, which runs this test",
 }
 # flags whose value is a folder: resolved in the test's working folder, because the warm ranks'

@@ -343,3 +343,44 @@ def test_adam_moments_of_minishards_ddp_with_a_torch_optimizer_are_counted(pools
     no optimizer state at all, and the memory the user reads is short by 8 bytes a parameter."""
     for r in pools(N).run(own_moments):
         assert r["trace"] == r["ledger"] == (4 * r["psi"], 4 * r["psi"]), r
+
+
+def test_a_collective_whose_future_fails_stays_issued_never_completed():
+    """A peer that dies fails the future of an async collective (gloo: "Connection reset by
+    peer"): the watch records nothing for it, so its flight record stays issued, never completed
+    — where the rank waited — and the doctor says the rank waits in it (tests/test_hf_llama.py:
+    DeepSpeed's async all-gather, once recorded as completed)."""
+    from types import SimpleNamespace
+    from minishard.instruments.watching.session import Watch
+    recorded = []
+    w = SimpleNamespace(tracer=SimpleNamespace(now=lambda: 1.0))
+    for outcome in ("completed", "failed"):
+        fut = torch.futures.Future()
+        Watch._when_done(w, SimpleNamespace(get_future=lambda fut=fut: fut), lambda t: recorded.append(outcome))
+        if outcome == "completed":
+            fut.set_result(None)
+        else:
+            fut.set_exception(RuntimeError("Connection reset by peer"))
+    assert recorded == ["completed"]
+
+
+def test_a_ddp_bucket_whose_all_reduce_fails_stays_issued_never_completed():
+    """The same for DDP's bucket: its future's failure reaches DDP, and nothing is recorded."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+    from minishard.instruments.watching import ddp
+    recorded = []
+    w = SimpleNamespace(tracer=SimpleNamespace(now=lambda: 1.0, step=0), _track=lambda *a: None,
+                        _issued=lambda *a: {}, _recording=nullcontext,
+                        _collective=lambda *a, **k: recorded.append(a))
+    bucket = SimpleNamespace(buffer=lambda: torch.zeros(4), index=lambda: 0)
+    for outcome in ("completed", "failed"):
+        fut = torch.futures.Future()
+        chained = ddp._bucket(w, bucket, lambda group, b: fut, None)
+        if outcome == "completed":
+            fut.set_result(torch.zeros(4))
+        else:
+            fut.set_exception(RuntimeError("Connection reset by peer"))
+            with pytest.raises(RuntimeError, match="Connection reset"):
+                chained.wait()
+    assert len(recorded) == 1

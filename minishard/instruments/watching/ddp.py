@@ -67,6 +67,7 @@ def _bucket(w, bucket, allreduce_hook, group):
         fut = allreduce_hook(group, bucket)
 
     def done(f):
+        value = f.value()        # a failed all-reduce raises here: issued, never completed
         w._collective("all_reduce", payload, dtype, group, t0, w.tracer.now(), tag, step, entry=entry)
-        return f.value()
+        return value
     return fut.then(done)

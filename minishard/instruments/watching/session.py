@@ -234,12 +234,24 @@ class Watch:
 
     def _when_done(self, work, record) -> None:
         """Call ``record(t_end)`` when ``work`` completes: from its future (in gloo's thread),
-        or now if the call was synchronous or its work has no future (gloo's reduce-scatter)."""
+        or now if the call was synchronous or its work has no future (gloo's reduce-scatter).
+        A future that completes with an error (a peer that died, a timeout) records nothing:
+        the collective stays issued, never completed, where the rank waited in it."""
         try:
             fut = work.get_future() if work is not None else None
         except RuntimeError:
             fut = None
-        record(self.tracer.now()) if fut is None else fut.then(lambda f: record(self.tracer.now()))
+        if fut is None:
+            record(self.tracer.now())
+            return
+
+        def done(f):
+            try:
+                f.value()
+            except Exception:                    # (the waiter raises it; the record stays open)
+                return
+            record(self.tracer.now())
+        fut.then(done)
 
     @contextlib.contextmanager
     def _recording(self):
