@@ -1185,7 +1185,7 @@ BUGS = [
                   "built.model(x, y) / accum",
                   "built.model(x, y)",
                   "tests/test_accumulation.py -k 'one_step_of or zeroes'"),
-    second_reader("step: gradients zeroed to None (the buffers the ledger counts freed)", "minishard/training/step.py",
+    second_reader("step: gradients zeroed to None (the buffers the ledger counts freed)", "minishard/strategies/registry.py",
                   "zero_grad(set_to_none=False)",
                   "zero_grad(set_to_none=True)",
                   "tests/test_accumulation.py -k 'one_step_of or zeroes'"),

@@ -127,10 +127,6 @@ def test_deepspeed_zero3_units_are_hfs_submodule_names(runs):
         assert OWNERS <= {e["name"] for e in gathered}
 
 
-@pytest.mark.xfail(strict=True, reason="minishard/instruments/watching/deepspeed.py: a module that "
-                   "owns no parameters (root, model, model.layers.0, ...self_attn, ...mlp) becomes a unit "
-                   "that never reshards, and model.embed_tokens (released by DeepSpeed's "
-                   "release_backward_leftovers, not release_sub_module) stays unsharded")
 def test_deepspeed_zero3_units_are_the_parameters_owners_and_end_each_step_sharded(runs):
     """The units ZeRO-3 draws are the modules whose parameters it gathers, and none is left
     gathered when the step ends (DeepSpeed has released them all: every parameter NOT_AVAILABLE)."""
@@ -144,10 +140,6 @@ def test_deepspeed_zero3_units_are_the_parameters_owners_and_end_each_step_shard
                 assert state == {u: "sharded" for u in OWNERS}, state
 
 
-@pytest.mark.xfail(strict=True, reason="minishard/core/flight.py's call_sites, as the DeepSpeed adapter "
-                   "asks (library=): the first DeepSpeed frame outside deepspeed/comm is the NVTX "
-                   "decorator's wrapped_fn (deepspeed/utils/nvtx.py), so 86 of ZeRO-3's 96 collectives "
-                   "are placed there, not at partition_parameters.py or stage3.py")
 def test_deepspeed_collectives_are_placed_at_the_deepspeed_line_that_issued_them(runs):
     """The flight recorder's ``where`` of a DeepSpeed collective is DeepSpeed's own line (the
     doctor prints it beside the user's line); a decorator's wrapper says nothing."""
