@@ -15,7 +15,7 @@ DeepSpeed's buckets as they are made and dropped:
   buffer DeepSpeed all-reduces them in, a communication buffer;
 * stages 1 and 2: the flat buffer every parameter of a group is a view of (``params``, padded
   for alignment), the fp32 partition each rank steps (``master`` — in fp32 training a second
-  copy of the rank's part of the weights, which stage 3 does not keep), its gradient, the reduce
+  copy of the rank's part of the weights), its gradient, the reduce
   bucket (``reduce_bucket_size`` elements, a communication buffer, allocated whole);
 * stage 3: the rank's partition of every parameter (``params``), the fp32 partition (a copy,
   as in stages 1 and 2), the gradient partitions (``grads``), the reduce bucket; each
@@ -28,7 +28,6 @@ watch's own (``session.py``).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -37,8 +36,8 @@ from minishard.core.flight import call_sites
 from .basics import WatchError, _bytes, _dtype
 
 # DeepSpeed's internals this module reaches, and why no public API serves (checked on
-# CHECKED_ON; tests/test_private_torch.py resolves each against the installed DeepSpeed, and on
-# live engines of every stage for "Class#attribute")
+# CHECKED_ON; tests/test_deepspeed.py resolves each against the installed DeepSpeed, and on live
+# engines of every stage for "Class#attribute")
 CHECKED_ON = ("0.19.8",)
 _Z = "deepspeed.runtime.zero"
 PRIVATE = {
