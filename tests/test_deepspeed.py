@@ -22,10 +22,10 @@ from minishard.instruments.watching import deepspeed as adapter
 from minishard.planner.deepspeed_estimator import deepspeed_holdings
 from minishard.training.loop import TrainConfig, train
 
+import deepspeed                 # (make setup installs it: the tests never skip for its absence)
 import deepspeed_tasks
 from parity import as_reference, assert_parity, initial, reference
 
-deepspeed = pytest.importorskip("deepspeed")     # (make setup installs it: in CI it never skips)
 STAGE3 = {"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
           "stage3_max_reuse_distance": 0}        # the nano model really partitioned, gathered unit by unit
 BUCKET_MB = 0.15                                 # reduce_bucket_size 39,321 elements: several buckets
