@@ -36,8 +36,8 @@ __all__ = ["main"]
 
 DESCRIPTION = ("minishard's command line: train under a strategy on N ranks (demo), size real models "
                "without training (ledger, plan), and turn a trace into Perfetto JSON or a step-through "
-               "player (perfetto, view), say what went wrong in a run (doctor), or convert a DeepSpeed "
-               "checkpoint (from-deepspeed). Run it as: python -m minishard COMMAND ..., or under torchrun: "
+               "player (perfetto, view), say what went wrong in a run (doctor), or read a DeepSpeed "
+               "checkpoint (from-deepspeed). Run as: python -m minishard COMMAND ..., or under torchrun: "
                "torchrun --standalone --nproc-per-node N -m minishard demo ...")
 BAD_INPUT, FAILED = 2, 1
 # what a rank raises when the input was wrong (a bad checkpoint, a value found wrong only there)
