@@ -99,9 +99,10 @@ def read_pt(file: Path, *, mmap: bool = False) -> dict:
         raise CheckpointError(f"{file} does not exist") from None
     except pickle.UnpicklingError as e:
         named = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = f"names {named.group(1)}, a type" if named else f"holds something ({str(e).splitlines()[0][:120]})"
-        raise CheckpointError(f"{file} {what} DeepSpeed's checkpoints do not store; not loaded (the "
-                              f"types allowed: {', '.join(n for n, _ in ALLOWED)})") from None
+        what = (f"names {named.group(1)}, a type DeepSpeed's checkpoints do not store" if named else
+                f"holds what DeepSpeed's checkpoints do not ({' '.join(str(e).split())[:120]})")
+        raise CheckpointError(f"{file} {what}; not loaded (the types allowed: "
+                              f"{', '.join(n for n, _ in ALLOWED)})") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise CheckpointError(f"{file} is not a readable torch.save file (truncated, or not a "
                               f"checkpoint): {' '.join(str(e).split())[:160]}") from None
@@ -129,7 +130,8 @@ def tag_dir(ds_dir: str | os.PathLike, tag: str | None = None) -> Path:
         tag = (root / "latest").read_text().strip()
     if tag is not None:
         if not (root / tag).is_dir():
-            raise CheckpointError(f"{root / tag} does not exist (the tag {'in ' + str(root / 'latest') if (root / 'latest').is_file() else 'given'})")
+            named_by = f"named by {root / 'latest'}" if (root / "latest").is_file() else "given"
+            raise CheckpointError(f"{root / tag} does not exist (the tag {named_by})")
         return root / tag
     if any(OPTIM.match(f.name) for f in root.iterdir()):
         return root
