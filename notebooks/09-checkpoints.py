@@ -65,6 +65,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,12 +77,15 @@ import torch
 
 from minishard import GPT, RankError, Ranks, checkpoint
 from minishard.core.comm import Comm
-from minishard.course.ch09 import SAVES, killed_mid_write, resume_and_compare, save_peaks, save_stalls, slowest
+from minishard.checkpoint.from_deepspeed import ALLOWED
+from minishard.course.ch09 import (SAVES, deepspeed_and_dcp, killed_mid_write, resume_and_compare, save_peaks,
+                                  save_stalls, slowest)
 from minishard.course.glue import glue
 from minishard.core.model import config
 from minishard.training.parity import bitwise_equal, drift, params_of
 from minishard.training.loop import TrainConfig, train
 from minishard.viz import reshard_figure
+from safetensors.torch import load_file
 
 pio.renderers.default = "plotly_mimetype+notebook_connected"
 TINY = GPT("tiny", device="meta")
@@ -509,6 +514,94 @@ checkpoint.save(net, opt, killed, comm=Comm(), step=3)      # the next save clea
 print(f"after the next save: {saving.name} there: {saving.exists()}; {killed.name} holds step "
       f"{checkpoint.read_metadata(killed)['step']}: {sorted(f.name for f in killed.iterdir())}")
 assert info["step"] == 2 and not saving.exists()
+
+# %% [markdown]
+# ## 9. DeepSpeed's checkpoints
+# DeepSpeed's engine saves a format of its own (`engine.save_checkpoint`): per rank, a pickled
+# `*_optim_states.pt` with the rank's partition of the fp32 masters and of Adam's moments, and
+# the parameters' names and shapes in `*_model_states.pt`. Here DeepSpeed trains the tiny GPT at
+# ZeRO-3 on two ranks and saves; the same model under PyTorch's FSDP2 saves its state with DCP
+# (`dcp.save`). Then the ways to take DeepSpeed's checkpoint elsewhere, each run as a user runs
+# it: DeepSpeed's `zero_to_fp32.py` (weights only), its universal checkpoint
+# (`python -m deepspeed.checkpoint.ds_to_universal`), and `python -m minishard from-deepspeed`
+# (`checkpoint.from_deepspeed`), which reads the pickles weights-only — no code from the files
+# runs — and writes this chapter's format.
+#
+# <details><summary>中文</summary>
+#
+# **DeepSpeed 的检查点。** DeepSpeed 用自己的格式保存：每个 rank 一个 pickle 的
+# `*_optim_states.pt`（本 rank 那一份 fp32 主权重和 Adam 的两个矩），参数名和形状在
+# `*_model_states.pt` 里。这里 DeepSpeed 在两个 rank 上用 ZeRO-3 训练 tiny GPT 并保存；同一个模型在
+# FSDP2 下用 DCP 保存。然后像用户那样依次运行三种转换：`zero_to_fp32.py`（只有权重）、通用检查点
+# （universal checkpoint，`ds_to_universal`），以及 `python -m minishard from-deepspeed`——它只按权重
+# 读取 pickle，不运行文件里的任何代码，写出本章的格式。
+#
+# </details>
+
+# %%
+DS = WORK / "ds"
+ds_run = R2.run(deepspeed_and_dcp, str(DS))          # DeepSpeed at ZeRO-3, then FSDP2 and DCP
+
+
+def as_a_user_runs_it(*argv):
+    subprocess.run([sys.executable, *argv], check=True, capture_output=True)
+
+
+as_a_user_runs_it(str(DS / "deepspeed" / "zero_to_fp32.py"), str(DS / "deepspeed"), str(DS / "fp32"),
+                  "--safe_serialization")
+as_a_user_runs_it("-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                  str(DS / "deepspeed" / "global_step2"), "--output_folder", str(DS / "universal"),
+                  "--inject_missing_state")
+as_a_user_runs_it("-m", "minishard", "from-deepspeed", str(DS / "deepspeed"), str(DS / "minishard"),
+                  "--model", "tiny")
+resumed = R3.run(train, TrainConfig(strategy="fsdp", steps=1, micro_batch=GLOBAL // 3, seed=7, rank_seeds=True,
+                                    resume_from=str(DS / "minishard"), **KW))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def on_disk(folder):
+    files = [f for f in Path(folder).rglob("*") if f.is_file()]
+    return len(files), sum(f.stat().st_size for f in files)
+
+
+forms = {"DeepSpeed's checkpoint, as saved": ("ds", DS / "deepspeed"),
+         "zero_to_fp32.py: the weights": ("fp32", DS / "fp32"),
+         "DeepSpeed's universal checkpoint": ("universal", DS / "universal"),
+         "minishard's, from_deepspeed": ("minishard", DS / "minishard"),
+         "DCP: FSDP2's state, dcp.save": ("dcp", DS / "dcp")}
+print(f"{'the same training state (12Ψ)':<34}{'files':>6}{'MB':>8}{'/ 12Ψ':>8}")
+for name, (key, folder) in forms.items():
+    n, nbytes = on_disk(folder)
+    print(f"{name:<34}{glue(f'{key}-files', n, '{:,}'):>6}{glue(f'{key}-mb', nbytes / 1e6, '{:.1f}'):>8}"
+          f"{nbytes / STATE:>8.2f}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checkpoint.export(DS / "minishard", DS / "export")
+exported, z2f = checkpoint.load_exported(DS / "export"), load_file(DS / "fp32" / "model.safetensors")
+same = exported.keys() == z2f.keys() and all(torch.equal(exported[n], z2f[n]) for n in z2f)
+print("the export of the converted checkpoint equals zero_to_fp32's weights, bit for bit:", same)
+ds_meta = checkpoint.read_metadata(DS / "minishard")
+print(f"converted: step {ds_meta['step']}, {ds_meta['optimizer']['class']} at step {ds_meta['optimizer']['step']:.0f}, "
+      f"{sum(n.startswith('exp_avg/') for n in ds_meta['tensors'])} tensors of each moment, written by "
+      f"{ds_meta['world_size']} ranks")
+want = statistics.mean(r["next_loss"] for r in ds_run)         # DeepSpeed's own next step
+got = statistics.mean(r["losses"][0] for r in resumed)
+print(f"FSDP on 3 ranks, from other weights, resumes at step {resumed[0]['checkpoint']['load']['step']}; "
+      f"its loss is DeepSpeed's next step's within 1e-6: {abs(got - want) <= 1e-6 * want}")
+print("DeepSpeed's types the reader lets in, each as data:", ", ".join(n.rsplit(".", 1)[1] for n, _ in ALLOWED))
+assert same and abs(got - want) <= 1e-6 * want and resumed[0]["checkpoint"]["load"]["step"] == 2
+
+# %% [markdown]
+# Five forms of one training state. DeepSpeed's own checkpoint resumes only on as many ranks as
+# saved it (`load_checkpoint` refuses another data-parallel world size when it loads the
+# optimizer state), and every reader of it unpickles; `zero_to_fp32.py` keeps the weights, a third
+# of the state, and drops the moments; the universal checkpoint is a folder per parameter — a
+# pickled file for the master and for each moment — plus, at ZeRO-3, a copy of rank 0's whole
+# optimizer file, and DeepSpeed loads it on any world size with `"checkpoint": {"load_universal":
+# true}` in its config. The converted checkpoint is this
+# chapter's: one file per saving rank, the same elements, padding removed, loadable by any
+# strategy on any world size. DCP writes FSDP2's state in the same spirit.
 
 # %%
 R2.close()

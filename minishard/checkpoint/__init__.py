@@ -20,11 +20,14 @@ in the order chapter 9 tells it:
   then copy.
 * :mod:`.resharding` — :func:`plan`: the reads of a load on M ranks, from metadata alone.
 * :mod:`.exporting` — :func:`export`: per-layer files for inference, streamed.
+* :mod:`.from_deepspeed` — :func:`from_deepspeed`: a DeepSpeed ZeRO-1/2/3 checkpoint of any world
+  size read weights-only (no code from its pickles runs) and written as minishard's.
 
 No pickle on any load path: loading runs no code from the files.
 """
 from .background import PendingSave, wait_for_saves
 from .exporting import export, load_exported
+from .from_deepspeed import from_deepspeed
 from .format import (BLOCK_BYTES, CHECKSUM, FORMAT, METADATA, READABLE_VERSIONS, STATE_KINDS, VERSION,
                      CheckpointError, read_metadata)
 from .loading import load
@@ -36,5 +39,5 @@ from .saving import save
 __all__ = ["CheckpointError", "CheckpointRegions", "Holdings", "Region", "ShardedState", "describe",
            "local_state", "save", "PendingSave", "wait_for_saves", "load", "read_metadata", "read_full",
            "Read", "overlap", "plan_reads",
-           "ReshardPlan", "plan", "layout", "layout_metadata", "export", "load_exported",
+           "ReshardPlan", "plan", "layout", "layout_metadata", "export", "load_exported", "from_deepspeed",
            "FORMAT", "VERSION", "READABLE_VERSIONS", "METADATA", "BLOCK_BYTES", "CHECKSUM", "STATE_KINDS"]

@@ -7,11 +7,13 @@
     python -m minishard perfetto DIR out.json
     python -m minishard view DIR                 # DIR/player.html: step through it offline
     python -m minishard doctor DIR               # hangs and desyncs, from the ranks' flight dumps
+    python -m minishard from-deepspeed DS_DIR CK # a DeepSpeed ZeRO checkpoint as minishard's
 
 ``demo`` trains (every knob a chapter teaches is a flag) and prints, per rank, the ledger by
 category, the peak against the formula, the bytes sent per step and the time compute waited on
 communication; ``ledger`` and ``plan`` answer for real model configs without training anything;
-``view`` writes a trace's step-through player as one HTML file (no kernel, no network).
+``view`` writes a trace's step-through player as one HTML file (no kernel, no network);
+``from-deepspeed`` converts a DeepSpeed ZeRO-1/2/3 checkpoint (read weights-only) into minishard's.
 Bad input stops with one line naming the problem (the flag, and what to do) and exit status 2,
 before any rank starts where it can be known then; a run that fails inside a rank stops with one
 line naming the rank and the cause, and exit status 1 (``--debug``: the rank's traceback too).
@@ -28,13 +30,14 @@ import sys
 import time
 import traceback
 
-from . import demo, doctor, plan, view
+from . import convert, demo, doctor, plan, view
 
 __all__ = ["main"]
 
 DESCRIPTION = ("minishard's command line: train under a strategy on N ranks (demo), size real models "
                "without training (ledger, plan), and turn a trace into Perfetto JSON or a step-through "
-               "player (perfetto, view), or say what went wrong in a run (doctor). Run it as: python -m minishard COMMAND ..., or under torchrun: "
+               "player (perfetto, view), say what went wrong in a run (doctor), or read a DeepSpeed "
+               "checkpoint (from-deepspeed). Run as: python -m minishard COMMAND ..., or under torchrun: "
                "torchrun --standalone --nproc-per-node N -m minishard demo ...")
 BAD_INPUT, FAILED = 2, 1
 # what a rank raises when the input was wrong (a bad checkpoint, a value found wrong only there)
@@ -58,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="minishard", description=DESCRIPTION)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ledger,plan,perfetto,view,doctor}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ledger,plan,perfetto,view,doctor,from-deepspeed}")
     demo.add_arguments(sub.add_parser(
         "demo", help="train on N ranks: per-step progress, the ledger per rank, bytes, a trace",
         description="Train the course's GPT under a strategy, on the ranks torchrun started (or "
@@ -88,6 +91,12 @@ def parser() -> argparse.ArgumentParser:
                     "went wrong, most important first, with the evidence and the fix. Exit status 0: "
                     "nothing found; 1: a problem found (a rank that died is one); 2: unreadable "
                     "input; 3: nothing could be checked (no dump and no ring)."))
+    convert.add_arguments(sub.add_parser(
+        "from-deepspeed", help="a DeepSpeed ZeRO-1/2/3 checkpoint as a minishard checkpoint",
+        description="Read the DeepSpeed ZeRO stage 1, 2 or 3 checkpoint engine.save_checkpoint wrote "
+                    "(any world size; weights-only: no code from its pickles runs) and write it as a "
+                    "minishard checkpoint — fp32 masters, AdamW moments, step — that loads on any world "
+                    "size and strategy (demo --resume)."))
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true",
                              help="when something fails, print the full traceback too (of the rank that failed)")
@@ -154,6 +163,8 @@ def _dispatch(args, pools=None) -> int:
         return view.run(args)
     if args.cmd == "doctor":
         return doctor.run(args)
+    if args.cmd == "from-deepspeed":
+        return convert.run(args)
     from minishard.viewers.perfetto import write_chrome
     from minishard.core.trace import load
     write_chrome(load(args.trace_dir), args.out)

@@ -1,9 +1,11 @@
 """Chapter 09 (checkpoints): rank tasks that load a checkpoint under another layout and compare
 what each rank then holds with the file, element by element; and §8's: the stall of a
 synchronous, a background and DCP's asynchronous save side by side, a rank killed while its
-background save writes, and the memory a full-state save takes on rank 0 beside a sharded one."""
+background save writes, and the memory a full-state save takes on rank 0 beside a sharded one;
+§9's: DeepSpeed's ZeRO-3 checkpoint and DCP's of the same model, side by side."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -249,3 +251,68 @@ def save_peaks(rank, root: str, *, model: str = "tiny") -> dict:
         out["full_equals_checkpoint"] = (sorted(saved) == sorted(full) and
                                          all(torch.equal(full[n], saved[n].reshape(-1)) for n in full))
     return out
+
+
+# ====================================================================== §9: DeepSpeed's checkpoints
+
+@contextlib.contextmanager
+def _quiet():
+    """This rank's output silenced at the file descriptors: DeepSpeed's start-up lines (its
+    accelerator guess, its communication op) and the deprecation warnings its collectives raise
+    in torch would fill the notebook's cell. An error still reaches the caller (the pool reports
+    it, traceback and all)."""
+    import sys
+    import warnings
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+        os.close(null)
+
+
+def deepspeed_and_dcp(rank, root: str, *, model: str = "tiny", steps: int = 2, global_batch: int = 12) -> dict:
+    """Rank task: DeepSpeed's engine trains ``model`` at ZeRO-3 for ``steps`` steps, saves with
+    ``engine.save_checkpoint(root/deepspeed)`` and trains one step more (the loss any resume must
+    continue with); the same model under PyTorch's FSDP2 trains as many steps and saves its
+    state with DCP (``root/dcp``). ZeRO-3's bounds at their smallest, so that the parameters are
+    partitioned and gathered (DeepSpeed's defaults keep a small model whole). Returns this rank's
+    losses: DeepSpeed's, and its next step's."""
+    with _quiet():
+        return _deepspeed_and_dcp(rank, Path(root), model, steps, global_batch)
+
+
+def _deepspeed_and_dcp(rank, root: Path, model: str, steps: int, global_batch: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from minishard.core.model import GPT, batch, config
+    from minishard.strategies.registry import build
+    from minishard.training.config import TrainConfig
+    from minishard.training.step import train_step
+    comm, cfg = Comm(rank.tracer), config(model)
+    mb = global_batch // comm.world_size
+    batches = [[batch(cfg, s, mb, comm.rank, comm.world_size)] for s in range(steps + 1)]
+    ds = build(GPT(cfg, seed=0), TrainConfig("deepspeed_zero3", model=model, micro_batch=mb, max_live_parameters=0,
+                                             prefetch_bucket_size=0, param_persistence_threshold=0), comm)
+    losses = [train_step(ds, b) for b in batches[:steps]]
+    ds.engine.save_checkpoint(str(root / "deepspeed"))
+    after = train_step(ds, batches[steps])
+    ds.engine.destroy()
+    tf = build(GPT(cfg, seed=0), TrainConfig("torch_fsdp", model=model, micro_batch=mb), comm)
+    for b in batches[:steps]:
+        train_step(tf, b)
+    msd, osd = get_state_dict(tf.model, tf.optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(root / "dcp"))
+    return {"rank": comm.rank, "losses": losses, "next_loss": after}
