@@ -56,3 +56,9 @@ def _has(engine, name: str) -> bool:
     objects = {"comm": ds_comm, "DeepSpeedZeroOptimizer": opt, "DeepSpeedZeroOptimizer_Stage3": opt}
     obj = objects.get(cls)
     return obj is not None and type(obj).__name__ in (cls, "module") and hasattr(obj, attribute)
+
+
+def linear_module(rank) -> str:
+    """Where this rank's ``torch.nn.functional.linear`` comes from (DeepSpeed's ZeRO-3 replaces it
+    for good in the process that ran it)."""
+    return torch.nn.functional.linear.__module__

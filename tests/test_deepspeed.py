@@ -224,6 +224,13 @@ def test_stage_3s_defaults_keep_a_small_model_whole(pools, tmp_path):
     assert res[0]["held"]["unsharded"] == 4 * sum(res[0]["numels"])
 
 
+def test_a_warm_rank_gives_back_torchs_linear_after_deepspeeds_stage_3(pools, watched):
+    """DeepSpeed's ZeRO-3 replaces ``torch.nn.functional.linear`` with its memory-efficient one for
+    good; the next task on a warm rank (the stage-3 runs above ran on these) computes with
+    torch's, as it would in a fresh process."""
+    assert pools(2).run(deepspeed_tasks.linear_module) == ["torch._C._nn"] * 2
+
+
 def test_the_player_and_the_doctor_read_a_deepspeed_trace(watched, capsys):
     for stage in (2, 3):
         d, _ = watched[stage, 2]

@@ -133,6 +133,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, s
     except BaseException as e:
         results.put(("error", rank, (-1, repr(e), traceback.format_exc(), time.time())))
         return
+    # DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear with its own for good (its
+    # "memory-efficient linear": the same values, not the same bits); a warm rank puts torch's
+    # back after every task, so that a task computes as it would in a fresh process
+    linear = torch.nn.functional.linear
     while True:
         task = tasks.get()
         if task is None:
@@ -150,6 +154,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, s
             # must see this rank's error, not theirs
             results.put(("error", rank, (task_id, repr(e), traceback.format_exc(), time.time())))
             break
+        finally:
+            torch.nn.functional.linear = linear
     try:
         dist.destroy_process_group()
     except Exception:
