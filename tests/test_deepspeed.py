@@ -94,7 +94,7 @@ def test_every_attribute_the_adapter_reads_is_on_the_live_engines(watched):
 # ----------------------------------------------------------------------------- the collectives
 # DeepSpeed's comm function -> the op the trace calls it
 LOGGED = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "broadcast": "broadcast",
-          "reduce_scatter_tensor": "reduce_scatter"}
+          "reduce_scatter_tensor": "reduce_scatter", "reduce": "reduce"}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -111,6 +111,21 @@ def test_every_collective_deepspeed_issues_is_recorded_once_with_its_size(watche
             theirs = [s * 2 for s in sizes] if op == "all_gather_into_tensor" else sizes
             assert ours == theirs, (stage, r, op, len(ours), len(theirs))
         assert sum(len(s) for s in res[r]["logged"].values()) == len(events)
+
+
+def test_a_bucket_reduced_to_each_owner_is_recorded_as_deepspeed_sends_it(pools, tmp_path):
+    """With ``use_multi_rank_bucket_allreduce`` off, stage 2 reduces each part of a bucket to the
+    rank that owns it (``reduce``, a tree to that rank): every one recorded, the same sizes as
+    DeepSpeed logs, and what a rank sends is the part's bytes when it does not own it, else 0."""
+    res = pools(2).run(deepspeed_tasks.user_job, 2, str(tmp_path), {"use_multi_rank_bucket_allreduce": False},
+                       bucket_cap_mb=BUCKET_MB)
+    for r in (0, 1):
+        reduces = [e for e in read_events(tmp_path / f"rank{r}.jsonl") if e["kind"] == "collective"
+                   and e["op"] == "reduce"]
+        assert sorted(e["payload"] for e in reduces) == res[r]["logged"]["reduce"] and reduces
+        sent = {e["wire"] for e in reduces if e["wire"]}
+        assert sent and all(e["wire"] in (0, e["payload"]) for e in reduces)
+        assert any(e["wire"] == 0 for e in reduces)             # the parts it owns: nothing sent
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -11,7 +11,7 @@ Every call records what it moved, as a ``collective`` event:
       reduce_scatter     (N-1)/N * S
       all_gather         (N-1)/N * S
       broadcast        binomial tree: the root sends ceil(log2 N) * S, inner nodes less
-
+      reduce           the tree the other way: every rank but the root sends S once
   These were checked against the operating system's count of bytes each rank process wrote
   (``/proc/self/io`` ``wchar``; see ``tests/test_comm.py``).
 
@@ -20,16 +20,14 @@ gloo has no ring reduce-scatter: its ``reduce_scatter_tensor`` runs a full all-r
 chunk straight to the rank it belongs to and receives the N-1 chunks meant for it (N-1
 ``isend``/``irecv`` pairs, :class:`PairwiseReduceScatter`; (N-1)/N * S on the wire), then sums
 them locally in rank order — the ring volume, and the same sum on every rank. One chunk arrives
-straight into the output, so the receive buffer holds N-2 chunks: none on two ranks. (It was
-an ``all_to_all`` into a receive buffer as large as the input: as fast on the wire, but that
-fresh buffer cost every ZeRO-2 step its page faults; the figures are in docs/architecture.md,
-"The measurements behind the code".) NCCL gets its native reduce-scatter.
+straight into the output, so the receive buffer holds N-2 chunks: none on two ranks (an
+``all_to_all`` into a buffer as large as the input was as fast, but that fresh buffer cost every
+ZeRO-2 step its page faults: docs/architecture.md). NCCL gets its native reduce-scatter.
 
-gloo's all-gather is slow: slower than an ``all_to_all`` of the same size, quiet or loaded
-(measured, same section; ``benchmarks/bench_collectives.py``). On gloo, :meth:`Comm.all_gather`
-therefore sends this rank's chunk straight to every other rank and receives theirs into place
-(N-1 ``isend``/``irecv`` pairs, :class:`PairwiseGather`): the same (N-1)/N * S on the wire, no
-buffer beyond the output. NCCL gets its native all-gather.
+gloo's all-gather is slower than an ``all_to_all`` of the same size (``benchmarks/
+bench_collectives.py``). On gloo, :meth:`Comm.all_gather` therefore sends this rank's chunk
+straight to every other rank and receives theirs into place (N-1 ``isend``/``irecv`` pairs,
+:class:`PairwiseGather`): the same (N-1)/N * S on the wire, no buffer beyond the output.
 """
 from __future__ import annotations
 
@@ -61,6 +59,8 @@ def ring_wire_bytes(op: str, nbytes: int, world_size: int, rank: int = 0, src: i
         r = (rank - src) % N
         rounds = math.ceil(math.log2(N))
         return nbytes * sum(1 for k in range(rounds) if r < 2 ** k and r + 2 ** k < N)
+    if op == "reduce":              # the same tree the other way: all but the root send once
+        return 0 if rank == src else nbytes
     raise ValueError(f"unknown collective {op!r}")
 
 

@@ -74,6 +74,9 @@ PRIVATE = {
     f"{_Z}.partitioned_param_coordinator.PartitionedParameterCoordinator."
     "_PartitionedParameterCoordinator__all_gather_params_": "the gathers a fetch starts, for "
         "the submodule and its prefetches (name-mangled)",
+    f"{_Z}.partitioned_param_coordinator.iter_params": "the parameters a fetch gathers for its "
+        "module (its own and the ones it reads of others'), as the coordinator counts them",
+    "deepspeed.utils.z3_leaf_module": "whether a fetch gathers a module's children's parameters too",
 }
 
 # cdb's method -> (the op in the trace, its parameters after self, in order — read from
@@ -95,6 +98,9 @@ COLLECTIVES = {
                        "input_list"),
     "all_to_all_single": ("all_to_all", ("output", "input", "output_split_sizes",
                                          "input_split_sizes", "group", "async_op"), "input"),
+    # stages 1-2 reduce a bucket to each part's owner with these when
+    # use_multi_rank_bucket_allreduce is off (a tree to dst: what a rank sends, broadcast's mirror)
+    "reduce": ("reduce", ("tensor", "dst", "op", "group", "async_op"), "tensor"),
 }
 
 
@@ -217,7 +223,7 @@ class Adapter:
                 self._gathered(tensors, [t for p in params if p != payload for t in _tensors(a.get(p))])
             for t in (t for p in params for t in _tensors(a.get(p))):
                 self._buffer(t)
-            group, src = a.get("group"), a.get("src")
+            group, src = a.get("group"), a.get("src", a.get("dst"))
             nbytes, dtype = sum(_bytes(t) for t in tensors), _dtype(tensors[0])
             # the unit it gathers (stage 3's fetches), else the DeepSpeed function that issued it
             sites = call_sites(1, library=self.library)
@@ -267,10 +273,14 @@ class Adapter:
         fetch, release = coordinator.fetch_sub_module, coordinator.release_sub_module
         gather_name = "_PartitionedParameterCoordinator__all_gather_params_"
         gather = getattr(coordinator, gather_name)
-        fetching: list[str | None] = []
+        from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+        from deepspeed.utils import z3_leaf_module
+        fetching: list[set[int]] = []           # what each fetch under way gathers for its module
 
         def fetch_sub_module(module, forward):
-            fetching.append(self._name(module))
+            # its own parameters and the ones it reads of other modules' (DeepSpeed's "external"
+            # parameters: a model's root reading its position table), as DeepSpeed fetches them
+            fetching.append({id(p) for p in iter_params(module, recurse=z3_leaf_module(module))})
             try:
                 fetch(module, forward)
             finally:
@@ -283,10 +293,10 @@ class Adapter:
 
         def all_gather_params(params, forward, quantize=False):
             units = sorted({self.owner.get(id(p), "?") for p in params})
-            mine = fetching[-1] if fetching else None
+            for_this_fetch = bool(fetching) and any(id(p) in fetching[-1] for p in params)
             tag = units[0] + (f" +{len(units) - 1}" if len(units) > 1 else "")
             persistent = all(getattr(p, "ds_persist", False) for p in params)
-            self.tag = ("persistent:" if persistent else "" if units == [mine] else "prefetch:") + tag
+            self.tag = ("persistent:" if persistent else "" if for_this_fetch else "prefetch:") + tag
             for u in units:
                 self._state(u, "unsharding")
             try:
