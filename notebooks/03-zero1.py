@@ -450,6 +450,7 @@ mine, theirs = side["ZeRO-1 (minishard)"], side["ZeRO-1 (DeepSpeed)"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: Z1d
 print(state_table(list(side.values())))
 terms = deepspeed_terms(1, world_size=2, bucket_cap_mb=SIDE["bucket_cap_mb"])
 print()

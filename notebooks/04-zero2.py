@@ -465,6 +465,7 @@ by_size[0.15] = side
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: Z2d
 print(state_table(list(side.values())))
 terms = deepspeed_terms(2, world_size=2, bucket_cap_mb=SIDE["bucket_cap_mb"])
 print()

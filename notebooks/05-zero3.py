@@ -719,6 +719,7 @@ threshold0, defaults = side["ZeRO-3 (DeepSpeed, threshold 0)"], side["ZeRO-3 (De
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: Z3d
 print(state_table(list(side.values())))
 terms = deepspeed_terms(3, world_size=2, bucket_cap_mb=SIDE["bucket_cap_mb"])
 print()

@@ -820,6 +820,7 @@ every = {r["name"]: r for r in compare(R2, ALL, step=2, model="nano", micro_batc
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# claim: D9
 DDP_ROW = every["DDP (minishard)"]
 print(f"{'2 ranks, nano, fp32 AdamW':<34}{'state B/param':>14}{'sent B/param':>14}{'× DDP':>7}{'collectives':>13}")
 per_param = {}
