@@ -415,6 +415,123 @@ fig.show()
 # ZeRO-1 flattens out at 4Ψ = 30 GB: from N ≈ 16 on, more ranks barely help, because what is
 # left is the replicated bf16 weights and gradients. Chapter 04 shards the gradients.
 
+# %% [markdown]
+# ## 7. DeepSpeed's stage 1, beside minishard's
+# §3 measured the two versions of stage 1 that minishard implements. DeepSpeed, the library the
+# ZeRO paper came with, is installed beside minishard (0.19): `strategy="deepspeed_zero1"` trains
+# with DeepSpeed's own engine, and `minishard.watch` records every collective it issues and
+# everything its ZeRO optimizer holds. Same ranks, model and global batch for every contender:
+# the nano model on two ranks, two sequences a rank, fp32 AdamW, 0.15 MiB buckets (DeepSpeed's
+# `reduce_bucket_size` of 39,321 elements), five steps; the tables read the third, the times
+# are the median of the last four ([`minishard/course/zero_vs_fsdp.py`](../minishard/course/zero_vs_fsdp.py)).
+#
+# <details><summary>中文</summary>
+#
+# §3 测的是 minishard 实现的两种 stage 1。DeepSpeed——与 ZeRO 论文一同发布的库——装在 minishard 旁边
+# （0.19）：`strategy="deepspeed_zero1"` 用 DeepSpeed 自己的引擎训练，`minishard.watch` 记下它发起的
+# 每一次集合通信和它的 ZeRO 优化器持有的一切。所有参赛者用同样的 rank、模型和全局批次：nano 模型、
+# 两个 rank、每个 rank 两条序列、fp32 AdamW、0.15 MiB 的桶（DeepSpeed 的 `reduce_bucket_size` 为
+# 39,321 个元素）、五步；表格读的是第三步，耗时取后四步的中位数。
+#
+# </details>
+
+# %%
+from minishard.course.zero_vs_fsdp import (calls_by_tag, compare, deepspeed_terms, measured_terms,
+                                           standing, state_table, terms_table, wire_table)
+SIDE = dict(model="nano", micro_batch=2, steps=5, bucket_cap_mb=0.15)
+side = {r["name"]: r for r in compare(R2, ["DDP (minishard)", "ZeRO-1 (minishard)", "ZeRO-1, all-reduce (minishard)",
+                                           "ZeRO-1 (DeepSpeed)"], step=2, **SIDE)}
+mine, theirs = side["ZeRO-1 (minishard)"], side["ZeRO-1 (DeepSpeed)"]
+
+# %% [markdown]
+# **Memory per rank, by category.** What rank 0 holds between steps, and DeepSpeed's holdings
+# term by term — each term read in DeepSpeed 0.19's code
+# (`minishard.planner.deepspeed_estimator.deepspeed_holdings`) beside what the watch measured:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# claim: Z1d
+print(state_table(list(side.values())))
+terms = deepspeed_terms(1, world_size=2, bucket_cap_mb=SIDE["bucket_cap_mb"])
+print()
+print(terms_table(terms, measured_terms(theirs, terms)))
+assert measured_terms(theirs, terms) == {t: b for t, (_, b) in terms.items()}     # to the byte
+assert theirs["state"] == standing(1, terms)
+assert theirs["state"]["master"] == 4 * PSI // 2 and "grads" not in theirs["state"]
+assert mine["state"]["grads"] == 4 * PSI and "master" not in mine["state"]
+print(f"\nbetween steps: minishard {glue('ds-zero1-mine-state', sum(mine['state'].values()), '{:,}')} B, "
+      f"DeepSpeed {glue('ds-zero1-state', sum(theirs['state'].values()), '{:,}')} B — "
+      f"DeepSpeed's copy of its fp32 partition {glue('ds-zero1-master', theirs['state']['master'], '{:,}')} B = 4Ψ/N, "
+      f"minishard's gradient buffer {mine['state']['grads']:,} B = 4Ψ")
+
+# %% [markdown]
+# Both keep the whole model (4Ψ) and their half of Adam's moments, and differ in one term each.
+# DeepSpeed steps a **copy** of its partition, `single_partition_of_fp32_groups`: in bf16-mixed
+# training that copy is the fp32 master weights stage 1 keeps anyway, but DeepSpeed makes it in
+# fp32 training too, 4Ψ/N bytes more. minishard's stage 1 steps its chunk of the flat parameter
+# buffer in place, but keeps the whole gradient buffer between steps, 4Ψ. DeepSpeed's stage 1
+# holds every full gradient as well, in `.grad`, from backward until its reduction at the end of
+# backward (the `every full gradient` term), and frees them at the step. On two ranks: 10 bytes
+# per parameter between steps against minishard's 12.
+#
+# **Bytes per step, by collective:**
+#
+# <details><summary>中文</summary>
+#
+# 两者都保留完整的模型（4Ψ）和 Adam 两个矩的一半，各自只差一项。DeepSpeed 更新的是自己那片的
+# 一份**副本** `single_partition_of_fp32_groups`：bf16 混合精度训练里，这份副本就是 stage 1 本来就要保留的
+# fp32 主权重；但 fp32 训练时 DeepSpeed 也照样复制，多出 4Ψ/N 字节。minishard 的 stage 1 原地更新扁平
+# 缓冲区中属于自己的 chunk，却在两步之间保留整个梯度缓冲区，4Ψ。DeepSpeed 的 stage 1 同样持有每一份完整
+# 梯度（在 `.grad` 里），从反向开始一直到反向结束时的归约（`every full gradient` 这一项），在 step 时释放。
+# 两个 rank 上：两步之间每参数 10 字节，minishard 为 12 字节。下面是每步各集合通信的字节数：
+#
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(wire_table(list(side.values()), baseline="DDP (minishard)", label="× DDP"))
+ddp = side["DDP (minishard)"]["wire"]
+assert mine["wire"] == ddp and abs(theirs["wire"] / ddp - 1.5) < 1e-3
+assert calls_by_tag(theirs, "all_reduce") == {"allreduce_bucket": 7, "get_grad_norm_direct": 1}
+assert theirs["wire"] == side["ZeRO-1, all-reduce (minishard)"]["wire"] + 4          # + one fp32 norm
+print(f"\nDeepSpeed's stage 1 sends {glue('ds-zero1-wire-ratio', theirs['wire'] / ddp, '{:.3f}')}× DDP's bytes: "
+      f"7 bucket all-reduces, 1 all-reduce of the gradient norm (4 bytes), 1 all-gather of the parameters")
+
+# %% [markdown]
+# DeepSpeed's stage 1 is §3's all-reduce version, to the byte, plus the 4 bytes of the gradient
+# norm it all-reduces every step whether or not it clips. Its `reduce_scatter` setting (true by
+# default) does not call a reduce-scatter: DeepSpeed sorts each bucket's gradients by the rank
+# that owns them and, with `use_multi_rank_bucket_allreduce` (true by default in 0.19),
+# all-reduces the whole bucket, each rank then keeping its own slices. Set false, it sends each
+# rank's slices to that rank with a `reduce` instead — the volume of the reduce-scatter version
+# (not measured here). DeepSpeed's configuration documents the all-reduce as the choice for a
+# small model on many GPUs, where the per-rank messages would be small. So the two figures of §3
+# are both DeepSpeed's, depending on one setting; the sources are in
+# [docs/sources.md](../docs/sources.md#deepspeed-zero).
+#
+# The step time, on this machine (not compared across machines: it is one shared CPU's, with
+# gloo):
+#
+# <details><summary>中文</summary>
+#
+# DeepSpeed 的 stage 1 就是 §3 的 all-reduce 版本，字节分毫不差，外加每步 all-reduce 梯度范数的 4 字节——
+# 无论裁不裁剪都算。它的 `reduce_scatter` 选项（默认为 true）并不调用 reduce-scatter：DeepSpeed 把每个桶
+# 里的梯度按所属 rank 排好，在 `use_multi_rank_bucket_allreduce`（0.19 中默认为 true）下对整个桶做
+# all-reduce，再由各 rank 留下自己的那几片。设为 false 时，它改用 `reduce` 把每片发给所属 rank——即
+# reduce-scatter 版本的通信量（这里没有测）。DeepSpeed 的配置文档说，all-reduce 是为小模型跑在很多 GPU 上
+# 准备的，那时每个 rank 的消息太小。所以 §3 的两个数字都是 DeepSpeed 的，取决于一个选项；出处见
+# [docs/sources.md](../docs/sources.md#deepspeed-zero)。下面是本机上的单步耗时（不跨机器比较：它属于一台
+# 共享 CPU 和 gloo）：
+#
+# </details>
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for name, r in side.items():
+    print(f"{name:<34}{r['step_s'] * 1e3:8.1f} ms a step (median of the slowest rank)")
+print(f"DeepSpeed's stage 1 / minishard's: "
+      f"{glue('ds-zero1-time-ratio', theirs['step_s'] / mine['step_s'], '{:.2f}')}× the step time")
+
 # %%
 R2.close()
 R3.close()

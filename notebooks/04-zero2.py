@@ -428,6 +428,155 @@ assert round(e2.state_bytes / GB, 1) == 15.1 and share > 0.99
 # layer's full parameters just before it computes — which changes the forward and backward
 # passes themselves, not only the optimizer. That is the next chapter.
 
+# %% [markdown]
+# ## 8. DeepSpeed's stage 2, beside minishard's
+# DeepSpeed's stage 2 (`strategy="deepspeed_zero2"`: DeepSpeed 0.19's engine, recorded by
+# `minishard.watch`) on the same ranks, model and global batch as minishard's stage 2, with
+# DeepSpeed's stage 1 beside it: the nano model on two ranks, two sequences a rank, fp32 AdamW,
+# 0.15 MiB buckets, five steps; the tables read the third, the times are the median of the last
+# four ([`minishard/course/zero_vs_fsdp.py`](../minishard/course/zero_vs_fsdp.py)). Then two more
+# bucket sizes, which the two libraries spend differently.
+#
+# <details><summary>中文</summary>
+#
+# DeepSpeed 的 stage 2（`strategy="deepspeed_zero2"`：DeepSpeed 0.19 的引擎，由 `minishard.watch`
+# 记录）与 minishard 的 stage 2 用同样的 rank、模型和全局批次，旁边再放上 DeepSpeed 的 stage 1：nano
+# 模型、两个 rank、每个 rank 两条序列、fp32 AdamW、0.15 MiB 的桶、五步；表格读第三步，耗时取后四步的
+# 中位数。然后再换两种桶的大小——两个库在桶上花显存的方式不同。
+#
+# </details>
+
+# %%
+from minishard.course.zero_vs_fsdp import (calls_by_tag, compare, deepspeed_terms, measured_terms,
+                                           reduce_bucket_size, standing, state_table, terms_table, wire_table)
+SIDE = dict(model="nano", micro_batch=2, steps=5, bucket_cap_mb=0.15)
+side = {r["name"]: r for r in compare(R2, ["ZeRO-2 (minishard)", "ZeRO-1 (DeepSpeed)", "ZeRO-2 (DeepSpeed)"],
+                                      step=2, **SIDE)}
+mine, one, two = side["ZeRO-2 (minishard)"], side["ZeRO-1 (DeepSpeed)"], side["ZeRO-2 (DeepSpeed)"]
+by_size = {mb: {r["name"]: r for r in compare(R2, ["ZeRO-2 (minishard)", "ZeRO-2 (DeepSpeed)"], step=2,
+                                              **{**SIDE, "steps": 3, "bucket_cap_mb": mb})}
+           for mb in (0.05, 0.6)}
+by_size[0.15] = side
+
+# %% [markdown]
+# **Memory per rank, by category**, between steps, then DeepSpeed's stage-2 holdings term by
+# term as DeepSpeed 0.19's code sizes them, beside the watch's measurement, then the gradient
+# each holds at once:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# claim: Z2d
+print(state_table(list(side.values())))
+terms = deepspeed_terms(2, world_size=2, bucket_cap_mb=SIDE["bucket_cap_mb"])
+print()
+print(terms_table(terms, measured_terms(two, terms)))
+assert measured_terms(two, terms) == {t: b for t, (_, b) in terms.items()}     # to the byte
+assert one["state"] == two["state"] == standing(2, terms)
+assert sum(mine["state"].values()) == sum(two["state"].values()) and mine["state"]["grads"] == 4 * PSI // 2
+held = {name: r["category_peaks"]["grads"] for name, r in side.items()}
+print(f"\ngradient held at once, rank 0: minishard's stage 2 {held['ZeRO-2 (minishard)']:,} B (its shard; "
+      f"the buckets in flight are comm_buffers), DeepSpeed's stage 1 "
+      f"{glue('ds-zero1-grads-held', held['ZeRO-1 (DeepSpeed)'], '{:,}')} B, "
+      f"stage 2 {glue('ds-zero2-grads-held', held['ZeRO-2 (DeepSpeed)'], '{:,}')} B")
+assert held["ZeRO-1 (DeepSpeed)"] == 4 * PSI                                    # every full gradient
+assert held["ZeRO-2 (DeepSpeed)"] == terms["gradient partition (whole parameters)"][1] > 4 * PSI // 2
+
+# %% [markdown]
+# Between steps the three hold the same total, 2,176,640 bytes on two ranks, in different
+# terms: minishard keeps its gradient shard (4Ψ/N), DeepSpeed a copy of its parameter partition
+# in fp32 (4Ψ/N, chapter 03 §7). DeepSpeed's two stages differ in backward only. Stage 1 holds
+# every full gradient until backward ends and reduces them then; stage 2 copies each gradient
+# into its reduce bucket as autograd produces it and reduces the bucket when the next gradient
+# would not fit, so its gradient memory is its partition — of *whole* parameters: every
+# parameter that touches the rank's part is kept whole, here 472,320 bytes against 4Ψ/N =
+# 435,328 — plus the bucket.
+#
+# **Bytes per step, by collective:**
+#
+# <details><summary>中文</summary>
+#
+# 两步之间三者持有的总量相同（两个 rank 上 2,176,640 字节），组成不同：minishard 保留自己的梯度分片
+# （4Ψ/N），DeepSpeed 保留自己那片参数的一份 fp32 副本（4Ψ/N，见第 03 章 §7）。DeepSpeed 的两个 stage
+# 只在反向中不同。stage 1 持有每一份完整梯度直到反向结束，再统一归约；stage 2 在 autograd 产生每个梯度时
+# 就把它复制进归约桶，下一个梯度放不下时就归约这个桶，所以它的梯度显存是它的那片——按*完整参数*计：与本
+# rank 那部分有交集的参数都整个保留，这里是 472,320 字节，而 4Ψ/N = 435,328——再加上桶。下面是每步各集合
+# 通信的字节数：
+#
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(wire_table(list(side.values()), baseline="ZeRO-2 (minishard)", label="× minishard"))
+assert mine["wire"] == 4 * PSI                         # 2(N-1)/N · 4Ψ on two ranks: DDP's bytes
+for r in (one, two):
+    assert abs(r["wire"] / mine["wire"] - 1.5) < 1e-3 and calls_by_tag(r, "all_reduce")["get_grad_norm_direct"] == 1
+print(f"\nDeepSpeed's stage 2 sends {glue('ds-zero2-wire-ratio', two['wire'] / mine['wire'], '{:.3f}')}× "
+      f"minishard's (= DDP's): it all-reduces each bucket, as its stage 1 does")
+
+# %% [markdown]
+# Stage 2 changes where DeepSpeed's gradients wait, not how they travel: each bucket is still
+# all-reduced whole (`use_multi_rank_bucket_allreduce`, chapter 03 §7), 1.5× minishard's
+# reduce-scatter. **The bucket size.** minishard's `bucket_cap_mb` becomes DeepSpeed's
+# `reduce_bucket_size`, in elements (`bucket_cap_mb` × 2²⁰ / 4), and DeepSpeed allocates its reduce
+# bucket *whole*, at the step's first gradient, whatever the gradients it will hold; minishard
+# sizes each bucket to the parameters it packs, two in flight at most (§2). Three sizes, the same
+# bytes sent:
+#
+# <details><summary>中文</summary>
+#
+# stage 2 改变的是 DeepSpeed 的梯度在哪里等待，而不是怎样传输：每个桶仍然整个做 all-reduce
+# （`use_multi_rank_bucket_allreduce`，见第 03 章 §7），是 minishard 的 reduce-scatter 的 1.5 倍。
+# 再看桶的大小：minishard 的 `bucket_cap_mb` 变成 DeepSpeed 的 `reduce_bucket_size`，按元素计
+# （`bucket_cap_mb` × 2²⁰ / 4）；DeepSpeed 在一步的第一个梯度到来时就把归约桶*整个*分配出来，不管它
+# 将装下多少梯度；minishard 的每个桶按它打包的参数定大小，最多两个在途（§2）。三种大小，发送的字节
+# 相同：
+#
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'bucket_cap_mb':>13}{'elements':>10}{'reduce bucket B':>17}{'buffers in step B':>19}{'all-reduces':>13}"
+      f"{'sent B':>11}   minishard:{'buffers in step B':>19}{'reduce-scatters':>17}{'sent B':>10}")
+for mb in sorted(by_size):
+    ds, ms = by_size[mb]["ZeRO-2 (DeepSpeed)"], by_size[mb]["ZeRO-2 (minishard)"]
+    elements = reduce_bucket_size(mb)
+    bucket = ds["tag_peaks"]["reduce bucket"]
+    shown = glue(f"ds-reduce-bucket-{str(mb).replace('.', '')}", bucket, "{:,}")
+    print(f"{mb:>13}{elements:>10,}{shown:>17}{ds['step_peaks']['comm_buffers']:>19,}"
+          f"{calls_by_tag(ds, 'all_reduce')['allreduce_bucket']:>13}{ds['wire']:>11,}   {'':10}"
+          f"{ms['step_peaks']['comm_buffers']:>19,}{ms['ops']['reduce_scatter']['calls']:>17}{ms['wire']:>10,}")
+    assert bucket == 4 * elements and ms["wire"] == 4 * PSI and abs(ds["wire"] / ms["wire"] - 1.5) < 1e-3
+DEFAULT = 500_000_000                          # DeepSpeed's reduce_bucket_size when it is not set
+print(f"DeepSpeed's default, {DEFAULT:.0e} elements: a reduce bucket of "
+      f"{glue('ds-default-bucket-gb', 4 * DEFAULT / GB, '{:.0f}')} GB in fp32 ({2 * DEFAULT / GB:.0f} GB in bf16), "
+      f"{4 * DEFAULT / (4 * PSI):,.0f}× this model's gradient")
+
+# %% [markdown]
+# The reduce bucket is exactly 4 bytes × `reduce_bucket_size` at every size, while minishard's
+# buffers follow what is in flight. A larger bucket means fewer, larger all-reduces; the bytes
+# sent do not move. Left at DeepSpeed's default of 5 × 10⁸ elements, the bucket alone is 2 GB of
+# fp32 on every rank, allocated at every step's first gradient (two with `overlap_comm`, off
+# here) — a term to read in the ledger before blaming activations for an OOM: size
+# `reduce_bucket_size` to the model. The step time, on this machine (not compared across
+# machines):
+#
+# <details><summary>中文</summary>
+#
+# 每种大小下归约桶都恰好是 4 字节 × `reduce_bucket_size`，而 minishard 的缓冲区随在途的内容变化。桶越大，
+# all-reduce 越少、越大；发送的字节不变。若保持 DeepSpeed 的默认值 5 × 10⁸ 个元素，单这个桶就是每个
+# rank 上 2 GB 的 fp32，在每一步的第一个梯度到来时分配（打开 `overlap_comm` 时是两个，这里关着）——遇到
+# OOM 时，先在账本里找这一项，再去怪激活值：按模型设定 `reduce_bucket_size`。下面是本机上的单步耗时
+# （不跨机器比较）：
+#
+# </details>
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for name, r in side.items():
+    print(f"{name:<22}{r['step_s'] * 1e3:8.1f} ms a step (median of the slowest rank)")
+print(f"DeepSpeed's stage 2 / minishard's: "
+      f"{glue('ds-zero2-time-ratio', two['step_s'] / mine['step_s'], '{:.2f}')}× the step time")
+
 # %%
 R2.close()
 R4.close()

@@ -676,6 +676,148 @@ for name, (fwd, bwd, grads) in across.items():
 #
 # </details>
 
+# %% [markdown]
+# ## 6. DeepSpeed's stage 3 beside FSDP
+# Stage 3 as DeepSpeed 0.19 runs it (`strategy="deepspeed_zero3"`, watched by `minishard.watch`:
+# its collectives, what its ZeRO optimizer holds, and each submodule it gathers as a unit) beside
+# minishard's FSDP and PyTorch's FSDP2 (one unit per block, the root its own), on the same ranks,
+# model and global batch: the nano model on two ranks, two sequences a rank, fp32 AdamW, 0.15 MiB
+# buckets, five steps; the tables read the third — DeepSpeed records its module order in the
+# second, and from the third on its prefetch and release follow it — and the times are the median
+# of the last four. DeepSpeed three times: with its defaults, with the persistence threshold at 0,
+# and with the live and reuse bounds at 0 as well
+# ([`minishard/course/zero_vs_fsdp.py`](../minishard/course/zero_vs_fsdp.py)).
+#
+# <details><summary>中文</summary>
+#
+# DeepSpeed 0.19 所实现的 stage 3（`strategy="deepspeed_zero3"`，由 `minishard.watch` 记录：它的集合通信、
+# 它的 ZeRO 优化器持有的一切，以及它作为单元收集的每个子模块），与 minishard 的 FSDP 和 PyTorch 的 FSDP2
+# （每个 block 一个单元，root 单独一个）并排，用同样的 rank、模型和全局批次：nano 模型、两个 rank、每个
+# rank 两条序列、fp32 AdamW、0.15 MiB 的桶、五步；表格读第三步——DeepSpeed 在第二步记录模块顺序，从第三步
+# 起按它预取和释放——耗时取后四步的中位数。DeepSpeed 跑三次：用它的默认值；把常驻阈值设为 0；再把在途
+# 上限与复用距离也设为 0。
+#
+# </details>
+
+# %%
+from minishard.course.zero_vs_fsdp import (compare, deepspeed_terms, measured_terms, standing, state_table,
+                                           terms_table, wire_table)
+from minishard.strategies.deepspeed_native import DS_DEFAULTS
+NANO = GPT("nano", device="meta")
+PSI_N, N_ROOT = NANO.num_params(), sum(p.numel() for n, p in NANO.named_parameters() if not n.startswith("blocks."))
+OWNERS = sum(1 for m in NANO.modules() if any(True for _ in m.parameters(recurse=False)))   # DeepSpeed's units
+SIDE = dict(model="nano", micro_batch=2, steps=5, bucket_cap_mb=0.15)
+side = {r["name"]: r for r in compare(R2, ["ZeRO-3 / FSDP (minishard)", "FSDP2 (PyTorch)", "ZeRO-3 (DeepSpeed, bounds 0)",
+                                           "ZeRO-3 (DeepSpeed, threshold 0)", "ZeRO-3 (DeepSpeed, its defaults)"],
+                                      step=2, **SIDE)}
+fsdp, bounded = side["ZeRO-3 / FSDP (minishard)"], side["ZeRO-3 (DeepSpeed, bounds 0)"]
+threshold0, defaults = side["ZeRO-3 (DeepSpeed, threshold 0)"], side["ZeRO-3 (DeepSpeed, its defaults)"]
+
+# %% [markdown]
+# **Memory per rank, by category**, between steps, and DeepSpeed's stage-3 holdings term by term
+# as DeepSpeed 0.19's code sizes them, beside the watch's measurement:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# claim: Z3d
+print(state_table(list(side.values())))
+terms = deepspeed_terms(3, world_size=2, bucket_cap_mb=SIDE["bucket_cap_mb"])
+print()
+print(terms_table(terms, measured_terms(bounded, terms)))
+assert measured_terms(bounded, terms) == {t: b for t, (_, b) in terms.items()}     # to the byte
+shard = 4 * PSI_N // 2
+for r in (fsdp, side["FSDP2 (PyTorch)"]):
+    assert r["state"] == {c: shard for c in ("params", "grads", "exp_avg", "exp_avg_sq")}      # 16Ψ/N
+assert bounded["state"] == threshold0["state"] == standing(3, terms)                          # 20Ψ/N + bucket
+assert max(p.numel() for p in NANO.parameters()) <= DS_DEFAULTS["stage3_param_persistence_threshold"]
+assert defaults["state"] == {**standing(3, terms), "unsharded": 4 * PSI_N}                    # every one kept whole
+print(f"\nbetween steps: FSDP {glue('fsdp-nano-state', sum(fsdp['state'].values()), '{:,}')} B (16Ψ/N); "
+      f"DeepSpeed bounded {glue('ds-zero3-state', sum(bounded['state'].values()), '{:,}')} B (20Ψ/N + its reduce bucket); "
+      f"with its defaults {glue('ds-zero3-defaults-state', sum(defaults['state'].values()), '{:,}')} B (+ 4Ψ kept whole)")
+
+# %% [markdown]
+# FSDP keeps exactly 16Ψ/N. DeepSpeed keeps a fourth fp32 term, a copy of its partitions: it
+# aliases them only when their device equals its device *name*, a comparison of a `torch.device`
+# with a string that is never true, so fp32 training pays the copy too; its gradient partitions
+# and its reduce bucket live for the whole run. With its defaults it shards nothing of this
+# model: `stage3_param_persistence_threshold` keeps every parameter of at most 10⁵ elements whole
+# on every rank, and the nano model's largest has 32,768 — 4Ψ more, more than DeepSpeed's own
+# stage 2 holds.
+#
+# **Bytes per step, by collective**, and how many:
+#
+# <details><summary>中文</summary>
+#
+# FSDP 恰好保留 16Ψ/N。DeepSpeed 多一项 fp32：它那几片参数的副本——只有当分片所在设备等于它的设备*名字*时它才
+# 直接复用，而这是拿 `torch.device` 和字符串比较，永远不相等，所以 fp32 训练也要付出这份副本；它的梯度分片和
+# 归约桶整个运行期间都在。用默认值时它对这个模型什么都不切：`stage3_param_persistence_threshold` 让每个不超过
+# 10⁵ 个元素的参数在每个 rank 上保持完整，而 nano 模型最大的参数只有 32,768 个元素——多出 4Ψ，比 DeepSpeed
+# 自己的 stage 2 还多。下面是每步各集合通信的字节数和次数：
+#
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(wire_table(list(side.values()), baseline="ZeRO-3 / FSDP (minishard)", label="× FSDP"))
+DDP_BYTES = 4 * PSI_N                                                   # 2(N-1)/N · 4Ψ on two ranks
+ratios = {name: r["wire"] / DDP_BYTES for name, r in side.items()}
+assert fsdp["wire"] == side["FSDP2 (PyTorch)"]["wire"] == 2 * (3 * PSI_N - N_ROOT)        # root kept gathered
+assert fsdp["ops"]["all_gather"]["calls"] == 2 * 3 + 1 and fsdp["calls"] == 11            # 3 blocks and the root
+assert bounded["ops"]["all_gather"]["calls"] == 2 * OWNERS and abs(ratios["ZeRO-3 (DeepSpeed, bounds 0)"] - 1.5) < 1e-3
+assert threshold0["ops"]["all_gather"]["calls"] < OWNERS and abs(ratios["ZeRO-3 (DeepSpeed, threshold 0)"] - 1) < 1e-3
+assert defaults["ops"]["all_gather"]["calls"] == len(list(NANO.parameters())) and abs(ratios["ZeRO-3 (DeepSpeed, its defaults)"] - 1) < 1e-3
+print(f"\n× DDP's bytes: FSDP {glue('fsdp-nano-wire-ratio', ratios['ZeRO-3 / FSDP (minishard)'], '{:.3f}')}, "
+      f"DeepSpeed bounded {glue('ds-zero3-bounded-wire-ratio', ratios['ZeRO-3 (DeepSpeed, bounds 0)'], '{:.3f}')} "
+      f"in {glue('ds-zero3-bounded-calls', bounded['calls'])} collectives ({OWNERS} submodules gathered twice), "
+      f"threshold 0 {ratios['ZeRO-3 (DeepSpeed, threshold 0)']:.3f} "
+      f"in {glue('ds-zero3-threshold0-gathers', threshold0['ops']['all_gather']['calls'])} all-gathers, "
+      f"its defaults {glue('ds-zero3-defaults-wire-ratio', ratios['ZeRO-3 (DeepSpeed, its defaults)'], '{:.3f}')} "
+      f"in {defaults['ops']['all_gather']['calls']} all-gathers (one per parameter, after the step)")
+
+# %% [markdown]
+# DeepSpeed's unit is every submodule that owns parameters — 22 on the nano model, against FSDP's
+# four — each gathered before it runs, in forward and again in backward, and released after:
+# bounded to 0 it is the textbook schedule, 3(N−1)/N·Ψ, exactly 1.5× DDP, in 52 collectives
+# against FSDP's 11 (which keeps its root gathered, 1.344×). Left at 10⁹, the live and reuse
+# bounds let DeepSpeed's prefetch gather the whole model in a couple of all-gathers once its
+# trace is recorded, and keep every parameter until backward has used it: 1.0× DDP, with the whole
+# model gathered at once. With its defaults the parameters never leave the ranks whole; the
+# 41 all-gathers after each step bring every rank the updated parameters from their owners. What
+# each holds gathered at once, and the step times (this machine's, not compared across
+# machines):
+#
+# <details><summary>中文</summary>
+#
+# DeepSpeed 的单元是每一个自己持有参数的子模块——nano 模型上有 22 个，而 FSDP 只有四个——每个在运行前收集，
+# 前向一次、反向再一次，用完释放：上限都设为 0 时就是教科书的调度，3(N−1)/N·Ψ，恰好是 DDP 的 1.5 倍，
+# 52 次集合通信，而 FSDP 只要 11 次（它让 root 保持收集，1.344 倍）。上限保持 10⁹ 时，DeepSpeed 一旦记录好
+# 模块顺序，预取就用寥寥几次 all-gather 收集整个模型，并让每个参数留到反向用完：DDP 的 1.0 倍，整个模型同时
+# 处于收集状态。用默认值时参数始终完整地留在各 rank 上；每步之后的 41 次 all-gather 把更新后的参数从各自的
+# 所有者发给每个 rank。下面是各自同时持有的已收集参数，以及单步耗时（本机的数字，不跨机器比较）：
+#
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+gathered = {name: r["category_peaks"].get("unsharded", 0) for name, r in side.items()}
+largest = 4 * max(sum(p.numel() for p in m.parameters(recurse=False)) for m in NANO.modules())
+print(f"gathered at once, rank 0: FSDP {gathered['ZeRO-3 / FSDP (minishard)']:,} B and FSDP2 "
+      f"{gathered['FSDP2 (PyTorch)']:,} B (the root and one block); DeepSpeed threshold 0 and defaults "
+      f"{gathered['ZeRO-3 (DeepSpeed, threshold 0)']:,} B = 4Ψ; DeepSpeed bounded between its largest "
+      f"submodule ({largest:,} B) and FSDP's: {largest <= gathered['ZeRO-3 (DeepSpeed, bounds 0)'] < gathered['ZeRO-3 / FSDP (minishard)']}")
+assert gathered["ZeRO-3 / FSDP (minishard)"] == gathered["FSDP2 (PyTorch)"] == 4 * (N_ROOT + (PSI_N - N_ROOT) // 3)
+assert gathered["ZeRO-3 (DeepSpeed, threshold 0)"] == gathered["ZeRO-3 (DeepSpeed, its defaults)"] == 4 * PSI_N
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"DeepSpeed bounded: at most {glue('ds-zero3-bounded-gathered', gathered['ZeRO-3 (DeepSpeed, bounds 0)'], '{:,}')} B gathered at once")
+for name, r in side.items():
+    print(f"{name:<34}{r['step_s'] * 1e3:8.1f} ms a step (median of the slowest rank)")
+step = {name: r["step_s"] / fsdp["step_s"] for name, r in side.items()}
+print(f"× FSDP's step: DeepSpeed bounded {glue('ds-zero3-bounded-time-ratio', step['ZeRO-3 (DeepSpeed, bounds 0)'], '{:.1f}')}×, "
+      f"threshold 0 {glue('ds-zero3-threshold0-time-ratio', step['ZeRO-3 (DeepSpeed, threshold 0)'], '{:.1f}')}×, "
+      f"defaults {glue('ds-zero3-defaults-time-ratio', step['ZeRO-3 (DeepSpeed, its defaults)'], '{:.1f}')}×")
+
 # %%
 R2.close()
 

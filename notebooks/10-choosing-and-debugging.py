@@ -582,9 +582,10 @@ for name in ("4. or: chunked loss", "3. recompute"):
 
 # %% [markdown]
 # With recomputation, backward should grow by one forward's worth of time: the textbook ratio
-# goes from 2× to 3×. The table above shows less than that, because the chunked loss of row 4
-# recomputes the head in backward too, and FSDP's gathers and the load of a shared machine blur
-# both rows; it is one run's timing (not asserted: under load the order can even flip). The
+# goes from 2× to 3×. The table above need not show that gap — some runs show less, some more —
+# because the chunked loss of row 4 recomputes the head in backward too, and FSDP's gathers and
+# the load of a shared machine blur both rows; it is one run's timing (not asserted: under load
+# the order can even flip). The
 # extra forward is worth paying when activations are what does not fit (§2), and waste when the
 # job truly fits without it — the planner's hint in §1: 25% less time per step without, but at
 # 97% of the device, a plan to measure before trusting. On a slow network it compounds: the extra
@@ -666,9 +667,6 @@ for n in (2, 4):
 for n in (2, 4):
     assert 0 < scaling[n]["utilisation"] <= 1 and 0 < scaling[n]["comm_share"] <= 1
 assert scaling[4]["peak_bytes"] < scaling[2]["peak_bytes"] < scaling[1]["peak_bytes"]   # 1/N state
-
-# %%
-R2.close()
 
 # %% [markdown]
 # ### 5.1 How cost grows with the model and the world size
@@ -797,6 +795,100 @@ print("checkpoint on disk = 12Ψ bytes (fp32 parameters and both AdamW moments) 
 # 4. **The trade-off.** Both buy memory with communication. Choose by model size, device memory,
 #    network and the team's tolerance for complexity — not by which sounds more advanced (§1).
 #
+# ### 7.1 The trade-off, measured: ZeRO against FSDP, every implementation on one batch
+# Step 4 as one table: minishard's DDP, ZeRO-1, ZeRO-2 and FSDP, DeepSpeed 0.19's stages 1, 2
+# and 3 (stage 3 three ways: its defaults, the persistence threshold at 0, and the live and reuse
+# bounds at 0 too) and PyTorch's FSDP2, each on the same two ranks, nano model and global batch
+# (two sequences a rank, fp32 AdamW, 0.15 MiB buckets, five steps), every one traced — the
+# strategies of minishard by themselves, DeepSpeed's and PyTorch's by `minishard.watch` — and read
+# in the third step. Chapters 03 §7, 04 §8 and 05 §6 take each row apart.
+#
+# <details><summary>中文</summary>
+#
+# 把第 4 步做成一张表：minishard 的 DDP、ZeRO-1、ZeRO-2 和 FSDP，DeepSpeed 0.19 的 stage 1、2、3（stage 3
+# 跑三种：默认值；常驻阈值设为 0；在途上限与复用距离也设为 0），以及 PyTorch 的 FSDP2，都在同样的两个
+# rank、nano 模型和全局批次上（每个 rank 两条序列、fp32 AdamW、0.15 MiB 的桶、五步），每个都留下轨迹——
+# minishard 的策略自己记录，DeepSpeed 和 PyTorch 的由 `minishard.watch` 记录——读第三步。第 03 章 §7、
+# 第 04 章 §8 和第 05 章 §6 逐行拆开讲。
+#
+# </details>
+
+# %%
+from minishard.course.zero_vs_fsdp import CONTENDERS, compare
+ALL = [name for name in CONTENDERS if name != "ZeRO-1, all-reduce (minishard)"]     # (chapter 03's variant)
+every = {r["name"]: r for r in compare(R2, ALL, step=2, model="nano", micro_batch=2, steps=5, bucket_cap_mb=0.15)}
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# claim: D9
+DDP_ROW = every["DDP (minishard)"]
+print(f"{'2 ranks, nano, fp32 AdamW':<34}{'state B/param':>14}{'sent B/param':>14}{'× DDP':>7}{'collectives':>13}")
+per_param = {}
+for name, r in every.items():
+    state, sent = sum(r["state"].values()) / NANO, r["wire"] / NANO
+    per_param[name] = (state, r["wire"] / DDP_ROW["wire"])
+    print(f"{name:<34}{state:>14.2f}{sent:>14.2f}{r['wire'] / DDP_ROW['wire']:>7.3f}{r['calls']:>13}")
+x = {name: round(w, 3) for name, (_, w) in per_param.items()}
+assert [per_param[n][0] for n in ("DDP (minishard)", "ZeRO-1 (minishard)", "ZeRO-2 (minishard)",
+                                  "ZeRO-3 / FSDP (minishard)")] == [16, 12, 10, 8]
+assert per_param["ZeRO-1 (DeepSpeed)"][0] == per_param["ZeRO-2 (DeepSpeed)"][0] == 10
+assert x["ZeRO-1 (minishard)"] == x["ZeRO-2 (minishard)"] == 1.0 and x["ZeRO-1 (DeepSpeed)"] == x["ZeRO-2 (DeepSpeed)"] == 1.5
+assert x["ZeRO-3 / FSDP (minishard)"] == x["FSDP2 (PyTorch)"] < x["ZeRO-3 (DeepSpeed, bounds 0)"] == 1.5
+assert every["ZeRO-3 (DeepSpeed, bounds 0)"]["calls"] > 4 * every["ZeRO-3 / FSDP (minishard)"]["calls"]
+assert per_param["ZeRO-3 (DeepSpeed, its defaults)"][0] > per_param["ZeRO-2 (DeepSpeed)"][0]  # nothing sharded
+print(f"\nstate between steps, bytes per parameter: DeepSpeed's stage 3 "
+      f"{glue('ds-zero3-state-per-param', per_param['ZeRO-3 (DeepSpeed, bounds 0)'][0], '{:.2f}')} bounded, "
+      f"{glue('ds-zero3-defaults-state-per-param', per_param['ZeRO-3 (DeepSpeed, its defaults)'][0], '{:.2f}')} "
+      f"with its defaults, against FSDP's 8")
+
+# %% [markdown]
+# The peaks (activations included) and the step times are this run's, on this shared machine:
+#
+# <details><summary>中文</summary>
+#
+# 峰值（含激活值）和单步耗时是这一次运行在这台共享机器上的数字：
+#
+# </details>
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fastest = min(r["step_s"] for r in every.values())
+print(f"{'':<34}{'peak B':>12}{'ms a step':>11}{'× fastest':>11}")
+for name, r in every.items():
+    print(f"{name:<34}{r['peak']:>12,}{r['step_s'] * 1e3:>11.1f}{r['step_s'] / fastest:>11.1f}")
+print(f"DeepSpeed's bounded stage 3 / FSDP: "
+      f"{glue('ds-zero3-vs-fsdp-time', every['ZeRO-3 (DeepSpeed, bounds 0)']['step_s'] / every['ZeRO-3 / FSDP (minishard)']['step_s'], '{:.1f}')}× "
+      f"the step; DeepSpeed's stage 2 / minishard's: "
+      f"{glue('ds-zero2-vs-minishard-time', every['ZeRO-2 (DeepSpeed)']['step_s'] / every['ZeRO-2 (minishard)']['step_s'], '{:.1f}')}×")
+
+# %%
+R2.close()
+
+# %% [markdown]
+# What the table decides. The stage is still chosen by memory — the smallest that fits — but a
+# stage's cost is its implementation's: ask which collective and which unit. DeepSpeed's stages
+# 1 and 2 send 1.5× (they all-reduce each bucket; `use_multi_rank_bucket_allreduce: false` sends
+# each rank its slices instead), so on a network that limits the step, minishard's or PyTorch's
+# reduce-scatter is the cheaper stage 1–2. DeepSpeed's stage 3 gathers submodule by submodule:
+# the smallest gathered peak, the most collectives — on a link where latency dominates, FSDP's
+# block units win; and it shards what its thresholds say, not what "stage 3" says — with its
+# defaults a small model is not sharded at all. Set `stage3_param_persistence_threshold`,
+# `stage3_max_live_parameters` and `stage3_max_reuse_distance` for the model, and read the ledger
+# to check they did what you meant.
+#
+# <details><summary>中文</summary>
+#
+# 这张表决定什么。stage 仍按显存来选——放得下的最小那个——但一个 stage 的代价是它的实现的代价：要问用的是
+# 哪种集合通信、什么样的单元。DeepSpeed 的 stage 1 和 2 发送 1.5 倍（它们对每个桶做 all-reduce；
+# `use_multi_rank_bucket_allreduce: false` 则把每片直接发给所属 rank），所以在网络限制单步耗时的地方，
+# minishard 或 PyTorch 用 reduce-scatter 的 stage 1–2 更省。DeepSpeed 的 stage 3 逐个子模块收集：已收集
+# 参数的峰值最小，集合通信最多——在延迟占主导的链路上，FSDP 以 block 为单元更好；而且它切什么由阈值决定，
+# 而不是由"stage 3"决定——用默认值时，小模型根本不切。按模型设定 `stage3_param_persistence_threshold`、
+# `stage3_max_live_parameters` 和 `stage3_max_reuse_distance`，再读账本确认它们做到了你想要的。
+#
+# </details>
+
+# %% [markdown]
 # ## 8. A learning route
 # Compute the ledger by hand (chapter 01) → see DDP's redundancy (02) → ZeRO 1, 2, 3 (03–05) →
 # FSDP's module lifecycle, prefetch and offload (06–08) → checkpoints (09) → profile before you
