@@ -10,11 +10,13 @@ import minishard
 
 
 def user_job(rank, stage: int, out: str | None, zero: dict | None = None, steps: int = 2,
-             micro_batch: int = 2, bucket_cap_mb: float = 0.15, live: list[str] = ()) -> dict:
+             micro_batch: int = 2, bucket_cap_mb: float = 0.15, live: list[str] = (),
+             users_gather: bool = False) -> dict:
     """Train the nano GPT under DeepSpeed's ZeRO ``stage`` for ``steps`` steps, watched into
     ``out``. Returns DeepSpeed's own comms log (op -> message sizes, in order of size), the
     parameters' sizes in model order, what the watch held at the end and at its peak, and for
-    each ``Class#attribute`` of ``live`` whether this engine's objects have it."""
+    each ``Class#attribute`` of ``live`` whether this engine's objects have it. ``users_gather``:
+    one more step in which the user all-gathers into a list through ``deepspeed.comm``."""
     import deepspeed
     import deepspeed.comm as ds_comm
     from minishard.strategies.deepspeed_native import deepspeed_config
@@ -37,6 +39,10 @@ def user_job(rank, stage: int, out: str | None, zero: dict | None = None, steps:
                 loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
+                w.step()
+            if users_gather:                 # the user's own collective of several tensors
+                parts = [torch.zeros(3) for _ in range(rank.world_size)]
+                ds_comm.all_gather(parts, torch.full((3,), float(rank.rank)))
                 w.step()
     finally:
         ds_comm.configure(enabled=False)

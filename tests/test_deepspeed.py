@@ -113,6 +113,37 @@ def test_every_collective_deepspeed_issues_is_recorded_once_with_its_size(watche
         assert sum(len(s) for s in res[r]["logged"].values()) == len(events)
 
 
+def test_a_collective_of_several_tensors_is_recorded_with_all_their_bytes(pools, tmp_path):
+    """A collective given a list (here the user's ``deepspeed.comm.all_gather`` into N tensors)
+    moves every tensor of it: its payload is their sum — N times the input DeepSpeed's comms log
+    counts."""
+    res = pools(2).run(deepspeed_tasks.user_job, 0, str(tmp_path), None, steps=1, users_gather=True)
+    gathers = [e for e in read_events(tmp_path / "rank0.jsonl") if e["kind"] == "collective"
+               and e["op"] == "all_gather"]
+    assert [e["payload"] for e in gathers] == [2 * 3 * 4], gathers
+    assert res[0]["logged"]["all_gather"] == [3 * 4]      # (DeepSpeed's log: the input, one rank's)
+
+
+def test_a_unit_is_unsharded_only_when_every_parameter_is_there():
+    """A unit's state from its parameters' (``Adapter.refresh``): all available — unsharded; any
+    in flight — unsharding; some available and none in flight (a prefetch bucket that took only
+    part of a module) — not yet unsharded: sharded."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as S
+    emitted = []
+
+    class P:
+        def __init__(self, status):
+            self.ds_status = status
+    a = adapter.Adapter.__new__(adapter.Adapter)
+    a.w = type("W", (), {"_emit": lambda self, kind, **f: emitted.append((f["name"], f["state"]))})()
+    a._status, a.units = S, {}
+    a.unit_params = {"both": [P(S.AVAILABLE), P(S.AVAILABLE)], "half": [P(S.AVAILABLE), P(S.NOT_AVAILABLE)],
+                     "flying": [P(S.INFLIGHT), P(S.AVAILABLE)], "none": [P(S.NOT_AVAILABLE)]}
+    a.refresh()
+    assert dict(emitted) == {"both": "unsharded", "flying": "unsharding"}     # (sharded: no change)
+    assert a.units.get("half", "sharded") == "sharded"
+
+
 def test_a_bucket_reduced_to_each_owner_is_recorded_as_deepspeed_sends_it(pools, tmp_path):
     """With ``use_multi_rank_bucket_allreduce`` off, stage 2 reduces each part of a bucket to the
     rank that owns it (``reduce``, a tree to that rank): every one recorded, the same sizes as
