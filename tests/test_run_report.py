@@ -182,24 +182,28 @@ def test_every_knob_is_accepted_by_every_strategy_that_reads_it():
     assert accepted >= len(KNOBS)
 
 
-def test_the_knobs_only_minishards_fsdp_reads_are_refused_or_named_for_every_other_strategy():
+def test_the_knobs_only_fsdp_and_deepspeeds_zero_read_are_refused_or_named_for_every_other_strategy():
     """Written out by hand, not read from ``KNOBS`` (a test reading the table could never
     disagree with it): under any other strategy, PyTorch's FSDP2 included, each of these knobs
-    is refused or listed as unused — never silently ignored."""
+    is refused or listed as unused — never silently ignored. (DeepSpeed's ZeRO reads two of
+    them as its own settings: offload as offload_optimizer, the ZeRO-3 bounds at its stage 3.)"""
     from minishard import strategies
     from minishard.training.config import ConfigError
     ours = {"fsdp", "fsdp_flat", "hsdp"}
-    knobs = {"reshard_root": True, "quantized_weights": True, "quantized_gradients": True,
-             "offload": "host", "prefetch_bucket_size": 10**6, "max_live_parameters": 10**6,
-             "param_persistence_threshold": 100}
-    for name, value in knobs.items():
+    deepspeed = {"deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"}
+    knobs = {"reshard_root": (True, ours), "quantized_weights": (True, ours),
+             "quantized_gradients": (True, ours), "offload": ("host", ours | deepspeed),
+             "prefetch_bucket_size": (10**6, ours | {"deepspeed_zero3"}),
+             "max_live_parameters": (10**6, ours | {"deepspeed_zero3"}),
+             "param_persistence_threshold": (100, ours | {"deepspeed_zero3"})}
+    for name, (value, readers) in knobs.items():
         for s in strategies.STRATEGIES:
             try:
                 unused = TrainConfig(strategy=s, **{name: value}).unused()
             except ConfigError as e:
-                assert s not in ours and name in str(e), (name, s, str(e))
+                assert s not in readers and name in str(e), (name, s, str(e))
                 continue
-            assert (unused == []) == (s in ours), (name, s, unused)
+            assert (unused == []) == (s in readers), (name, s, unused)
 
 
 def test_the_resume_line_says_a_change_of_strategy_on_as_many_ranks():
