@@ -63,10 +63,7 @@ _DS_WATCH = "minishard/instruments/watching/deepspeed.py"   # issue 49's second 
 _DS_TESTS = "tests/test_deepspeed.py"
 _DS_DOCTOR = ("tests/test_doctor_branches.py tests/test_doctor.py tests/test_doctor_edges.py "
               "tests/test_doctor_properties.py tests/test_deaths.py -k 'doctor or deepspeed'")
-# (test_run_report's knob test deselected: it fails on the unmodified code since DeepSpeed's stages
-# 1-3 read offload — it still expects only minishard's FSDP to; drop the deselect once it is fixed)
-_DS_CONFIG = ("tests/test_deepspeed.py tests/test_cli_bad_input.py tests/test_run_report.py --deselect "
-              "tests/test_run_report.py::test_the_knobs_only_minishards_fsdp_reads_are_refused_or_named_for_every_other_strategy")
+_DS_CONFIG = "tests/test_deepspeed.py tests/test_cli_bad_input.py tests/test_run_report.py"
 PARITY = "tests/test_parity.py"
 BUGS = [
     # the four that survived the whole suite before the parity tests saw several buckets and SGD
