@@ -4,6 +4,8 @@ with DeepSpeed's own comms logger on beside it — the independent count the wat
 against."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 import minishard
@@ -15,8 +17,9 @@ def user_job(rank, stage: int, out: str | None, zero: dict | None = None, steps:
     """Train the nano GPT under DeepSpeed's ZeRO ``stage`` for ``steps`` steps, watched into
     ``out``. Returns DeepSpeed's own comms log (op -> message sizes, in order of size), the
     parameters' sizes in model order, what the watch held at the end and at its peak, and for
-    each ``Class#attribute`` of ``live`` whether this engine's objects have it. ``users_gather``:
-    one more step in which the user all-gathers into a list through ``deepspeed.comm``."""
+    each ``Class#attribute`` of ``live`` whether this engine's objects have it, and the torchrun
+    variables the rank sees. ``users_gather``: one more step in which the user all-gathers into
+    a list through ``deepspeed.comm``, and rank 0 all-reduces in a group of its own."""
     import deepspeed
     import deepspeed.comm as ds_comm
     from minishard.strategies.deepspeed_native import deepspeed_config
@@ -40,16 +43,20 @@ def user_job(rank, stage: int, out: str | None, zero: dict | None = None, steps:
                 engine.backward(loss)
                 engine.step()
                 w.step()
-            if users_gather:                 # the user's own collective of several tensors
+            if users_gather:                 # the user's own collective of several tensors,
                 parts = [torch.zeros(3) for _ in range(rank.world_size)]
                 ds_comm.all_gather(parts, torch.full((3,), float(rank.rank)))
+                alone = ds_comm.new_group([0])       # and one in a group of rank 0 alone
+                if rank.rank == 0:
+                    ds_comm.all_reduce(torch.ones(2), group=alone)
                 w.step()
     finally:
         ds_comm.configure(enabled=False)
     logged = {op: sorted(size for size, (count, *_) in sizes.items() for _ in range(count))
               for op, sizes in ds_comm.comms_logger.comms_dict.items()}
     return {"logged": logged, "numels": numels, "held": dict(w.held), "peak": w.peak,
-            "live": {name: _has(engine, name) for name in live}}
+            "live": {name: _has(engine, name) for name in live},
+            "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}}
 
 
 def _has(engine, name: str) -> bool:

@@ -113,15 +113,55 @@ def test_every_collective_deepspeed_issues_is_recorded_once_with_its_size(watche
         assert sum(len(s) for s in res[r]["logged"].values()) == len(events)
 
 
-def test_a_collective_of_several_tensors_is_recorded_with_all_their_bytes(pools, tmp_path):
-    """A collective given a list (here the user's ``deepspeed.comm.all_gather`` into N tensors)
-    moves every tensor of it: its payload is their sum — N times the input DeepSpeed's comms log
-    counts."""
+def test_the_users_own_collectives_through_deepspeed_are_recorded_as_issued(pools, tmp_path):
+    """The user's own collectives through ``deepspeed.comm``: an all-gather into N tensors moves
+    every one of them (its payload their sum — N times the input DeepSpeed's comms log counts),
+    one in a group of rank 0 alone is recorded in that group (size 1, its member named), and both
+    name the user's line as where and as caller (no DeepSpeed line issued them)."""
+    import json
     res = pools(2).run(deepspeed_tasks.user_job, 0, str(tmp_path), None, steps=1, users_gather=True)
-    gathers = [e for e in read_events(tmp_path / "rank0.jsonl") if e["kind"] == "collective"
-               and e["op"] == "all_gather"]
+    events = [e for e in read_events(tmp_path / "rank0.jsonl") if e["kind"] == "collective"]
+    gathers = [e for e in events if e["op"] == "all_gather"]
     assert [e["payload"] for e in gathers] == [2 * 3 * 4], gathers
     assert res[0]["logged"]["all_gather"] == [3 * 4]      # (DeepSpeed's log: the input, one rank's)
+    (alone,) = [e for e in events if e.get("members") == [0]]
+    assert (alone["op"], alone["group"], alone["payload"], alone["wire"]) == ("all_reduce", 1, 8, 0)
+    entries = json.loads((tmp_path / "flight_rank0.json").read_text())["entries"]
+    mine = [e for e in entries if e["op"] == "all_gather" or e["group_size"] == 1]
+    assert len(mine) == 2 and {e["group_size"] for e in mine} == {2, 1}, mine
+    for e in mine:
+        assert e["where"] == e["caller"] and "deepspeed_tasks.py" in e["where"], e
+    # what a warm rank tells a library that reads torchrun's variables (DeepSpeed reads LOCAL_RANK)
+    assert [r["env"] for r in res] == [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                        "LOCAL_WORLD_SIZE": "2"} for r in (0, 1)]
+
+
+def test_stage_3s_parameters_under_the_threshold_are_gathered_once_and_kept_by_name(pools, tmp_path):
+    """With ``stage3_param_persistence_threshold`` 1,000 on the nano model the biases and norms are
+    kept whole, the weights partitioned: the gathered bytes tagged ``persistent`` are exactly the
+    parameters at most that size, and a gather that also carries a larger weight (the first fetch
+    of a Linear, weight and bias together) is the unit's own, not called persistent."""
+    zero = {"stage3_param_persistence_threshold": 1000, "stage3_max_live_parameters": 0,
+            "stage3_max_reuse_distance": 0}
+    res = pools(2).run(deepspeed_tasks.user_job, 3, str(tmp_path), zero, bucket_cap_mb=BUCKET_MB)
+    held = _held_by_tag(tmp_path / "rank0.jsonl", category=True)
+    from minishard.core.model import GPT
+    sizes = {name: p.numel() for name, p in GPT("nano", device="meta").named_parameters()}
+    small = sum(n for n in sizes.values() if n <= 1000)
+    assert sum(v for (c, k), v in held.items() if "persistent:" in k) == 4 * small
+    unit_sizes = {}
+    for name, n in sizes.items():
+        unit_sizes.setdefault(name.rpartition(".")[0], []).append(n)
+    for e in read_events(tmp_path / "rank0.jsonl"):
+        if e["kind"] == "collective" and e["tag"].startswith("persistent:"):
+            unit = e["tag"].removeprefix("persistent:").split(" ")[0]
+            assert max(unit_sizes[unit]) <= 1000 or e["payload"] <= 4 * 2 * 1000, e
+
+
+def test_an_untagged_collective_is_named_by_the_deepspeed_function_that_issued_it(watched):
+    d, _ = watched[2, 2]
+    tags = {e["tag"] for e in read_events(d / "rank0.jsonl") if e["kind"] == "collective"}
+    assert {"allreduce_bucket", "get_grad_norm_direct"} <= tags, tags
 
 
 def test_a_unit_is_unsharded_only_when_every_parameter_is_there():
@@ -287,6 +327,65 @@ def test_the_player_and_the_doctor_read_a_deepspeed_trace(watched, capsys):
     capsys.readouterr()
 
 
+from hypothesis import given, settings, strategies as st
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(1, 5))
+def test_a_gradient_partition_holds_every_parameter_with_an_element_in_the_part(numels, N):
+    """Stages 1–2's gradient partition, counted element by element instead of by ranges: the
+    parameters with at least one element among the part's are held whole, from the first one's
+    start to the last one's end or the part's end, whichever is further (the last rank's part
+    runs into the padding) — whatever the sizes, so that a boundary falling on a parameter's
+    first or last element is counted right."""
+    psi = sum(numels)
+    flat = -(-psi // (2 * N)) * 2 * N
+    part = flat // N
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    for r in range(N):
+        lo, hi = r * part, (r + 1) * part
+        touching = [i for i, (s, n) in enumerate(zip(starts, numels)) if set(range(s, s + n)) & set(range(lo, hi))]
+        want = (max(hi, starts[touching[-1]] + numels[touching[-1]]) - min(lo, starts[touching[0]])
+                if touching else 0)
+        got = deepspeed_holdings(2, numels, N, r, 8)["gradient partition (whole parameters)"]
+        assert got == ("grads", 4 * want), (numels, N, r)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_knob_reaches_deepspeed_as_its_setting_and_what_it_cannot_take_is_refused(stage):
+    """``TrainConfig`` → DeepSpeed's config, knob by knob, and the refusals, for every stage
+    (written out, not read from the mapping)."""
+    from minishard.strategies.deepspeed_native import DS_DEFAULTS, deepspeed_config
+    from minishard.training.config import ConfigError
+    s = f"deepspeed_zero{stage}"
+    z = deepspeed_config(TrainConfig(strategy=s, micro_batch=3, bucket_cap_mb=1.0, clip=0.5), stage)
+    assert (z["train_micro_batch_size_per_gpu"], z["gradient_accumulation_steps"], z["gradient_clipping"]) == (3, 1, 0.5)
+    assert z["zero_optimization"]["stage"] == stage and z["zero_optimization"]["reduce_bucket_size"] == 2 ** 18
+    bounds = dict(prefetch_bucket_size=111, max_live_parameters=222, param_persistence_threshold=333)
+    if stage == 3:
+        zz = deepspeed_config(TrainConfig(strategy=s, **bounds), 3)["zero_optimization"]
+        assert (zz["stage3_prefetch_bucket_size"], zz["stage3_max_live_parameters"], zz["stage3_max_reuse_distance"],
+                zz["stage3_param_persistence_threshold"]) == (111, 222, 222, 333)
+        defaults = deepspeed_config(TrainConfig(strategy=s), 3)["zero_optimization"]
+        assert all(defaults[k] == v for k, v in DS_DEFAULTS.items())
+    else:
+        for name, value in bounds.items():
+            with pytest.raises(ConfigError, match=name):
+                TrainConfig(strategy=s, **{name: value})
+    if stage == 0:
+        with pytest.raises(ConfigError, match="offload"):
+            TrainConfig(strategy=s, offload="host")
+    else:
+        zo = deepspeed_config(TrainConfig(strategy=s, offload="host"), stage)["zero_optimization"]
+        assert zo["offload_optimizer"] == {"device": "cpu"}
+        assert ("offload_param" in zo) == (stage == 3)
+        with pytest.raises(ConfigError, match="async-I/O op"):
+            TrainConfig(strategy=s, offload="disk", offload_dir="/tmp/x")
+    for name in ("save_to", "resume_from"):
+        with pytest.raises(ConfigError, match="from_deepspeed"):
+            TrainConfig(strategy=s, **{name: "/tmp/ck"})
+
+
 # ----------------------------------------------------------------------------- parity
 MB = 2
 
@@ -339,7 +438,9 @@ def test_what_deepspeeds_strategies_do_not_do_here_is_refused_by_name(knobs, wor
 
 
 def test_a_deepspeed_module_that_is_not_the_engine_is_refused_with_the_way_out():
-    """DeepSpeed's own modules other than its engine (a pipeline module, say) are named."""
+    """DeepSpeed's own modules other than its data-parallel engine — a pipeline module inside a
+    model, the pipeline engine (a subclass of the engine, whose step is ``train_batch``) — are
+    named and refused."""
     from minishard.instruments.watching import WatchError, watch
 
     class Fake(torch.nn.Module):
@@ -347,3 +448,8 @@ def test_a_deepspeed_module_that_is_not_the_engine_is_refused_with_the_way_out()
     Fake.__module__ = "deepspeed.runtime.pipe.module"
     with pytest.raises(WatchError, match="watch the engine deepspeed.initialize returned"):
         watch(torch.nn.Sequential(Fake()))
+    engine = type("DeepSpeedEngine", (torch.nn.Module,), {"__module__": "deepspeed.runtime.engine"})
+    pipe = type("PipelineEngine", (engine,), {"__module__": "deepspeed.runtime.pipe.engine"})
+    with pytest.raises(WatchError, match="PipelineEngine is DeepSpeed's but not its data-parallel engine"):
+        watch(pipe())
+    assert adapter.is_engine(engine()) and not adapter.is_engine(pipe())

@@ -182,7 +182,9 @@ def test_the_first_seq_missed_is_that_of_the_rank_furthest_behind_whatever_its_n
                                   for s in range(last[r] + 1)]) for r in range(WORLD)])
     (f,) = doctor.diagnose(d).findings
     furthest = min(last, key=last.get)
-    assert sorted(f.ranks) == [1, 2] and f.title.startswith(f"ranks 1, 2 never issued seq {last[furthest] + 1} ")
+    assert sorted(f.ranks) == [1, 2] and f.title.startswith(f"rank 2 never issued seq {last[furthest] + 1} ")
+    # rank 1 issued that one: it is named for where it stopped, not as one that never issued it
+    assert "; rank 1 stopped after seq 3" in f.title and "ranks 1, 2 never issued" not in f.title
 
 
 def test_ranks_ahead_that_differ_are_shown_one_by_one_and_none_waiting_is_not_said(tmp_path):
@@ -354,3 +356,36 @@ def test_what_was_read_says_which_dumps_are_minishards_and_which_pytorchs(tmp_pa
     theirs = write_torch(tmp_path / "theirs", {0: [torch_entry(1)], 1: [torch_entry(1)]})
     assert cli_doctor.what_was_read(doctor.read_dir(theirs)) == \
         "2 flight dumps of a world of 2 (written on PyTorch's own: 2), 0 traces"
+
+
+def _stream_and_one_more(tmp_path, ahead_also_waits_in_it: bool):
+    """Two ranks share a stream of collectives in a group of their own (DeepSpeed's ZeRO-2 reduces
+    in one); rank 1 issues, instead of the stream's seq 3, a collective of the world group, which
+    rank 0 never used. (Or, ``ahead_also_waits_in_it``: rank 1 issued seq 3 of the stream too.)"""
+    ds = named("ds", (0, 1))
+    stream = lambda r, n: [entry(s, group=ds, size=2, state="issued" if s == 3 else "completed")
+                           for s in range(n)]
+    extra = entry(0, numel=4, size=2, state="issued", where="job.py:7 in extra")
+    ranks = [dump(0, stream(0, 4), world=2, reason="exception"),
+             dump(1, stream(1, 4 if ahead_also_waits_in_it else 3) + [extra], world=2, reason="exception")]
+    return doctor.diagnose(write(tmp_path, ranks)).findings
+
+
+def test_a_collective_in_a_group_the_others_never_used_is_named_as_one_more_on_its_rank(tmp_path):
+    """Rank 1 left the stream it shared with rank 0 to issue the world group's first collective:
+    one collective more on rank 1 (or one fewer on rank 0) — both named, the line in the
+    evidence; rank 0 is still named for the stream rank 1 stopped short in."""
+    found = _stream_and_one_more(tmp_path, ahead_also_waits_in_it=False)
+    world = next(f for f in found if "group 'world'" in f.title)
+    assert world.ranks == [0, 1] and "one collective more on rank 1, or one fewer on rank 0" in world.title
+    assert any("job.py:7 in extra" in line for line in world.evidence)
+    stream = next(f for f in found if "group 'ds[0, 1]'" in f.title)
+    assert stream.ranks == [1] and stream.title.startswith("rank 1 never issued seq 3")
+
+
+def test_a_rank_ahead_that_issued_what_the_others_wait_in_did_not_leave_their_stream(tmp_path):
+    """The same, but rank 1 issued the stream's seq 3 too: rank 0 does not wait for rank 1 there,
+    so nothing says rank 1 left the stream for the world group's collective."""
+    found = _stream_and_one_more(tmp_path, ahead_also_waits_in_it=True)
+    world = next(f for f in found if "group 'world'" in f.title)
+    assert world.ranks == [0] and "one collective more" not in world.title

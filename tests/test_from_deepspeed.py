@@ -3,7 +3,8 @@ checkpoints that DeepSpeed's own engine wrote on 2 and 3 ranks. The export equal
 consolidation (``zero_to_fp32``) bit for bit, every master and moment equals what DeepSpeed itself
 holds, and the converted checkpoint loads on 3 ranks under minishard's FSDP and trains on as
 DeepSpeed's own resumed run does. Bad input — a truncated file, a foreign ``.pt``, a pickle naming
-a type DeepSpeed does not store, a missing rank — is one line, and the command line exits 2.
+a type DeepSpeed does not store, a missing rank, a rank file of another save — is one line, and
+the command line exits 2.
 
 One DeepSpeed launch per checkpoint serves every assertion (``RUNS``): train, save, and — for the
 two the resume is compared on — DeepSpeed's own resume from other weights."""
@@ -132,7 +133,7 @@ def _bad_inputs(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
     """name -> (a damaged copy of ``good``, what its one line must say)."""
     rank1 = "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
     out = {}
-    for name in ("truncated", "foreign", "os_system", "missing_rank"):
+    for name in ("truncated", "foreign", "os_system", "missing_rank", "stray_rank"):
         shutil.copytree(good, tmp / name)
         out[name] = tmp / name
     f = out["truncated"] / rank1
@@ -140,7 +141,10 @@ def _bad_inputs(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
     torch.save({"weights": torch.zeros(3)}, out["foreign"] / rank1)
     _pickle_naming_os_system(out["os_system"] / rank1, tmp / "ran")
     (out["missing_rank"] / rank1).unlink()
-    return {"truncated": (out["truncated"], f"{rank1} is not a readable torch.save file"),
+    # a file of a third rank (another save's) beside a 2-rank checkpoint's two
+    shutil.copy(out["stray_rank"] / rank1, out["stray_rank"] / rank1.replace("_rank_1_", "_rank_2_"))
+    return {"stray_rank": (out["stray_rank"], "has files of ranks [0, 1, 2] but a 2-rank checkpoint"),
+            "truncated": (out["truncated"], f"{rank1} is not a readable torch.save file"),
             "foreign": (out["foreign"], f"{rank1} is not a DeepSpeed ZeRO optimizer-state file: it has no 'optimizer_state_dict'"),
             "os_system": (out["os_system"], f"{rank1} names posix.system, a type DeepSpeed's checkpoints do not store"),
             "missing_rank": (out["missing_rank"], f"missing rank file {out['missing_rank'] / rank1}")}

@@ -325,8 +325,9 @@ def test_unsupported_wrappers_are_named():
         minishard.watch(fsdp1)
     # DeepSpeed's engine is watched (tests/test_deepspeed.py); its other modules are named
     PipelineModule = type("PipelineModule", (torch.nn.Module,), {"__module__": "deepspeed.runtime.pipe.module"})
-    with pytest.raises(WatchError, match="PipelineModule is DeepSpeed's but not its engine; watch the "
-                                         "engine deepspeed.initialize returned. Supported are"):
+    with pytest.raises(WatchError, match="PipelineModule is DeepSpeed's but not its data-parallel "
+                                         r"engine \(DeepSpeedEngine, ZeRO stages 0-3: watch the engine "
+                                         r"deepspeed.initialize returned\). Supported are"):
         minishard.watch(PipelineModule())
     with pytest.raises(WatchError, match="Linear is wrapped by nothing watch knows"):
         minishard.watch(torch.nn.Linear(2, 2))

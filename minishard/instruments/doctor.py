@@ -213,21 +213,24 @@ def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
                         else f"rank {r}'s dump is PyTorch's own flight recorder's (it records no reason)")
     wait = (f"; {ranks_word(waiting)} wait{'s' if len(waiting) == 1 else ''} in "
             f"{'it' if shown == first else f'seq {shown}'}") if waiting else ""
+    # the ranks that never issued it; others behind issued it and stopped later (each said so)
+    never = [r for r in behind if last[r] < first]
+    later = "".join(f"; rank {r} stopped after seq {last[r]}" for r in behind if r not in never)
     # a group the ranks behind never used at all, whose first collective the ranks ahead issued
     # instead of the next one of a stream they shared with them (where the others wait now): one
     # collective more on the ranks ahead (a line only they ran) — or one fewer on the others; both
     # are named, and the evidence's call sites tell which
-    unused = first == min(held[ahead[0]]) and all(not held.get(r) for r in behind) and \
-        _left_a_stream(dumps, group, ahead, behind)
+    unused = first == min(held[ahead[0]]) and all(not held.get(r) for r in never) and \
+        _left_a_stream(dumps, group, ahead, never)
     either = (f", the first of that group {ranks_word(ahead)} issued: one collective more on "
-              f"{ranks_word(ahead)}, or one fewer on {ranks_word(behind)}") if unused else ""
+              f"{ranks_word(ahead)}, or one fewer on {ranks_word(never)}") if unused else ""
     return Finding(
-        "hang", sorted(behind + ahead) if unused else behind,
-        f"{ranks_word(behind)} never issued seq {first} of group {group!r}"
-        f"{f' ({_what(e)})' if shown == first else ''}{either}{wait}",
+        "hang", sorted(set(behind + ahead)) if unused else behind,
+        f"{ranks_word(never)} never issued seq {first} of group {group!r}"
+        f"{f' ({_what(e)})' if shown == first else ''}{either}{later}{wait}",
         evidence,
         f"the collective at seq {first} must run on every rank, even one with nothing to send: "
-        f"make {ranks_word(behind)} issue it too (all-reduce zeros for parameters without a "
+        f"make {ranks_word(never)} issue it too (all-reduce zeros for parameters without a "
         f"gradient there, e.g. frozen or LoRA-only ones; no rank-dependent early exit before it). "
         f"If the rank raised or was killed, the finding about it says why")
 

@@ -180,8 +180,8 @@ def build(net: nn.Module, config: "TrainConfig", comm: "Comm", ledger: "LiveLedg
     if strategy.single_process and comm.world_size > 1:
         raise ValueError(f"strategy {strategy.name!r} trains one process; use world size 1")
     if config.offload is not None and not strategy.offloads:
-        raise ValueError(f"offload={config.offload!r} needs an FSDP strategy; {strategy.name!r} "
-                         f"keeps its state on the device")
+        raise ValueError(f"offload={config.offload!r} needs an FSDP strategy or DeepSpeed's ZeRO; "
+                         f"{strategy.name!r} keeps its state on the device")
     return strategy.build(net, config, comm, ledger)
 
 

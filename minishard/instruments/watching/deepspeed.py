@@ -109,10 +109,11 @@ def _tensors(x) -> list:
 
 
 def is_engine(model) -> bool:
-    """A DeepSpeed engine (checked without importing DeepSpeed: a job that never imported it
-    cannot hold one)."""
-    return any(c.__module__.startswith("deepspeed") and c.__name__ == "DeepSpeedEngine"
-               for c in type(model).__mro__)
+    """DeepSpeed's data-parallel engine itself (checked without importing DeepSpeed: a job that
+    never imported it cannot hold one) — not one of its subclasses, whose step differs (the
+    pipeline engine's ``train_batch``, the hybrid engine's generation)."""
+    cls = type(model)
+    return cls.__name__ == "DeepSpeedEngine" and cls.__module__.startswith("deepspeed")
 
 
 def optimizer_of(engine):
@@ -188,7 +189,8 @@ class Adapter:
         # (instrument_w_nvtx wraps the calls that issue collectives): the line that issued a
         # collective is the first one past them
         root = os.path.dirname(os.path.dirname(ds_comm.__file__))
-        self.library = (root, os.path.join(root, "comm") + os.sep, os.path.join(root, "utils", "nvtx.py"))
+        self.library = (root + os.sep, os.path.join(root, "comm") + os.sep,
+                        os.path.join(root, "utils", "nvtx.py"))
 
     # ------------------------------------------------------------------ the ledger
     def sweep(self) -> None:

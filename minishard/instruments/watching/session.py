@@ -43,8 +43,9 @@ def _kind(model: torch.nn.Module, optimizer) -> str:
     for name, m in model.named_modules():
         where = f"{type(m).__name__}" + (f" (module {name!r})" if name else "")
         if any(c.__module__.startswith("deepspeed") for c in type(m).__mro__):
-            raise WatchError(f"minishard.watch: {where} is DeepSpeed's but not its engine; watch "
-                             f"the engine deepspeed.initialize returned. Supported are {SUPPORTED}")
+            raise WatchError(f"minishard.watch: {where} is DeepSpeed's but not its data-parallel "
+                             f"engine (DeepSpeedEngine, ZeRO stages 0-3: watch the engine "
+                             f"deepspeed.initialize returned). Supported are {SUPPORTED}")
         if fsdp and isinstance(m, fsdp.FullyShardedDataParallel):
             raise WatchError(f"minishard.watch: FSDP1 {where} is not supported; supported are "
                              f"{SUPPORTED} (FSDP2: fully_shard each block, then the root)")
