@@ -91,7 +91,8 @@ PORTABILITY_TESTS = tests/test_model.py tests/test_parity.py tests/test_ddp.py t
   tests/test_reshard_after_forward.py tests/test_replicated_dtype.py tests/test_precision_on_the_wire.py \
   tests/test_clipping.py tests/test_comm.py tests/test_properties.py tests/test_checkpoint.py \
   tests/test_checkpoint_dropin.py tests/test_checkpoint_format.py tests/test_tp.py tests/test_offload.py \
-  tests/test_cli.py tests/test_readme_examples.py tests/test_from_deepspeed.py
+  tests/test_cli.py tests/test_readme_examples.py tests/test_from_deepspeed.py tests/test_deepspeed.py \
+  tests/test_zero_vs_fsdp.py
 
 test-portability: setup
 	env $(SECOND_KERNEL_PATH) $(BIN)/python -m pytest -q -p no:cacheprovider $(PORTABILITY_TESTS)
