@@ -70,10 +70,13 @@ demo: setup
 # this CPU's own kernels (scripts/execute_notebooks.py), so every run compares two kernel paths.
 # The notebooks take about 3 minutes less than the tests, so the static site's tests
 # (AFTER_NOTEBOOKS, about 2 minutes) run after them, in their lane: the two lanes end together.
+# Last, the one-process step beside the suite's time (set-up included): the budget scales with it.
 AFTER_NOTEBOOKS = tests/test_site.py
+MAKE_STARTED := $(shell date +%s)
 test: setup browser-deps
 	$(BIN)/python scripts/alongside.py artifacts/test-notebooks.log '$(NB_THEN_SITE)' \
-	  $(BIN)/python -m pytest -q --durations=15 tests --ignore=$(AFTER_NOTEBOOKS)
+	  $(BIN)/python -m pytest -q --durations=15 tests --ignore=$(AFTER_NOTEBOOKS); \
+	rc=$$?; $(BIN)/python benchmarks/bench.py --alone --suite-started $(MAKE_STARTED); exit $$rc
 
 # both run, whatever the first did; the status is the first failure's (single-quoted above, so
 # that the shell alongside.py starts reads $$? and $$nb, not make's shell)

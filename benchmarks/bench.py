@@ -3,6 +3,7 @@
     python benchmarks/bench.py                 # 2 and 4 ranks, tiny GPT (6.9 M params)
     python benchmarks/bench.py --world-sizes 2 --rounds 3 --steps 8
     python benchmarks/bench.py --all          # also naive DDP, ledger hooks on, ZeRO-1 all-reduce
+    python benchmarks/bench.py --alone        # only the one-process step (seconds, no ranks)
 
 For each world size one warm pool of ranks runs the contenders in turn, round after round
 (interleaving cancels the drift of a shared machine), each for ``--steps`` optimizer steps of
@@ -124,6 +125,27 @@ def bench(world_size: int, rounds: int, steps: int, warmup: int, model: str, mic
     return out
 
 
+# the time make test may take, in minutes, on a machine whose one-process step is 0.43 s; a
+# machine twice as fast gets half (DEVELOPERS' rule: 20 min x step / 0.43 s)
+SUITE_MINUTES, SUITE_STEP_S = 20, 0.43
+
+
+def alone(args) -> None:
+    """The one-process step, as the full benchmark's "one process alone" measures it (one
+    thread, the same model and micro-batch, warm-up dropped, the median), without starting
+    ranks; with ``--suite-started``, the suite's wall time beside the budget that step sets."""
+    import torch
+    torch.set_num_threads(1)
+    times = measure_compute(0, steps=args.steps, model=args.model, micro_batch=args.micro_batch)
+    step = statistics.median(times[args.warmup:])
+    print(f"one-process step: {step:.3f} s ({args.model}, micro_batch={args.micro_batch}, one "
+          f"thread, median of {args.steps - args.warmup} steps)")
+    if args.suite_started is not None:
+        took, budget = time.time() - args.suite_started, SUITE_MINUTES * 60 * step / SUITE_STEP_S
+        print(f"make test took {took:.0f} s; the budget at this step is {SUITE_MINUTES} min x "
+              f"{step:.3f} / {SUITE_STEP_S} = {budget:.0f} s ({took / budget:.0%} of it)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -136,7 +158,13 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    ap.add_argument("--alone", action="store_true",
+                    help="only the one-process step, measured in this process (one thread)")
+    ap.add_argument("--suite-started", type=float, metavar="EPOCH_S",
+                    help="with --alone: also the seconds since then against make test's budget")
     args = ap.parse_args()
+    if args.alone:
+        return alone(args)
     started, cores = time.perf_counter(), os.cpu_count() or 1
     print(f"# minishard benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, "
           f"{platform.processor() or platform.machine()}, {cores} cores, model={args.model}, "
