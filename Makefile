@@ -65,17 +65,20 @@ demo: setup
 	$(BIN)/torchrun --standalone --nproc-per-node 4 -m minishard demo --strategy ddp --steps 3 --trace traces/ddp
 
 # The tests and the notebooks run at the same time (scripts/alongside.py prints the notebooks'
-# output when the tests are done; both must pass): one after the other they leave a third of two
-# cores idle. The notebooks run once, under the second kernel path: their stored outputs come from
-# this CPU's own kernels (scripts/execute_notebooks.py), so every run compares two kernel paths.
-# The notebooks take about 3 minutes less than the tests, so the static site's tests
-# (AFTER_NOTEBOOKS, about 2 minutes) run after them, in their lane: the two lanes end together.
+# output when the tests are done; both must pass), and the tests themselves in TEST_WORKERS
+# processes (pytest-xdist, one test file to a worker at a time): ranks rendezvousing, kernels and
+# browsers starting, collectives waiting out a timeout leave two cores idle much of the time (a
+# fresh clone's make test in two lanes used 8.5 CPU-minutes of the 28 its 14 wall-minutes had).
+# The notebooks run once, under the second kernel path: their stored outputs come from this CPU's
+# own kernels (scripts/execute_notebooks.py), so every run compares two kernel paths. The static
+# site's tests (AFTER_NOTEBOOKS, about a minute) run after the notebooks, in their lane.
 # Last, the one-process step beside the suite's time (set-up included): the budget scales with it.
 AFTER_NOTEBOOKS = tests/test_site.py
+TEST_WORKERS ?= 2
 MAKE_STARTED := $(shell date +%s)
 test: setup browser-deps
 	$(BIN)/python scripts/alongside.py artifacts/test-notebooks.log '$(NB_THEN_SITE)' \
-	  $(BIN)/python -m pytest -q --durations=15 tests --ignore=$(AFTER_NOTEBOOKS); \
+	  $(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests --ignore=$(AFTER_NOTEBOOKS); \
 	rc=$$?; $(BIN)/python benchmarks/bench.py --alone --suite-started $(MAKE_STARTED); exit $$rc
 
 # both run, whatever the first did; the status is the first failure's (single-quoted above, so
