@@ -133,3 +133,79 @@ def test_every_unit_not_back_to_its_shard_counts_as_live():
     everything = sum(10 ** i for i in range(len(units)))
     sharded = 10 ** list(MemoryState).index(MemoryState.SHARDED)
     assert live_elements(SimpleNamespace(units=units)) == everything - sharded
+
+
+# --------------------------------------------------------------------------- each bound met exactly
+# DeepSpeed 0.19.8 at its bounds (deepspeed/runtime/zero/): a parameter persists when
+# ``param.ds_numel <= param_threshold`` (parameter_offload.py, mark_persistent_parameters); the
+# prefetch takes the next parameters of the trace ``while numel_prefetching <
+# max_params_to_prefetch``, with ``max_params_to_prefetch = min(max_live - n_available,
+# prefetch_bucket_size)`` (partitioned_param_coordinator.py, fetch_sub_module). Met exactly, every
+# bound admits what meets it — there minishard does as DeepSpeed does. One element short,
+# DeepSpeed's loop still takes the parameter that crosses it; minishard stops before the unit.
+
+def _deepspeed_prefetch(ahead: list[int], budget: int) -> list[int]:
+    """DeepSpeed's prefetch loop over parameters of ``ahead`` elements each."""
+    taken, numel = [], 0
+    for n in ahead:
+        if not numel < budget:
+            break
+        taken.append(n)
+        numel += n
+    return taken
+
+
+def _units(computing: int, ahead: list[int]):
+    """A root context with one unit computing (gathered) and one-parameter units ahead."""
+    from types import SimpleNamespace
+
+    from minishard.strategies.fsdp.state import MemoryState
+
+    def unit(numel, state):
+        return SimpleNamespace(layout=SimpleNamespace(slots=[SimpleNamespace(numel=numel)]), memory_state=state)
+    now = unit(computing, MemoryState.UNSHARDED)
+    later = [unit(n, MemoryState.SHARDED) for n in ahead]
+    return SimpleNamespace(units=[now, *later], stage3_limits=None), later
+
+
+@pytest.mark.parametrize("over", [-1, 0, 1])
+def test_a_prefetch_bucket_met_exactly_holds_the_units_that_fill_it(over):
+    from minishard.strategies.fsdp.limits import window
+    from minishard.strategies.fsdp.state import Stage3Limits
+    ahead = [4, 6, 5]
+    context, later = _units(10, ahead)
+    context.stage3_limits = Stage3Limits(prefetch_bucket_size=4 + 6 + over)
+    got = [u.layout.slots[0].numel for u in window(context, later, depth=0)]
+    assert got == {-1: [4], 0: [4, 6], 1: [4, 6]}[over]
+    if over == 0:
+        assert got == _deepspeed_prefetch(ahead, 4 + 6)
+    else:                                   # DeepSpeed passes the bucket by a parameter
+        assert sum(got) <= 4 + 6 + over < sum(_deepspeed_prefetch(ahead, 4 + 6 + over))
+
+
+@pytest.mark.parametrize("over", [-1, 0, 1])
+def test_live_parameters_met_exactly_admit_the_prefetch_that_meets_them(over):
+    """10 elements gathered for the unit computing; a cap of 20 admits the units of 4 and 6
+    ahead (20 live), as DeepSpeed's budget of 20 - 10 does; 19 admits the 4 alone."""
+    from minishard.strategies.fsdp.limits import live_elements, window
+    from minishard.strategies.fsdp.state import Stage3Limits
+    ahead = [4, 6, 5]
+    for bucket in (None, 100):
+        context, later = _units(10, ahead)
+        cap = 10 + 4 + 6 + over
+        context.stage3_limits = Stage3Limits(prefetch_bucket_size=bucket, max_live_parameters=cap)
+        got = [u.layout.slots[0].numel for u in window(context, later, depth=3)]
+        assert got == {-1: [4], 0: [4, 6], 1: [4, 6]}[over], bucket
+        assert live_elements(context) + sum(got) <= cap
+        if over == 0:
+            assert got == _deepspeed_prefetch(ahead, min(cap - live_elements(context), bucket or cap))
+
+
+@pytest.mark.parametrize("over", [-1, 0, 1])
+def test_a_parameter_the_size_of_the_persistence_threshold_is_kept_whole(over):
+    """Linear(3, 4): a weight of 12 elements, a bias of 4. Threshold 11: the bias alone is kept
+    whole; 12 — DeepSpeed's ``numel <= threshold`` — and 13: both."""
+    block = torch.nn.Linear(3, 4)
+    fsdp.fully_shard(block, comm=Comm(), param_persistence_threshold=12 + over)
+    kept = sorted(s.fqn for s in fsdp.units(block)[0].replicated_slots)
+    assert kept == (["bias"] if over < 0 else ["bias", "weight"])

@@ -28,15 +28,32 @@ RUN_FIELDS = ("strategy", "model", "steps", "micro_batch", "accum", "optimizer",
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """name -> the first 16 hex digits of a BLAKE2 hash of the tensor's dtype, shape and bytes."""
+    """name -> the first 16 hex digits of a BLAKE2 hash of the tensor's dtype, shape and bytes,
+    the elements in row-major order: a layout is not a value, so a transposed, sliced or
+    channels-last view hashes as its contiguous copy."""
     out = {}
     for name, t in named:
-        t = t.detach().contiguous().cpu()
         h = hashlib.blake2b(digest_size=8)
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(_row_major_bytes(name, t))
         out[name] = h.hexdigest()
     return out
+
+
+def _row_major_bytes(name: str, t: torch.Tensor) -> bytes:
+    if t.is_meta:
+        raise ValueError(f"fingerprint: {name} is on the meta device and has no values yet; "
+                         f"fingerprint the weights once they are materialized")
+    t = t.detach().cpu().resolve_conj().resolve_neg()
+    if not t.numel():
+        return b""
+    # one dimension (a 0-d tensor has none to view as bytes); a tensor whose strides are not
+    # row-major is copied into row-major order by the reshape, and a single element with a
+    # stride is copied too: viewing elements as bytes needs unit stride
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def fingerprint_model(model: torch.nn.Module) -> dict[str, str]:

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from minishard.strategies.offload import OffloadPolicy, OptimizerOffload, checked_policy
-from minishard.strategies.optim_state import ensure_optimizer_state
+from minishard.strategies.optim_state import MadeAhead, ensure_optimizer_state
 from .api import units
 from .state import MemoryState
 
@@ -33,6 +33,12 @@ class ShardedOptimizer:
     there; the gradient shards go out and the updated shards come back, once per step
     (``offload.OptimizerOffload``).
 
+    Its state and ``zero_grad`` are torch.optim's (``tests/test_sharded_optimizer.py``): after the
+    same steps on the same gradients the same entries (SGD without momentum none), the same values,
+    the gradients None after ``zero_grad()`` and zeros after ``zero_grad(set_to_none=False)``. State
+    made ahead in a tier is what a first step makes, or is handed to torch's first step
+    (``optim_state.MadeAhead``: SGD's first buffer is a copy of the gradient, not a zero one).
+
     A checkpoint asks the units, not this wrapper, what the rank holds (``FSDPUnit.checkpoint_regions``):
     a plain torch optimizer over ``model.parameters()`` is checkpointed the same way."""
 
@@ -45,9 +51,9 @@ class ShardedOptimizer:
         self.offload = self._offload(checked_policy(offload_policy, "ShardedOptimizer"), bool(tiers))
         if self.offload is not None:
             tiers = dict.fromkeys(self.offload.params, self.offload.tier)
-        if tiers:
-            ensure_optimizer_state(optimizer, lambda p: tiers[p].zeros_like(p) if p in tiers
-                                   else torch.zeros_like(p))
+        made = ensure_optimizer_state(optimizer, lambda p: tiers[p].zeros_like(p) if p in tiers
+                                      else torch.zeros_like(p)) if tiers else []
+        self.made_ahead = MadeAhead(optimizer, made)
 
     @property
     def state(self):
@@ -60,10 +66,11 @@ class ShardedOptimizer:
             if u.memory_state is not MemoryState.SHARDED:
                 raise RuntimeError(f"optimizer step while FSDP unit {u.name} is {u.memory_state.value}: "
                                    f"step after backward, when every unit holds only its shard")
-        if self.offload is None:
-            return self.optimizer.step(closure)
-        with self.offload.stepping():
-            return self.optimizer.step(closure)
+        with self.made_ahead.first_steps():
+            if self.offload is None:
+                return self.optimizer.step(closure)
+            with self.offload.stepping():
+                return self.optimizer.step(closure)
 
     def _offload(self, policy: OffloadPolicy, units_offload: bool) -> OptimizerOffload | None:
         if policy.tier is None:
