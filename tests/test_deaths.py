@@ -85,6 +85,19 @@ def test_a_rank_that_dies_is_named_with_its_collective_and_line(tmp_path, job, d
         assert any(k in found for k in ("timeout", "exception")), text
     assert main(["doctor", str(out)]) == 1
     capsys.readouterr()
+    if job == "minishard":       # every rank that lived to write its dump (at the end, as it raised,
+        _every_dump_has_its_trace(out)      # or as the pool sent it SIGTERM) left its trace too
+
+
+def _every_dump_has_its_trace(out) -> None:
+    """What a rank stopped by a failure leaves: its dump and its trace (the player's, the doctor's
+    ledger), whatever stopped it — and the run's player is written from them."""
+    import json
+    reasons = {int(p.stem.removeprefix("flight_rank")): json.loads(p.read_text())["reason"]
+               for p in out.glob("flight_rank*.json")}
+    traced = {int(p.stem.removeprefix("rank")) for p in out.glob("rank*.jsonl")}
+    assert set(reasons) <= traced, (reasons, sorted(traced))
+    assert main(["view", str(out)]) == 0 and (out / "player.html").exists()
 
 
 @pytest.mark.parametrize("job", JOBS)
@@ -136,3 +149,4 @@ def test_the_courses_extra_collective_leaves_only_rings_and_the_doctor_names_its
     assert found["died"].ranks == [1] and "inside the collective" in found["died"].title
     assert main(["doctor", str(out)]) == 1
     capsys.readouterr()
+    _every_dump_has_its_trace(out)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,11 +105,16 @@ class Tracer:
             self.emit("phase", name=name, edge="end", **fields)
 
     def write_jsonl(self, path: str | Path) -> Path:
+        """The events kept so far, as ``path`` — whole or not at all: a rank may be writing it
+        when SIGTERM (torchrun stopping it) or a kill arrives, and a reader must never find
+        half of it."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            for ev in self.events:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            for ev in list(self.events):        # (a watch's threads may append meanwhile)
                 f.write(json.dumps(ev) + "\n")
+        os.replace(tmp, path)
         return path
 
 
