@@ -114,6 +114,15 @@ def test_an_exception_raised_inside_a_library_names_its_line_and_the_callers():
     line = inspect.getsourcelines(users_step)[1] + 1
     assert raised["caller"] == f"tests/{os.path.basename(__file__)}:{line} in users_step", raised
     assert "/torch/distributed/" in raised["at"], raised
+    # raised in minishard's own code under Python's library (a rank's multiprocessing frames are
+    # the same case): the library's frames are nobody's code to fix, the test's line is the caller
+    from minishard.core.words import fmt_bytes
+    try:
+        json.loads('{"a": 1}', object_hook=fmt_bytes)          # json's frames, then minishard's
+    except TypeError as e:
+        raised = raised_at(e.__traceback__)
+    assert raised["at"].startswith("minishard/core/words.py:") and raised["at"].endswith(" in fmt_bytes")
+    assert raised["caller"].startswith(f"tests/{os.path.basename(__file__)}:"), raised
 
 
 def test_sigterm_writes_the_recorder_then_terminates(tmp_path):

@@ -37,6 +37,7 @@ import json
 import os
 import signal
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -52,6 +53,8 @@ FORMAT_VERSION = 1
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # minishard/
 _TORCH = os.sep + "torch" + os.sep
 _HERE = tuple(os.path.join(_PACKAGE, "core", f) for f in ("comm.py", "flight.py"))
+# Python's own library: a rank process's multiprocessing frames are nobody's code to fix
+_LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
 
 
 def call_sites(depth: int = 2, issuer: type = object,
@@ -98,17 +101,23 @@ def _short(path: str) -> str:
 
 def raised_at(tb) -> dict[str, str]:
     """Where an exception was raised, from its traceback: ``at``, the line that raised it (the
-    traceback's last frame: the ``raise``, or the library line under the user's call), and
-    ``caller``, the innermost line outside minishard and torch (the user's code, as
-    :func:`call_sites` names a collective's caller); each ``file:line in function``."""
+    traceback's last frame: the ``raise``, or a library's line under the user's call), and
+    ``caller``, the innermost line of the user's own code — outside minishard, torch, Python's
+    standard library (a rank process's ``multiprocessing`` frames) and installed packages; ""
+    when none is (minishard's demo raising in its own code); each ``file:line in function``."""
     frames = []
     while tb is not None:
         frames.append((tb.tb_frame.f_code, tb.tb_lineno))
         tb = tb.tb_next
     sites = [(code.co_filename, f"{_short(code.co_filename)}:{line} in {code.co_name}") for code, line in frames]
-    mine = [site for path, site in sites if not path.startswith(_PACKAGE) and _TORCH not in path
-            and not path.startswith("<frozen")]
-    return {"at": sites[-1][1] if sites else "", "caller": mine[-1] if mine else ""}
+    users = [site for path, site in sites if not _not_users(path)]
+    return {"at": sites[-1][1] if sites else "", "caller": users[-1] if users else ""}
+
+
+@functools.cache
+def _not_users(path: str) -> bool:
+    return (path.startswith(_PACKAGE) or _TORCH in path or path.startswith("<")
+            or path.startswith(_LIBRARIES) or any(p in path for p in ("site-packages", "dist-packages")))
 
 
 class FlightRecorder:

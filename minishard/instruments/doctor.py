@@ -10,7 +10,8 @@ important first — the cause before its consequences:
     desync        at some ``seq`` of a group the ranks issued different collectives (op, shapes
                   or dtypes): they issued collectives in different orders, or one rank skipped
                   one and the next paired with it. Everything after it in that group is noise.
-    exception     a rank's dump was written on an exception: its error, quoted.
+    exception     a rank's dump was written on an exception: its error, quoted in one line, and
+                  the line that raised it (the user's innermost, else the ``raise`` itself).
     died          a rank left only its ring (``flight_rank{r}.ring``, written as it flew): it
                   died without reaching Python again (killed, the OOM killer, ``os.abort()``, a
                   crash inside C++ such as gloo aborting on a size mismatch); where it stopped.
@@ -19,6 +20,10 @@ important first — the cause before its consequences:
     hang          a ``seq`` some ranks issued and another never reached (name that rank, its
                   last collective, and the one the others wait in), or one every rank issued
                   and that never completed.
+    timeout       ranks that gave up waiting — a hang's end, not its cause: in one line, the
+                  collective each waited in, how long, and whether it timed out or its peer went
+                  away (the library's own message, C++ paths and all, only for ``--verbose``:
+                  a finding's ``details``).
 
 The k-th collective of a group must be the same collective on every rank, so the dumps are
 aligned by ``seq``. A ring buffer drops its oldest entries, and ranks may have dropped different
@@ -44,6 +49,14 @@ COLLECTIVE_KINDS = ("desync", "exception", "died", "missing_dump", "hang", "time
 TIMED_OUT = re.compile(r"^TimeoutError\b|timed out waiting|timed out after|collective operation "
                        r"timeout|timeout caused pair closure|connection (closed|reset) by peer",
                        re.IGNORECASE)
+# ... of which: the peer went away (it stopped, or gave up first and closed the connection)
+PEER_GONE = re.compile(r"timeout caused pair closure|connection (closed|reset) by peer", re.IGNORECASE)
+# gloo's own wait, in its words ("Timed out waiting 3000ms for recv operation to complete"): how
+# long a rank waited when its dump has no clock
+GLOO_WAITED = re.compile(r"timed out waiting (\d+) ?ms", re.IGNORECASE)
+# where a C++ library's message says it was raised: "[/__w/pytorch/.../pair.cc:553] " — this
+# machine's build paths, for --verbose only
+CPP_SITE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp):\d+\] ?")
 
 
 # --------------------------------------------------------------------------- words
@@ -164,7 +177,8 @@ def desync(group: str, held: dict[int, dict[int, dict]], ranks: list[int]) -> Fi
             continue
         parts = sorted(sides.values(), key=lambda rs: (-len(rs), rs))
         odd = [r for rs in parts[1:] for r in rs] if len(parts[0]) > len(parts[1]) else ranks
-        said = "; ".join(f"{ranks_word(rs)} {describe(held[rs[0]][seq])}" for rs in parts)
+        said = "; ".join(f"{ranks_word(rs)} {describe(held[rs[0]][seq])}{apart}"
+                         for rs, apart in zip(parts, differences([held[rs[0]][seq] for rs in parts])))
         silent = all(sizes_agree(held[ranks[0]][seq], held[r][seq]) for r in ranks)
         return Finding(
             "desync", odd,
@@ -180,6 +194,20 @@ def desync(group: str, held: dict[int, dict[int, dict]], ranks: list[int]) -> Fi
             "built from parameters in a different order; another precision on one rank) and make it "
             "the same everywhere")
     return None
+
+
+def differences(sides: list[dict]) -> list[str]:
+    """What tells the sides of a desync apart beyond what :func:`describe` says — the step, the
+    broadcast's source, and, where they read the same otherwise, the line that issued each —
+    one phrase per side (``, step 2, at train.py:108 in main``); "" where nothing more differs."""
+    said = [""] * len(sides)
+    same = len({describe(e) for e in sides}) == 1
+    for key, word in (("step", "step {}"), ("src", "from rank {}"), ("where", "at {}")):
+        values = [e.get(key) for e in sides]
+        if len(set(map(str, values))) > 1 and (key != "where" or same):
+            said = [f"{s}, {word.format(v)}" if v not in (None, "") else f"{s}, no {key}"
+                    for s, v in zip(said, values)]
+    return said
 
 
 def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
@@ -209,8 +237,7 @@ def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
         mine = held.get(r, {})
         evidence.append(entry_line(f"rank {r}, its last collective", mine[last[r]]) if mine else
                         f"rank {r}: holds no collective of group {group!r}")
-        evidence.append(f"rank {r}'s dump was written on {_reason(dumps[r])}" if dumps[r]["reason"] != "torch"
-                        else f"rank {r}'s dump is PyTorch's own flight recorder's (it records no reason)")
+        evidence.append(written(r, dumps[r]))
     wait = (f"; {ranks_word(waiting)} wait{'s' if len(waiting) == 1 else ''} in "
             f"{'it' if shown == first else f'seq {shown}'}") if waiting else ""
     # the ranks that never issued it; others behind issued it and stopped later (each said so)
@@ -292,8 +319,38 @@ def _alike(held, ranks, seq) -> bool:
                 for r in ranks}) == 1
 
 
-def _reason(body: dict) -> str:
-    return body["reason"] + (f" ({body['error']})" if body.get("error") else "")
+def written(r: int, body: dict) -> str:
+    """How rank r's record came to be, in words: why its dump was written, or what stands in
+    for the dump it never wrote."""
+    return {"end": f"rank {r}'s dump was written at the end of its run",
+            "exception": f"rank {r}'s dump was written as it raised {short(body.get('error'))}",
+            "sigterm": f"rank {r}'s dump was written when it was sent SIGTERM (torchrun stopping it "
+                       f"after another rank failed)",
+            "ring": f"rank {r} wrote no dump: it died, and its ring is read instead",
+            "torch": f"rank {r}'s dump is PyTorch's own flight recorder's (it records no reason)",
+            "trace": f"rank {r} left no flight record: the collectives it completed were read from its trace",
+            }.get(body["reason"], f"rank {r}'s dump gives {body['reason']!r} as the reason it was written")
+
+
+def short(error: str | None) -> str:
+    """An error in one line: its first, without a C++ library's source path (``--verbose``
+    prints it whole)."""
+    lines = (error or "an exception").strip().splitlines() or ["an exception"]
+    return CPP_SITE.sub("", lines[0]).strip()
+
+
+def raised_site(body: dict) -> str:
+    """The line that raised a rank's exception: the user's innermost (else the raise itself)."""
+    raised = body.get("raised") or {}
+    return raised.get("caller") or raised.get("at") or ""
+
+
+def verbatim(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
+    """Each rank's error as it was raised, for ``--verbose`` (ranks with the same words: once)."""
+    by_error: dict[str, list[int]] = defaultdict(list)
+    for r in ranks:
+        by_error[dumps[r].get("error") or ""].append(r)
+    return [f"{ranks_word(rs)}'s error, as raised: {error}" for error, rs in by_error.items() if error]
 
 
 def exceptions(dumps: dict[int, dict]) -> list[Finding]:
@@ -306,23 +363,60 @@ def exceptions(dumps: dict[int, dict]) -> list[Finding]:
     out, timed_out = [], []
     for error, ranks in by_error.items():
         if TIMED_OUT.search(error):           # a consequence: what it waited for is the cause
-            timed_out.append((error, ranks))
+            timed_out += ranks
             continue
         ranks = sorted(ranks)
+        sites = {raised_site(dumps[r]) for r in ranks}
+        at = f", at {next(iter(sites))}" if len(sites) == 1 and "" not in sites else ""
         out.append(Finding(
-            "exception", ranks, f"{ranks_word(ranks)} raised {error}", _last(dumps, ranks),
+            "exception", ranks, f"{ranks_word(ranks)} raised {short(error)}{at}",
+            [_raised_line(r, dumps[r]) for r in ranks if raised_site(dumps[r])] + _last(dumps, ranks),
             "the first error is the cause to fix: ranks that were waiting for this one hang or time "
             "out because of it" if not out else
-            f"raised after {ranks_word(out[0].ranks)} did: fix that first, this may be its consequence"))
+            f"raised after {ranks_word(out[0].ranks)} did: fix that first, this may be its consequence",
+            verbatim(dumps, ranks) if short(error) != error else []))
     if timed_out:
-        ranks = sorted(r for _, rs in timed_out for r in rs)
-        out.append(Finding(
-            "timeout", ranks, f"{ranks_word(ranks)} gave up waiting in a collective (a timeout, or "
-                              f"a peer that went away): {timed_out[0][0]}",
-            _last(dumps, ranks),
-            "a timeout is where a hang ends: the finding about the collective the other ranks never "
-            "issued (or never completed) names the cause"))
+        out.append(gave_up(dumps, sorted(timed_out)))
     return out
+
+
+def _raised_line(r: int, body: dict) -> str:
+    raised = body.get("raised") or {}
+    at, caller = raised.get("at") or "", raised.get("caller") or ""
+    return f"rank {r} raised it at {at or caller}" + (f", called from {caller}" if caller and at and caller != at else "")
+
+
+def gave_up(dumps: dict[int, dict], ranks: list[int]) -> Finding:
+    """The ranks that gave up waiting, in one line: the collective each waited in (the last it
+    issued and never completed), how long — the dump's clock against the collective's issue,
+    else gloo's own count — and whether its wait timed out or its peer went away."""
+    waits = {r: next((e for e in reversed(dumps[r]["entries"]) if e["state"] == "issued"), None) for r in ranks}
+    held = [e for e in waits.values() if e is not None]
+    if held and len(held) == len(ranks) and len({(e["group"], e["seq"], _what(e)) for e in held}) == 1:
+        what = f"{_what(held[0])} (seq {held[0]['seq']} of group {held[0]['group']!r})"
+    else:
+        what = "a collective (each rank's below)" if held else "a collective no record holds"
+    waited = {r: w for r in ranks if (w := _waited(dumps[r], waits[r])) is not None}
+    lo, hi = (f"{min(waited.values()):.1f}", f"{max(waited.values()):.1f}") if waited else ("", "")
+    after = "" if not waited else f" after {lo} s" if lo == hi else f" after {lo} to {hi} s"
+    gone = {bool(PEER_GONE.search(dumps[r].get("error") or "")) for r in ranks}
+    why = {frozenset([False]): "timed out", frozenset([True]): "a peer went away"}.get(
+        frozenset(gone), "timed out or lost a peer")
+    evidence = [entry_line(f"rank {r}, gave up" + (f" after {waited[r]:.1f} s" if r in waited else ""),
+                           waits[r]) if waits[r] is not None else _last(dumps, [r])[0] for r in ranks]
+    return Finding(
+        "timeout", ranks, f"{ranks_word(ranks)} gave up waiting in {what}{after}: {why}", evidence,
+        "a timeout is where a hang ends: the finding about the collective the other ranks never "
+        "issued (or never completed) names the cause",
+        verbatim(dumps, ranks))
+
+
+def _waited(body: dict, e: dict | None) -> float | None:
+    """Seconds rank's wait in ``e`` lasted, as far as its dump tells."""
+    if e is not None and body.get("t") is not None and e.get("t_issued") is not None:
+        return max(0.0, body["t"] - e["t_issued"])
+    m = GLOO_WAITED.search(body.get("error") or "")
+    return int(m.group(1)) / 1000 if m else None
 
 
 def _last(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
@@ -342,10 +436,11 @@ def died(dumps: dict[int, dict]) -> Finding | None:
                         if entries else f"rank {r} had issued no collective")
         evidence += [f"rank {r}'s ring: {t}" for t in dumps[r].get("torn", [])]
     inside = [r for r in dead if dumps[r]["entries"] and dumps[r]["entries"][-1]["state"] == "issued"]
+    last = "each inside the collective it issued last" if len(inside) > 1 else "inside the collective it issued last"
     return Finding(
         "died", dead,
         f"{ranks_word(dead)} died without writing {'their dumps' if len(dead) > 1 else 'its dump'}"
-        + (f"; {ranks_word(inside)} inside the collective it issued last" if inside else ""),
+        + (f", {last}" if inside == dead else f"; {ranks_word(inside)} {last}" if inside else ""),
         evidence,
         "a process that dies outright cannot write on its way out; its ring, written as every "
         "collective was issued, says where it was. The cause is outside Python: gloo aborts the "
