@@ -131,10 +131,11 @@ def test_sigterm_writes_the_recorder_then_terminates(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch
         from minishard.core.comm import Comm
-        from minishard.core.flight import FlightRecorder, dumping
+        from minishard.core.flight import dumping
         from minishard.core.trace import Tracer
         tracer = Tracer(rank=3, world_size=4)
-        rec = Comm(tracer, flight=FlightRecorder(rank=3, world_size=4)).flight
+        rec = Comm(tracer).flight                 # (timed on the tracer's clock)
+        rec.rank, rec.world_size = 3, 4
         with tracer.phase("forward"):
             rec.issued("all_reduce", "world", 4, (torch.zeros(1),), 4, "bucket0", 1, "backward", tracer.now())
         with dumping(rec, {str(tmp_path)!r}, tracer=tracer):

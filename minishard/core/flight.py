@@ -123,7 +123,8 @@ def _not_users(path: str) -> bool:
 class FlightRecorder:
     """One rank's last ``capacity`` collectives, over every group it communicates in."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, capacity: int = 256):
+    def __init__(self, rank: int = 0, world_size: int = 1, capacity: int = 256,
+                 clock: Callable[[], float] | None = None):
         self.rank, self.world_size = rank, world_size
         self.entries: collections.deque[dict] = collections.deque(maxlen=capacity)
         self._seq: dict[str, int] = {}
@@ -134,7 +135,7 @@ class FlightRecorder:
         self._lock = threading.RLock()   # (SIGTERM's handler may dump while this thread holds it)
         self.file: FlightFile | None = None   # on disk as it flies (fly_to), once a run has a folder
         # the clock of the entries' t_issued (the rank's trace clock): a dump says its time on it
-        self.clock: Callable[[], float] | None = None
+        self.clock = clock
 
     def fly_to(self, directory: str | os.PathLike) -> Path:
         """From now on write every collective into ``flight_rank{r}.ring`` in ``directory`` as

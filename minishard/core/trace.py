@@ -31,7 +31,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,16 +104,11 @@ class Tracer:
             self.emit("phase", name=name, edge="end", **fields)
 
     def write_jsonl(self, path: str | Path) -> Path:
-        """The events kept so far, as ``path`` — whole or not at all: a rank may be writing it
-        when SIGTERM (torchrun stopping it) or a kill arrives, and a reader must never find
-        half of it."""
-        path = Path(path)
+        """The events so far, whole or not at all: SIGTERM or a kill may come while it writes."""
+        path, tmp = Path(path), Path(f"{path}.tmp")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            for ev in list(self.events):        # (a watch's threads may append meanwhile)
-                f.write(json.dumps(ev) + "\n")
-        os.replace(tmp, path)
+        tmp.write_text("".join(json.dumps(ev) + "\n" for ev in list(self.events)))  # (threads append)
+        tmp.replace(path)
         return path
 
 
