@@ -58,8 +58,12 @@ browser-deps: setup
 	    test "$$MINISHARD_REQUIRE_BROWSER" != 1; }; }
 	@$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/pip install -q -e ".[browser]"
 
+# JupyterLab refuses to start as root ("Running as root is not recommended"), and containers and
+# many cloud machines run as root: there the flag that lets it is passed, nowhere else.
+USER_ID ?= $(shell id -u)
+JUPYTER_AS_ROOT = $(if $(filter 0,$(USER_ID)),--allow-root)
 course: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(JUPYTER_AS_ROOT) notebooks/
 
 demo: setup
 	$(BIN)/torchrun --standalone --nproc-per-node 4 -m minishard demo --strategy ddp --steps 3 --trace traces/ddp

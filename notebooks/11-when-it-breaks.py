@@ -173,8 +173,10 @@ print(f"\nthe seq rank 1 never issued: {glue('hang-seq', int(hang.title.split('s
 # %% [markdown]
 # The finding names the rank (1), the collective it never issued (seq 2 of the world group, the
 # all-reduce of `bucket0` in step 1's backward), where the others wait, and rank 1's last
-# collective; the timeouts come second, as the consequence they are (gloo's own message is
-# shortened to `…` above: it names ports and source paths of this machine). The fix is the
+# collective; the timeouts come second, as the consequence they are: where each rank waited, and
+# for how long (that, and whether a rank's own wait ran out or a peer that gave up first closed
+# the connection, depend on timing and show as `…` above; `minishard doctor --verbose` adds
+# gloo's own message, which names ports and source paths of this machine). The fix is the
 # doctor's: every rank issues every collective, even one with nothing to send; without the skip
 # the run is §1's healthy one. Frozen parameters were never the problem: with the embedding
 # frozen on *every* rank, as a LoRA job freezes its base weights, DDP buckets the same trainable

@@ -257,6 +257,24 @@ def test_the_lines_name_each_thing_once(files, capsys):
     assert "optimizer=None" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--save", "--export", "--trace", "--offload-dir"])
+def test_an_output_folder_that_cannot_be_made_is_refused_before_any_rank_starts(flag, files, capsys, monkeypatch):
+    """A folder under a file, or where the file system makes none (/proc), is refused with the
+    path and why before a rank starts — not after the ranks trained (--save wrote last)."""
+    from minishard.core import launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks started before the output folder was checked")
+    monkeypatch.setattr(launch, "Ranks", no_ranks)
+    extra = ["--strategy", "fsdp", "--offload", "disk"] if flag == "--offload-dir" else []
+    for target, why in ((f"{files['a_file']}/run/ckpt", f"{files['a_file']} is a file, not a directory"),
+                        ("/proc/minishard/ckpt", "/proc refuses new files")):
+        assert main(["demo", *NANO, *extra, "--world-size", "1", flag, target]) == 2
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(f"minishard demo: error: {flag} {target} cannot be written: {why}"), line
+        assert len(line.splitlines()) == 1, line
+
+
 def test_every_trace_reader_names_the_file_line_and_byte_it_could_not_decode(tmp_path):
     """A byte no UTF-8 text has (Latin-1's ö, 0xf6, on line 2, column 3) — named by file, line
     and byte by every reader of traces and flight dumps: refused by the strict ones, skipped

@@ -85,6 +85,21 @@ def test_a_rank_that_dies_is_named_with_its_collective_and_line(tmp_path, job, d
         assert any(k in found for k in ("timeout", "exception")), text
     assert main(["doctor", str(out)]) == 1
     capsys.readouterr()
+    if job == "minishard":       # every rank the failure stopped (it raised, or the pool sent it
+        _every_dump_has_its_trace(out)      # SIGTERM) left its trace beside its dump
+
+
+def _every_dump_has_its_trace(out) -> None:
+    """What a rank stopped by a failure leaves: its dump and its trace (the player's, the doctor's
+    ledger), whatever stopped it — and the run's player is written from them. (A rank that ended
+    its run hands its events to whoever started it, as on success.)"""
+    import json
+    reasons = {int(p.stem.removeprefix("flight_rank")): json.loads(p.read_text())["reason"]
+               for p in out.glob("flight_rank*.json")}
+    stopped = {r for r, reason in reasons.items() if reason in ("exception", "sigterm")}
+    traced = {int(p.stem.removeprefix("rank")) for p in out.glob("rank*.jsonl")}
+    assert stopped and stopped <= traced, (reasons, sorted(traced))
+    assert main(["view", str(out)]) == 0 and (out / "player.html").exists()
 
 
 @pytest.mark.parametrize("job", JOBS)
@@ -136,3 +151,4 @@ def test_the_courses_extra_collective_leaves_only_rings_and_the_doctor_names_its
     assert found["died"].ranks == [1] and "inside the collective" in found["died"].title
     assert main(["doctor", str(out)]) == 1
     capsys.readouterr()
+    _every_dump_has_its_trace(out)

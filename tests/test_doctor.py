@@ -99,7 +99,7 @@ def test_a_skipped_collective_names_the_rank_that_never_issued_it(runs, capsys):
 def test_the_text_puts_the_finding_and_its_fix_first(runs, capsys):
     status = main(["doctor", str(runs["skipped_collective"])])
     lines = capsys.readouterr().out.splitlines()
-    assert status == 1 and "written on end: 1, timeout: 3" in lines[0], lines
+    assert status == 1 and "written at the end: 1, reason 'timeout': 3" in lines[0], lines
     assert lines[1] == "1 finding, most important first:"
     assert lines[3].startswith(f"1. [hang] rank {T.SKIPPER} never issued seq 2 of group 'world' (all_reduce")
     assert lines[-1].startswith("   fix: the collective at seq 2 must run on every rank")
@@ -137,11 +137,25 @@ def test_an_exception_is_quoted_first_then_the_ranks_it_left_waiting(runs, capsy
     first, hang, timeouts = report["findings"]
     others = [r for r in range(4) if r != T.RAISER]
     assert (status, first["kind"], first["ranks"]) == (1, "exception", [T.RAISER])
-    assert "RuntimeError: planted: the data loader ran dry on this rank" in first["title"]
+    # the error, and the line that raised it
+    raise_line = site(T.raised, 'raise RuntimeError("planted')
+    assert first["title"] == (f"rank {T.RAISER} raised RuntimeError: planted: the data loader ran dry "
+                              f"on this rank, at {raise_line}"), first["title"]
+    assert f"rank {T.RAISER} raised it at {raise_line}" in first["evidence"]
     assert (hang["kind"], hang["ranks"]) == ("hang", [T.RAISER])
     assert f"rank {T.RAISER} never issued seq 1 of group 'world' (all_reduce of grads)" in hang["title"]
     assert (timeouts["kind"], timeouts["ranks"]) == ("timeout", others)
-    assert "TimeoutError: all_reduce did not complete" in timeouts["title"]
+    # one line: the collective, how long the ranks waited in it (their dumps' clock: at least
+    # the wait the task gave them), the error's own words only for --verbose
+    m = re.fullmatch(r"ranks 0, 1, 2 gave up waiting in all_reduce of grads \(seq 1 of group 'world'\) "
+                     r"after ([\d.]+)(?: to ([\d.]+))? s: timed out", timeouts["title"])
+    assert m and float(m.group(1)) >= T.WAIT_S - 0.05, timeouts["title"]
+    assert timeouts["details"] == [f"ranks 0, 1, 2's error, as raised: TimeoutError: all_reduce did not "
+                                   f"complete in {T.WAIT_S} s"]
+    plain = main(["doctor", str(runs["raised"])]), capsys.readouterr().out
+    verbose = main(["doctor", str(runs["raised"]), "--verbose"]), capsys.readouterr().out
+    assert plain[0] == verbose[0] == 1 and "did not complete in" not in plain[1]
+    assert verbose[1].replace(f"   - {timeouts['details'][0]}\n", "") == plain[1]
 
 
 def test_a_rank_killed_before_writing_is_named_with_where_its_trace_ends(runs, capsys):

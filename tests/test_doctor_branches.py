@@ -196,7 +196,8 @@ def test_ranks_ahead_that_differ_are_shown_one_by_one_and_none_waiting_is_not_sa
     assert (f.kind, f.ranks) == ("hang", [1])
     assert f.title == "rank 1 never issued seq 1 of group 'world' (all_reduce of grads)"
     assert [e.split(":")[0] for e in f.evidence[:2]] == ["rank 0", "rank 2"]
-    assert "rank 1's dump was written on sigterm" in f.evidence
+    assert ("rank 1's dump was written when it was sent SIGTERM (torchrun stopping it after another "
+            "rank failed)") in f.evidence
 
 
 def test_a_failure_on_one_rank_of_a_shard_group_names_it_and_no_rank_outside(tmp_path):
@@ -210,7 +211,26 @@ def test_a_failure_on_one_rank_of_a_shard_group_names_it_and_no_rank_outside(tmp
         dump(2, ok), dump(3, ok)])
     assert found(d) == [("exception", [1], None, None), ("hang", [1], shard, 1)]
     hang = doctor.diagnose(d).findings[1]
-    assert f"rank 1's dump was written on exception ({error})" in hang.evidence
+    assert f"rank 1's dump was written as it raised {error}" in hang.evidence
+
+
+@pytest.mark.parametrize("reason, words", [
+    ("end", "rank 1's dump was written at the end of its run"),
+    ("exception", "rank 1's dump was written as it raised RuntimeError: planted"),
+    ("sigterm", "rank 1's dump was written when it was sent SIGTERM"),
+    ("ring", "rank 1 wrote no dump: it died, and its ring is read instead"),
+    ("torch", "rank 1's dump is PyTorch's own flight recorder's (it records no reason)"),
+    ("trace", "rank 1 left no flight record: the collectives it completed were read from its trace")])
+def test_how_the_rank_behind_left_its_record_is_said_in_words(tmp_path, reason, words):
+    """The hang's evidence says how the rank behind left its record, in a sentence, whatever
+    the reason its record was written (not "written on ring", the reason's bare name)."""
+    d = write(tmp_path, [dump(0, [entry(0), entry(1, state="issued")], world=2, reason="exception",
+                              error="TimeoutError: waited"),
+                         dump(1, [entry(0)], world=2, reason=reason, error="RuntimeError: planted")])
+    (hang,) = [f for f in doctor.diagnose(d).findings if f.kind == "hang"]
+    said = [e for e in hang.evidence if e.startswith("rank 1 ") or e.startswith("rank 1's")]
+    assert said and said[-1].startswith(words), hang.evidence
+    assert f"on {reason}" not in " ".join(hang.evidence), hang.evidence
 
 
 # --------------------------------------------------------------------------- never completed
@@ -352,10 +372,17 @@ def test_what_was_read_says_which_dumps_are_minishards_and_which_pytorchs(tmp_pa
         (ours / f"flight_rank{r}.json").write_text(json.dumps(dump(r, [entry(0, size=2)], world=2,
                                                    reason=("end", "exception")[r])))
     assert cli_doctor.what_was_read(doctor.read_dir(ours)) == \
-        "2 flight dumps of a world of 2 (written on end: 1, exception: 1), 0 traces"
+        "2 flight dumps of a world of 2 (written at the end: 1, on an exception: 1), 0 traces"
     theirs = write_torch(tmp_path / "theirs", {0: [torch_entry(1)], 1: [torch_entry(1)]})
     assert cli_doctor.what_was_read(doctor.read_dir(theirs)) == \
-        "2 flight dumps of a world of 2 (written on PyTorch's own: 2), 0 traces"
+        "2 flight dumps of a world of 2 (PyTorch's own: 2), 0 traces"
+    every = tmp_path / "every"
+    every.mkdir()
+    for r, reason in enumerate(("ring", "sigterm", "exception", "end", "sigterm")):
+        (every / f"flight_rank{r}.json").write_text(json.dumps(dump(r, [entry(0, size=5)], world=5, reason=reason)))
+    assert cli_doctor.what_was_read(doctor.read_dir(every)) == (
+        "5 flight dumps of a world of 5 (written at the end: 1, on an exception: 1, on SIGTERM: 2, "
+        "rings of ranks that died: 1), 0 traces")
 
 
 def _stream_and_one_more(tmp_path, ahead_also_waits_in_it: bool):

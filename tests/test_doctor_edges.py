@@ -53,6 +53,26 @@ def test_one_rank_a_step_ahead_at_the_same_tag_is_a_desync(tmp_path):
     d = write(tmp_path, [dump(r, [entry(0), entry(1, step=1 if r == 1 else 0)]) for r in range(WORLD)])
     (f,) = doctor.diagnose(d).findings
     assert (f.kind, f.ranks) == ("desync", [1])
+    # the title says what differs, not the same collective twice
+    assert f.title.endswith(": at seq 1 of group 'world', ranks 0, 2, 3 all_reduce of bucket0 [8] float32, "
+                            "32 B, step 0; rank 1 all_reduce of bucket0 [8] float32, 32 B, step 1"), f.title
+
+
+def test_a_desync_of_one_op_and_shape_says_the_step_and_line_of_each_side(tmp_path):
+    """A watched PyTorch job: untagged all-reduces of one shape, rank 1's from another line
+    and step (it ran one more no-grad forward). The title tells the sides apart by what differs —
+    the step and the line — and says neither where the collectives already differ by what they move."""
+    lines = {0: "train.py:108 in main", 1: "train.py:99 in main"}
+    d = write(tmp_path, [dump(r, [entry(0, tag="", step=2 + r, where=lines[r])], world=2) for r in range(2)])
+    (f,) = doctor.diagnose(d).findings
+    assert (f.kind, f.ranks) == ("desync", [0, 1])
+    assert f.title.endswith("rank 0 all_reduce [8] float32, 32 B, step 2, at train.py:108 in main; "
+                            "rank 1 all_reduce [8] float32, 32 B, step 3, at train.py:99 in main"), f.title
+    tagged = write(tmp_path / "tagged", [dump(r, [entry(0, tag=f"blocks.{r}", where=lines[r])], world=2)
+                                         for r in range(2)])
+    (f,) = doctor.diagnose(tagged).findings
+    assert f.title.endswith("rank 0 all_reduce of blocks.0 [8] float32, 32 B; "
+                            "rank 1 all_reduce of blocks.1 [8] float32, 32 B"), f.title
 
 
 def test_a_one_against_one_split_names_both_ranks(tmp_path):
@@ -67,6 +87,8 @@ def test_a_broadcast_from_another_source_on_one_rank_is_a_desync(tmp_path):
                          for r in range(WORLD)])
     (f,) = doctor.diagnose(d).findings
     assert (f.kind, f.ranks) == ("desync", [2])
+    assert f.title.endswith("ranks 0, 1, 3 broadcast of replicate [8] float32, 32 B, from rank 0; "
+                            "rank 2 broadcast of replicate [8] float32, 32 B, from rank 1"), f.title
 
 
 def test_the_rank_furthest_behind_is_where_the_hang_starts(tmp_path):
@@ -125,6 +147,51 @@ def test_what_counts_as_giving_up_on_a_collective(tmp_path, error, timeout):
                               error=error if r == 2 else None) for r in range(WORLD)])
     # (a rank that timed out while the others ended their runs: those ended before it, named)
     assert kinds(d) == ([("hang", [0, 1, 3]), ("timeout", [2])] if timeout else [("exception", [2])])
+
+
+GLOO_SAYS = {"timed out": "RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                          "Timed out waiting 3000ms for recv operation to complete",
+             "a peer went away": "RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                                 "Connection closed by peer [127.0.0.1]:37794. This is typically caused by a\n"
+                                 "remote worker crashing. Check the logs of the remote worker. GLHF!"}
+
+
+@pytest.mark.parametrize("how", [("timed out",), ("a peer went away",), ("timed out", "a peer went away")])
+def test_a_timeout_is_one_line_gloos_words_only_verbose(tmp_path, how, capsys):
+    """Ranks 0 and 2 gave up in seq 2, each with gloo's own words (C++ source paths, a second
+    line): the title names the collective, how long (no clock: gloo's own count, else nothing)
+    and how they gave up — in one line, without gloo's text, which ``--verbose`` adds."""
+    errors = {0: GLOO_SAYS[how[0]], 2: GLOO_SAYS[how[-1]]}
+    d = write(tmp_path, [dump(r, alike(2) + ([entry(2, state="issued")] if r != 1 else []),
+                              reason="exception" if r != 1 else "end", error=errors.get(r), world=3)
+                         for r in range(3)])
+    (timeout,) = [f for f in doctor.diagnose(d).findings if f.kind == "timeout"]
+    why = how[0] if len(how) == 1 else "timed out or lost a peer"
+    wait = "" if how == ("a peer went away",) else " after 3.0 s"      # (gloo's 3000ms: the one count)
+    assert timeout.title == (f"ranks 0, 2 gave up waiting in all_reduce of bucket0 (seq 2 of group "
+                             f"'world'){wait}: {why}"), timeout.title
+    assert "\n" not in timeout.title and "/__w/" not in " ".join(timeout.evidence)
+    assert main(["doctor", str(d)]) == 1
+    plain = capsys.readouterr().out
+    assert main(["doctor", str(d), "--verbose"]) == 1
+    verbose = capsys.readouterr().out
+    assert "/__w/" not in plain and "GLHF" not in plain
+    for r, error in errors.items():
+        first, *rest = error.splitlines()
+        assert f"{'ranks 0, 2' if len(how) == 1 else f'rank {r}'}'s error, as raised: {first}" in verbose
+        assert all(f"\n     {line}\n" in verbose for line in rest), verbose
+
+
+def test_an_exception_says_its_first_line_without_a_libraries_source_path(tmp_path, capsys):
+    """gloo's abort, raised as an exception on a rank that survived it: the title quotes the
+    error's first line without the C++ file it came from; its whole text is --verbose's."""
+    error = ("RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] "
+             "op.preamble.length <= op.nbytes. 145112 vs 4.\nReceived data size doesn't match")
+    d = write(tmp_path, [dump(r, alike(), reason="exception" if r == 1 else "end",
+                              error=error if r == 1 else None, world=2) for r in range(2)])
+    (f,) = [f for f in doctor.diagnose(d).findings if f.kind == "exception"]
+    assert f.title == "rank 1 raised RuntimeError: op.preamble.length <= op.nbytes. 145112 vs 4.", f.title
+    assert f.details == [f"rank 1's error, as raised: {error}"]
 
 
 def test_the_earliest_error_is_the_cause_and_the_later_one_its_consequence(tmp_path):

@@ -50,3 +50,19 @@ def test_make_test_fails_when_either_part_of_its_second_lane_fails(tmp_path):
         status = subprocess.run(["sh", "-c", line], cwd=tmp_path, capture_output=True, timeout=60).returncode
         assert (status != 0) == bool(notebooks or site), (notebooks, site, status)
         assert (tmp_path / "ran").read_text().split() == ["nb", "site"]
+
+
+def test_make_course_starts_jupyterlab_as_root_and_as_anyone_else():
+    """JupyterLab refuses root without ``--allow-root`` (containers and many cloud machines run
+    as root); anyone else gets no such flag. ``make course``'s command as make runs it, for the
+    user id the Makefile reads (``id -u``, overridden here as ``USER_ID``)."""
+    import subprocess
+
+    def jupyter_line(uid: str) -> list[str]:
+        out = subprocess.run(["make", "-n", "course", f"USER_ID={uid}"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60).stdout
+        return next(x for x in out.splitlines() if "jupyter lab" in x).split()
+
+    assert "--allow-root" in jupyter_line("0")
+    assert "--allow-root" not in jupyter_line("1000")
+    assert "USER_ID ?= $(shell id -u)" in (ROOT / "Makefile").read_text()    # (who runs make decides)

@@ -5,6 +5,7 @@ issue order (the same numbers on every rank), with its shapes, bytes, the unit o
 step and phase, the engine's line that issued it and the caller's, and completed when it is;
 ``TrainConfig(flight_dir=...)`` writes one file per rank at the end and, with the error, when a
 rank raises; SIGTERM writes it too."""
+import inspect
 import json
 import os
 import signal
@@ -89,6 +90,39 @@ def test_the_ring_keeps_the_last_capacity_and_an_exception_is_written(tmp_path):
     d = json.loads((tmp_path / "flight_rank0.json").read_text())
     assert d["reason"] == "exception" and d["error"] == "RuntimeError: planted"
     assert [e["state"] for e in d["entries"]] == ["issued"] * 3
+    # where it was raised: this test's own line, the raise and the user's code at once
+    fn = test_the_ring_keeps_the_last_capacity_and_an_exception_is_written
+    source, first = inspect.getsourcelines(fn)
+    (n,) = [first + i for i, line in enumerate(source) if line.strip() == 'raise RuntimeError("planted")']
+    here = f"tests/{os.path.basename(__file__)}:{n} in {fn.__name__}"
+    assert d["raised"] == {"at": here, "caller": here}, d["raised"]
+
+
+def test_an_exception_raised_inside_a_library_names_its_line_and_the_callers():
+    """Raised inside torch (a collective without a process group): ``at`` is torch's line that
+    raised, ``caller`` the innermost line outside minishard and torch — the user's."""
+    import torch
+    import torch.distributed as dist
+    from minishard.core.flight import raised_at
+
+    def users_step():
+        dist.all_reduce(torch.ones(2))              # the user's line
+    try:
+        users_step()
+    except (ValueError, RuntimeError) as e:
+        raised = raised_at(e.__traceback__)
+    line = inspect.getsourcelines(users_step)[1] + 1
+    assert raised["caller"] == f"tests/{os.path.basename(__file__)}:{line} in users_step", raised
+    assert "/torch/distributed/" in raised["at"], raised
+    # raised in minishard's own code under Python's library (a rank's multiprocessing frames are
+    # the same case): the library's frames are nobody's code to fix, the test's line is the caller
+    from minishard.core.words import fmt_bytes
+    try:
+        json.loads('{"a": 1}', object_hook=fmt_bytes)          # json's frames, then minishard's
+    except TypeError as e:
+        raised = raised_at(e.__traceback__)
+    assert raised["at"].startswith("minishard/core/words.py:") and raised["at"].endswith(" in fmt_bytes")
+    assert raised["caller"].startswith(f"tests/{os.path.basename(__file__)}:"), raised
 
 
 def test_sigterm_writes_the_recorder_then_terminates(tmp_path):
@@ -96,10 +130,15 @@ def test_sigterm_writes_the_recorder_then_terminates(tmp_path):
     first, then the process ends as SIGTERM ends it."""
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from minishard.core.flight import FlightRecorder, dumping
-        rec = FlightRecorder(rank=3, world_size=4)
-        rec.issued("all_reduce", "world", 4, (torch.zeros(1),), 4, "bucket0", 1, "backward", 0.5)
-        with dumping(rec, {str(tmp_path)!r}):
+        from minishard.core.comm import Comm
+        from minishard.core.flight import dumping
+        from minishard.core.trace import Tracer
+        tracer = Tracer(rank=3, world_size=4)
+        rec = Comm(tracer).flight                 # (timed on the tracer's clock)
+        rec.rank, rec.world_size = 3, 4
+        with tracer.phase("forward"):
+            rec.issued("all_reduce", "world", 4, (torch.zeros(1),), 4, "bucket0", 1, "backward", tracer.now())
+        with dumping(rec, {str(tmp_path)!r}, tracer=tracer):
             os.kill(os.getpid(), signal.SIGTERM)
             signal.pause()
     """)
@@ -107,6 +146,35 @@ def test_sigterm_writes_the_recorder_then_terminates(tmp_path):
     assert out.returncode == -signal.SIGTERM, out.stderr
     d = json.loads((tmp_path / "flight_rank3.json").read_text())
     assert d["reason"] == "sigterm" and d["entries"][0]["state"] == "issued"
+    # the dump's time on the entries' clock (the trace's): how long the collective had waited
+    assert d["t"] >= d["entries"][0]["t_issued"] > 0
+    # and the rank's trace beside it: nobody else would collect its events (the player's)
+    from minishard.core.trace import read_jsonl
+    events = read_jsonl(tmp_path / "rank3.jsonl")
+    assert [(e["kind"], e["name"], e["edge"]) for e in events] == [("phase", "forward", "begin"), ("phase", "forward", "end")]
+
+
+def test_a_training_run_stopped_by_sigterm_leaves_its_dump_and_its_trace(tmp_path):
+    """torchrun stops every rank when one fails (``--fault extra-collective``: gloo aborts one,
+    the others get SIGTERM): each leaves its dump *and* its trace — the events of a rank that
+    never returns are collected by nobody else — so the stopped run still has a player."""
+    script = textwrap.dedent(f"""
+        import os, signal
+        from minishard.training.loop import TrainConfig, train
+        def stop(info):                          # as torchrun stops a rank: mid-run, from outside
+            if info["step"] == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        train(None, TrainConfig(strategy="single", model="nano", steps=3, micro_batch=1,
+                                flight_dir={str(tmp_path)!r}), on_step=stop)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGTERM, out.stderr
+    assert json.loads((tmp_path / "flight_rank0.json").read_text())["reason"] == "sigterm"
+    from minishard.cli import main
+    from minishard.core.trace import read_jsonl
+    steps = {e["step"] for e in read_jsonl(tmp_path / "rank0.jsonl") if e["kind"] == "phase" and "step" in e}
+    assert steps == {0, 1}, steps                # as far as it got, and no further
+    assert main(["view", str(tmp_path)]) == 0 and (tmp_path / "player.html").exists()
 
 
 def test_pytorchs_own_recorder_is_written_beside_when_asked(pools, tmp_path):

@@ -2,6 +2,11 @@
 ```bash block of the README and of ``tutorial/00-how-to-run.md``, in the order a reader meets
 them, in one working folder per document.
 
+A Python block runs as a reader runs it: pasted into a file (named as its first comment names it,
+``# mine.py: ...``) and run as a script — it must print what it computes (a value it leaves as a
+bare expression, which a notebook shows and a script drops, fails), and a block that starts ranks
+is also imported as each rank imports the script again (``__mp_main__``), which must start none.
+
 What a reader would run on many ranks, many nodes or a GPU runs here at the smallest size that
 exercises it, and the Markdown says so in a comment right above the block, which this test reads
 (a stand-in the page does not state is a stand-in nobody checks)::
@@ -27,9 +32,12 @@ command line, parsed and checked the same way, on ranks already started; ``pytho
 ranks of its own, as the command does.
 """
 import ast
+import contextlib
 import inspect
+import io
 import os
 import re
+import runpy
 import shlex
 from contextlib import nullcontext
 from pathlib import Path
@@ -127,14 +135,39 @@ def kind(words: list[str], block: dict) -> str:
 
 # --------------------------------------------------------------------------- running them
 
-def exec_block(rank, code: str, folder: str) -> None:
-    """A rank task: a Python block written for torchrun, run in ``folder`` on this rank."""
+def script(block: dict, folder: Path) -> Path:
+    """The block pasted into a file, as a reader would: named as its first comment names it
+    (``# mine.py: torchrun ...``), else after its line."""
+    m = re.match(r"# ([\w.-]+\.py)\b", block["code"])
+    path = folder / (m.group(1) if m else f"block{block['line']}.py")
+    path.write_text(substituted(block) + "\n")
+    return path
+
+
+def run_script(path: Path, run_name: str = "__main__", **given) -> str:
+    """``python path`` in this process (``run_name`` ``__mp_main__``: the script as each rank
+    that ``Ranks`` starts imports it again); what it printed. ``given``: the test's stand-ins."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path(str(path), init_globals=given, run_name=run_name)
+    return printed.getvalue()
+
+
+def rank_script(rank, path: str, folder: str) -> str:
+    """A rank task: a script written for torchrun, run on this rank in ``folder``; what it printed."""
     here = os.getcwd()
     os.chdir(folder)
     try:
-        exec(compile(code, "<README block>", "exec"), {"__name__": "__main__"})
+        return run_script(Path(path))
     finally:
         os.chdir(here)
+
+
+def silent_lines(code: str) -> list[int]:
+    """The lines of a script that compute a value and show it nowhere: an expression that is no
+    call (a notebook cell shows its last one; a script drops it)."""
+    return [node.lineno for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Expr)
+            and not isinstance(node.value, (ast.Call, ast.Await, ast.Yield, ast.YieldFrom, ast.Constant))]
 
 
 def substituted(block: dict) -> str:
@@ -164,12 +197,20 @@ def run_python(block: dict, pools, folder: Path) -> None:
     if fn is not None:                   # a task's code: the task itself runs
         assert all(pools(s["warm"] or 1).run(fn))
         return
-    code = substituted(block)
+    where = f"{block['doc']}:{block['line']}"
+    assert not silent_lines(block["code"]), \
+        f"{where}: a value no script shows at line(s) {silent_lines(block['code'])} of the block: print it"
+    path = script(block, folder)
     if s["warm"]:                        # a torchrun script: every rank runs it
-        pools(s["warm"]).run(exec_block, code, str(folder))
+        printed = pools(s["warm"]).run(rank_script, str(path), str(folder))
     else:
-        exec(compile(code, f"{block['doc']}:{block['line']}", "exec"),
-             {"__name__": "__main__", "pools": pools, "nullcontext": nullcontext})
+        printed = [run_script(path, pools=pools, nullcontext=nullcontext)]
+
+        def starts_ranks(*args, **kwargs):
+            raise AssertionError(f"{where}: each rank imports the script again, and this one starts "
+                                 f"ranks as it is imported: start them under if __name__ == \"__main__\":")
+        run_script(path, "__mp_main__", pools=starts_ranks, nullcontext=nullcontext)
+    assert all(p.strip() for p in printed), f"{where}: run as a script, it prints nothing: {printed}"
 
 
 def _code(source: str) -> str:

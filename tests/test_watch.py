@@ -482,6 +482,13 @@ def test_a_rank_that_dies_leaves_readable_traces(tmp_path):
     assert d["reason"] == "exception" and d["error"]
     last = d["entries"][-1]
     assert (last["op"], last["step"], last["state"]) == ("all_gather", 1, "issued"), last
+    # where it raised — the user's line, its forward (FSDP2 gathers there) — and how long the
+    # all-gather had waited by then, on the clock of the entries' times
+    import inspect
+    source, first = inspect.getsourcelines(dies)
+    (n,) = [first + i for i, line in enumerate(source) if line.strip() == "model(x, y).backward()"]
+    assert d["raised"]["caller"] == f"tests/test_watch.py:{n} in dies", d["raised"]
+    assert d["t"] >= last["t_issued"]
     assert not (out / "flight_rank1.json").exists()       # killed: nothing written
 
 

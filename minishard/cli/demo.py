@@ -196,12 +196,32 @@ def check(args, config, world_size: int, fault=None) -> None:
                          ("--offload-dir", args.offload_dir)):
         if target is not None and Path(target).exists() and not Path(target).is_dir():
             raise ValueError(f"{flag} {target} is a file, not a directory; name a new or existing directory")
+        if target is not None and (why := not_writable(Path(target))):
+            raise ValueError(f"{flag} {target} cannot be written: {why}; name a directory this user "
+                             f"can create or write in")
     if args.save and Path(args.save).is_dir() and any(Path(args.save).iterdir()) \
             and not (Path(args.save) / checkpoint.METADATA).exists():
         raise ValueError(f"--save {args.save} is a directory that holds other files, not a checkpoint; "
                          f"name a new directory (a checkpoint there is replaced)")
     if args.resume:
         _check_resume(args, config, checkpoint, model_config)
+
+
+def not_writable(path: Path) -> str | None:
+    """Why nothing can be written in the directory ``path`` (made if it is not there), or None:
+    found by making a directory where it would be (and removing it), which is how the ranks
+    would fail — a file in the way, no permission, a read-only file system — after training."""
+    import tempfile
+    there = Path(os.path.abspath(path))
+    while not there.exists():
+        there = there.parent
+    if not there.is_dir():
+        return f"{there} is a file, not a directory"
+    try:
+        tempfile.TemporaryDirectory(dir=there, prefix=".minishard-").cleanup()
+    except OSError as e:
+        return f"{'it' if there == Path(os.path.abspath(path)) else there} refuses new files ({e.strerror or e})"
+    return None
 
 
 def _check_resume(args, config, checkpoint, model_config) -> None:

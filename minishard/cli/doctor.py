@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 -m minishard demo --strategy fsdp --trace traces/fsdp
     python -m minishard doctor traces/fsdp            # findings, most important first
     python -m minishard doctor traces/fsdp --json     # the same, for tools
+    python -m minishard doctor traces/fsdp --verbose  # and each error as the library raised it
 
 It reads each rank's flight-recorder dump (``flight_rank{r}.json``) — or, for a rank that died
 without writing one, the ring it wrote as it flew (``flight_rank{r}.ring``) — and notes the
@@ -24,12 +25,19 @@ import json
 from minishard.instruments import doctor
 
 FOUND, CANNOT_CHECK = 1, 3
+# how each rank's record came to be (its dump's reason), in the order a run's end meets them
+WRITTEN = {"end": "written at the end", "exception": "on an exception", "sigterm": "on SIGTERM",
+           "ring": "rings of ranks that died", "torch": "PyTorch's own",
+           "trace": "read from its trace"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace_dir", help="a directory with flight_rank*.json (TrainConfig(flight_dir=DIR), "
                                      "demo --trace DIR) and rank*.jsonl traces")
     p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print each error as the library raised it (gloo's C++ message, with "
+                        "its source paths), which the findings otherwise say in one line")
 
 
 def run(args) -> int:
@@ -37,13 +45,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:
-        print("\n".join(text(report)))
+        print("\n".join(text(report, verbose=args.verbose)))
     if report.findings:
         return FOUND
     return CANNOT_CHECK if report.only_traces or not report.dumps else 0
 
 
-def text(report: doctor.Report) -> list[str]:
+def text(report: doctor.Report, verbose: bool = False) -> list[str]:
     lines = [f"minishard doctor {report.directory}: {what_was_read(report)}"]
     if report.only_traces or not report.dumps:
         lines.append(("no flight_rank*.json or .ring: the order of the collectives each trace holds "
@@ -62,6 +70,8 @@ def text(report: doctor.Report) -> list[str]:
     for i, f in enumerate(report.findings, 1):
         lines += ["", f"{i}. [{f.kind}] {f.title}"]
         lines += [f"   - {e}" for e in f.evidence]
+        if verbose:                          # (an error's own lines, indented under its own)
+            lines += ["   - " + "\n     ".join(d.splitlines()) for d in f.details]
         lines.append(f"   fix: {f.fix}")
     return lines
 
@@ -93,10 +103,11 @@ def what_was_read(report: doctor.Report) -> str:
         return (f"no flight dumps, {n} trace{'s' if n != 1 else ''} of a world of {report.world_size} "
                 f"(their completed collectives read in the dumps' place)")
     reasons: dict[str, int] = {}
-    for body in report.dumps.values():
-        said = {"torch": "PyTorch's own", "trace": "read from its trace"}.get(body["reason"], body["reason"])
+    for body in sorted(report.dumps.values(), key=lambda b: list(WRITTEN).index(b["reason"])
+                       if b["reason"] in WRITTEN else len(WRITTEN)):
+        said = WRITTEN.get(body["reason"], f"reason {body['reason']!r}")
         reasons[said] = reasons.get(said, 0) + 1
     dumps = (f"{len(report.dumps)} flight dump{'s' if len(report.dumps) != 1 else ''} of a world of "
-             f"{report.world_size} (written on " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items()))
+             f"{report.world_size} (" + ", ".join(f"{k}: {v}" for k, v in reasons.items())
              + ")") if report.dumps else "no flight dumps"
     return f"{dumps}, {len(report.traces)} trace{'s' if len(report.traces) != 1 else ''}"

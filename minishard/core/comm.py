@@ -242,9 +242,9 @@ class Comm:
         self._consecutive: dict[int, Comm] = {}
         self._companions: dict[str, Comm] = {}
         self.in_flight: list = []     # a thread's work over these ranks (a background save), unwaited
-        self.flight = flight if flight is not None else FlightRecorder(
-            dist.get_rank() if self.initialized else 0,
-            dist.get_world_size() if self.initialized else 1)
+        self.flight = flight if flight is not None else FlightRecorder(   # (timed on the tracer's clock)
+            dist.get_rank() if self.initialized else 0, dist.get_world_size() if self.initialized else 1,
+            clock=tracer.now if tracer is not None else None)
         self.totals = {"payload": 0, "wire": 0, "calls": 0}
         self.by_op: dict[str, dict[str, int]] = {}
         self._p2p_collectives = 0              # tags for the point-to-point collectives

@@ -20,9 +20,12 @@ run's config, a fingerprint of the weights each rank built and started from, whe
 was broadcast from rank 0, each step's gradient norm and the precision the optimizer steps in.
 
 :meth:`FlightRecorder.dump` writes ``flight_rank{r}.json`` next to the rank's trace: on an
-exception (a collective timing out raises one), on SIGTERM (torchrun stopping the others when
-one rank fails) and at the end of a run. A rank that dies without reaching Python again writes
-none; :meth:`FlightRecorder.fly_to` keeps the same entries on disk as they are issued
+exception (a collective timing out raises one; the dump says where it was raised), on SIGTERM
+(torchrun stopping the others when one rank fails) and at the end of a run, with the trace
+clock's time (``t``: how long a collective still issued had waited). On an exception and on
+SIGTERM the rank's trace is written beside it too (``dumping(..., tracer=)``): the events of a
+rank that never returns are collected by nobody else. A rank that dies without reaching Python
+again writes none; :meth:`FlightRecorder.fly_to` keeps the same entries on disk as they are issued
 (``flight_rank{r}.ring``, :mod:`minishard.core.flight_file`), which the doctor reads instead.
 ``python -m minishard doctor DIR`` reads them.
 """
@@ -34,17 +37,24 @@ import json
 import os
 import signal
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from .flight_file import FlightFile
 from .words import dtype_name
+
+if TYPE_CHECKING:
+    from .trace import Tracer
 
 FORMAT_VERSION = 1
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # minishard/
 _TORCH = os.sep + "torch" + os.sep
 _HERE = tuple(os.path.join(_PACKAGE, "core", f) for f in ("comm.py", "flight.py"))
+# Python's own library: a rank process's multiprocessing frames are nobody's code to fix
+_LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
 
 
 def call_sites(depth: int = 2, issuer: type = object,
@@ -89,10 +99,32 @@ def _short(path: str) -> str:
     return os.path.relpath(path, root) if path.startswith(root) else path
 
 
+def raised_at(tb) -> dict[str, str]:
+    """Where an exception was raised, from its traceback: ``at``, the line that raised it (the
+    traceback's last frame: the ``raise``, or a library's line under the user's call), and
+    ``caller``, the innermost line of the user's own code — outside minishard, torch, Python's
+    standard library (a rank process's ``multiprocessing`` frames) and installed packages; ""
+    when none is (minishard's demo raising in its own code); each ``file:line in function``."""
+    frames = []
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code, tb.tb_lineno))
+        tb = tb.tb_next
+    sites = [(code.co_filename, f"{_short(code.co_filename)}:{line} in {code.co_name}") for code, line in frames]
+    users = [site for path, site in sites if not _not_users(path)]
+    return {"at": sites[-1][1] if sites else "", "caller": users[-1] if users else ""}
+
+
+@functools.cache
+def _not_users(path: str) -> bool:
+    return (path.startswith(_PACKAGE) or _TORCH in path or path.startswith("<")
+            or path.startswith(_LIBRARIES) or any(p in path for p in ("site-packages", "dist-packages")))
+
+
 class FlightRecorder:
     """One rank's last ``capacity`` collectives, over every group it communicates in."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, capacity: int = 256):
+    def __init__(self, rank: int = 0, world_size: int = 1, capacity: int = 256,
+                 clock: Callable[[], float] | None = None):
         self.rank, self.world_size = rank, world_size
         self.entries: collections.deque[dict] = collections.deque(maxlen=capacity)
         self._seq: dict[str, int] = {}
@@ -102,6 +134,8 @@ class FlightRecorder:
         self.facts: dict = {}
         self._lock = threading.RLock()   # (SIGTERM's handler may dump while this thread holds it)
         self.file: FlightFile | None = None   # on disk as it flies (fly_to), once a run has a folder
+        # the clock of the entries' t_issued (the rank's trace clock): a dump says its time on it
+        self.clock = clock
 
     def fly_to(self, directory: str | os.PathLike) -> Path:
         """From now on write every collective into ``flight_rank{r}.ring`` in ``directory`` as
@@ -142,14 +176,17 @@ class FlightRecorder:
         if self.file is not None and "n" in entry:
             self.file.completed(entry["n"], entry["t_completed"])
 
-    def dump(self, directory: str | os.PathLike, reason: str, error: str | None = None) -> Path:
-        """Write ``flight_rank{r}.json`` in ``directory`` (whole or not at all)."""
+    def dump(self, directory: str | os.PathLike, reason: str, error: str | None = None,
+             raised: dict[str, str] | None = None) -> Path:
+        """Write ``flight_rank{r}.json`` in ``directory`` (whole or not at all). ``raised``: where
+        the exception ``error`` quotes was raised (:func:`raised_at`)."""
         path = Path(directory) / f"flight_rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             body = {"v": FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size,
                     "capacity": self.entries.maxlen,    # a full ring has dropped older ones
-                    "reason": reason, "error": error, "time": time.time(),
+                    "reason": reason, "error": error, "raised": raised, "time": time.time(),
+                    "t": None if self.clock is None else round(self.clock(), 7),
                     "entries": list(self.entries), "facts": self.facts}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=1))
@@ -159,16 +196,21 @@ class FlightRecorder:
 
 class dumping:
     """``with dumping(recorder, directory):`` — the recorder is written on the way out: reason
-    ``end``, ``exception`` (with the error; the exception goes on) or ``sigterm`` (torchrun
-    stopping this rank because another failed: written, then the default handler runs).
+    ``end``, ``exception`` (with the error and where it was raised; the exception goes on) or
+    ``sigterm`` (torchrun stopping this rank because another failed: written, then the default
+    handler runs). ``tracer``: on an exception and on SIGTERM its events are written beside, as
+    ``rank{r}.jsonl`` — whoever collects a rank's events when it returns never gets them — so
+    that a run stopped by a failure still has every rank's trace (the player, the doctor's
+    ledger findings). A tracer that keeps no events (it streams them to a file) writes nothing.
 
     A SIGTERM that arrives while the way-out dump is being written waits for it (torchrun sends
     one to every rank as soon as the first exits, and ranks that time out together exit
     together): the handler stays ours until the file is whole, then the signal is sent again."""
 
-    def __init__(self, recorder: FlightRecorder, directory, *, torch_recorder: bool = False):
+    def __init__(self, recorder: FlightRecorder, directory, *, torch_recorder: bool = False,
+                 tracer: Tracer | None = None):
         self.recorder, self.directory, self._old = recorder, directory, None
-        self.torch_recorder = torch_recorder
+        self.torch_recorder, self.tracer = torch_recorder, tracer
         self._writing = self._pending = False
 
     def __enter__(self) -> FlightRecorder:
@@ -186,10 +228,12 @@ class dumping:
         signal.signal(signal.SIGTERM, self._old or signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def _write(self, reason: str, error: str | None = None) -> None:
-        self.recorder.dump(self.directory, reason, error)
+    def _write(self, reason: str, error: str | None = None, raised: dict | None = None) -> None:
+        self.recorder.dump(self.directory, reason, error, raised)
         if self.torch_recorder:
             write_torch_recorder(self.directory, self.recorder.rank)
+        if reason != "end" and self.tracer is not None and self.tracer.events:
+            self.tracer.write_jsonl(Path(self.directory) / f"rank{self.recorder.rank}.jsonl")
 
     def __exit__(self, kind, error, tb) -> None:
         self._writing = True
@@ -201,7 +245,7 @@ class dumping:
                     self.recorder.facts["out_of_memory"] = {             # exact count, for the doctor
                         "category": error.category, "tag": error.tag, "nbytes": error.nbytes,
                         "budget": error.budget, "held": error.held}
-                self._write("exception", f"{kind.__name__}: {error}")
+                self._write("exception", f"{kind.__name__}: {error}", raised_at(tb))
         finally:
             if self._old is not None:
                 signal.signal(signal.SIGTERM, self._old)

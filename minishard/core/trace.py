@@ -104,11 +104,11 @@ class Tracer:
             self.emit("phase", name=name, edge="end", **fields)
 
     def write_jsonl(self, path: str | Path) -> Path:
-        path = Path(path)
+        """The events so far, whole or not at all: SIGTERM or a kill may come while it writes."""
+        path, tmp = Path(path), Path(f"{path}.tmp")
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            for ev in self.events:
-                f.write(json.dumps(ev) + "\n")
+        tmp.write_text("".join(json.dumps(ev) + "\n" for ev in list(self.events)))  # (threads append)
+        tmp.replace(path)
         return path
 
 

@@ -60,20 +60,24 @@ def outcome(rank: RankContext, directory: str, **knobs) -> dict[str, Any]:
 LINE_NO = re.compile(r"(\.py):\d+ in ")                              # the engine's line numbers
 OUTSIDE = re.compile(r", called from /[^;]*? in [\w.<>]+")           # an interpreter's own path
 HASHES = re.compile(r"fingerprint [0-9a-f]{16} against [0-9a-f]{16}")
-GLOO = re.compile(r"(went away\)): (\w+): .*$")                      # gloo's words: ports, paths
+# how long ranks waited before they gave up, and whether their own wait timed out or a peer
+# that gave up first closed the connection: timing decides both
+WAITED = re.compile(r"(gave up(?: waiting in .*?)?) after \d+\.\d+(?: to \d+\.\d+)? s")
+GAVE_UP_HOW = re.compile(r"(gave up waiting in .* s): (?:timed out|a peer went away|timed out or lost a peer)$")
 LOST = re.compile(r"(rank \d+, step \d+: )[\d,]+( of [\d,]+ \w+ elements the optimizer stepped "
                   r"came out unchanged \()[\d.]+( %\))")
 NORM = re.compile(r"(rank \d+): -?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?=,|$)")
 
 
 def stable(line: str) -> str:
-    """A line of the doctor's report without what changes with the machine, the float kernels or
-    the engine's code: line numbers and an interpreter's path, the weights' hashes, gloo's
-    message (it names ports and source files), and the values float kernels decide — the
-    updates a bf16 step lost, the norms ranks clipped by — each shown as ``…``."""
+    """A line of the doctor's report without what changes with the machine, the float kernels,
+    the timing or the engine's code: line numbers and an interpreter's path, the weights'
+    hashes, how long ranks waited before they gave up and whether theirs or a peer's wait ran
+    out first, and the values float kernels decide — the updates a bf16 step lost, the norms
+    ranks clipped by — each shown as ``…``."""
     line = OUTSIDE.sub("", LINE_NO.sub(r"\1 in ", line))
     line = HASHES.sub("fingerprints differ", line)
-    line = GLOO.sub(r"\1: \2: …", line)
+    line = GAVE_UP_HOW.sub(r"\1: …", WAITED.sub(r"\1 after … s", line))
     line = LOST.sub(r"\1…\2…\3", line)
     return NORM.sub(r"\1: …", line) if line.lstrip().startswith("- rank ") else line
 

@@ -5,5 +5,7 @@
     torch_flight.py PyTorch's own Flight Recorder dumps, read as minishard's
     records.py      what the ranks left: their flight dumps, the rings of those that died, traces
     doctor.py       hangs, desyncs and deaths from those records; causes.py: the rest of its findings
+    endings.py      how each rank's run ended (raised, gave up waiting, died, left no record), in words
+    entries.py      a recorded collective, and the ranks a finding names, in the doctor's words
     faults.py       the failures chapter 11 plants on purpose, for the doctor to find
 """

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -38,12 +38,15 @@ if TYPE_CHECKING:
 @dataclass
 class Finding:
     """What the doctor reports: a kind of fault (``doctor.kinds()``), the ranks it concerns, a
-    one-line title, the evidence read from the dumps and traces, and the fix."""
+    one-line title, the evidence read from the dumps and traces, and the fix. ``details``: what
+    only ``minishard doctor --verbose`` prints (an error's own words, as the library raised them:
+    several lines, this machine's paths)."""
     kind: str
     ranks: list[int]
     title: str
     evidence: list[str]
     fix: str
+    details: list[str] = field(default_factory=list)
 
 NORM_AGREES = 1e-6        # relative: an all-reduced norm is the same number on every rank
 MOST = 0.5                # one unit holding this share of the parameters or more

@@ -10,7 +10,8 @@ important first — the cause before its consequences:
     desync        at some ``seq`` of a group the ranks issued different collectives (op, shapes
                   or dtypes): they issued collectives in different orders, or one rank skipped
                   one and the next paired with it. Everything after it in that group is noise.
-    exception     a rank's dump was written on an exception: its error, quoted.
+    exception     a rank's dump was written on an exception: its error, quoted in one line, and
+                  the line that raised it (the user's innermost, else the ``raise`` itself).
     died          a rank left only its ring (``flight_rank{r}.ring``, written as it flew): it
                   died without reaching Python again (killed, the OOM killer, ``os.abort()``, a
                   crash inside C++ such as gloo aborting on a size mismatch); where it stopped.
@@ -19,6 +20,10 @@ important first — the cause before its consequences:
     hang          a ``seq`` some ranks issued and another never reached (name that rank, its
                   last collective, and the one the others wait in), or one every rank issued
                   and that never completed.
+    timeout       ranks that gave up waiting — a hang's end, not its cause: in one line, the
+                  collective each waited in, how long, and whether it timed out or its peer went
+                  away (the library's own message, C++ paths and all, only for ``--verbose``:
+                  a finding's ``details``).
 
 The k-th collective of a group must be the same collective on every rank, so the dumps are
 aligned by ``seq``. A ring buffer drops its oldest entries, and ranks may have dropped different
@@ -33,51 +38,14 @@ from pathlib import Path
 
 from . import causes
 from .causes import Finding
+from .endings import (TIMED_OUT, died, exceptions, left_early, missing_dumps, trace_end,  # noqa: F401
+                      written)
+from .entries import describe, entry_line, op_of, ranks_word, site, state   # noqa: F401 (the words)
 from .records import DUMP, RING, TRACE, Report, read_dir, read_dump   # noqa: F401 (the doctor's reading)
-from minishard.core.words import fmt_bytes
-from minishard.core.trace import numbered_lines, read_events
 
 # the collectives' findings, most important first: the cause before its consequences (a timeout
 # is what a hang raises); then the causes.CAUSES, in their order (kinds())
 COLLECTIVE_KINDS = ("desync", "exception", "died", "missing_dump", "hang", "timeout")
-# what a rank raises when the collective it waits in never completes, or its peer went away
-TIMED_OUT = re.compile(r"^TimeoutError\b|timed out waiting|timed out after|collective operation "
-                       r"timeout|timeout caused pair closure|connection (closed|reset) by peer",
-                       re.IGNORECASE)
-
-
-# --------------------------------------------------------------------------- words
-
-def describe(e: dict) -> str:
-    """``all_reduce [8] float32, 32 B`` — what a collective was, the same on every rank (``of
-    blocks.0`` when it names the unit or bucket it moves)."""
-    shapes = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in e["shapes"])
-    of = f" of {e['tag']}" if e.get("tag") else ""
-    return f"{e['op']}{of} {shapes} {','.join(e['dtypes'])}, {fmt_bytes(e['bytes'])}"
-
-
-def site(e: dict) -> str:
-    where, caller = e.get("where") or "", e.get("caller") or ""
-    if not where:
-        return ""
-    return f"; at {where}" + (f", called from {caller}" if caller and caller != where else "")
-
-
-def state(e: dict) -> str:
-    return {"completed": "completed", "retired": "ended (PyTorch's gloo recorder does not say "
-            "whether it succeeded)"}.get(e["state"], "issued, never completed")
-
-
-def entry_line(who: str, e: dict) -> str:
-    extra = "".join(f", {k} {e[k]}" for k in ("step", "phase") if e.get(k) not in (None, ""))
-    return f"{who}: seq {e['seq']} {describe(e)}{extra} — {state(e)}{site(e)}"
-
-
-def ranks_word(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
 def signature(e: dict) -> tuple:
     """What must agree across ranks at one seq: the collective, and what it moves (the unit or
     bucket it is tagged with, the step it belongs to: two units of one size swapped pair up
@@ -164,7 +132,8 @@ def desync(group: str, held: dict[int, dict[int, dict]], ranks: list[int]) -> Fi
             continue
         parts = sorted(sides.values(), key=lambda rs: (-len(rs), rs))
         odd = [r for rs in parts[1:] for r in rs] if len(parts[0]) > len(parts[1]) else ranks
-        said = "; ".join(f"{ranks_word(rs)} {describe(held[rs[0]][seq])}" for rs in parts)
+        said = "; ".join(f"{ranks_word(rs)} {describe(held[rs[0]][seq])}{apart}"
+                         for rs, apart in zip(parts, differences([held[rs[0]][seq] for rs in parts])))
         silent = all(sizes_agree(held[ranks[0]][seq], held[r][seq]) for r in ranks)
         return Finding(
             "desync", odd,
@@ -180,6 +149,20 @@ def desync(group: str, held: dict[int, dict[int, dict]], ranks: list[int]) -> Fi
             "built from parameters in a different order; another precision on one rank) and make it "
             "the same everywhere")
     return None
+
+
+def differences(sides: list[dict]) -> list[str]:
+    """What tells the sides of a desync apart beyond what :func:`describe` says — the step, the
+    broadcast's source, and, where they read the same otherwise, the line that issued each —
+    one phrase per side (``, step 2, at train.py:108 in main``); "" where nothing more differs."""
+    said = [""] * len(sides)
+    same = len({describe(e) for e in sides}) == 1
+    for key, word in (("step", "step {}"), ("src", "from rank {}"), ("where", "at {}")):
+        values = [e.get(key) for e in sides]
+        if len(set(map(str, values))) > 1 and (key != "where" or same):
+            said = [f"{s}, {word.format(v)}" if v not in (None, "") else f"{s}, no {key}"
+                    for s, v in zip(said, values)]
+    return said
 
 
 def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
@@ -209,8 +192,7 @@ def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
         mine = held.get(r, {})
         evidence.append(entry_line(f"rank {r}, its last collective", mine[last[r]]) if mine else
                         f"rank {r}: holds no collective of group {group!r}")
-        evidence.append(f"rank {r}'s dump was written on {_reason(dumps[r])}" if dumps[r]["reason"] != "torch"
-                        else f"rank {r}'s dump is PyTorch's own flight recorder's (it records no reason)")
+        evidence.append(written(r, dumps[r]))
     wait = (f"; {ranks_word(waiting)} wait{'s' if len(waiting) == 1 else ''} in "
             f"{'it' if shown == first else f'seq {shown}'}") if waiting else ""
     # the ranks that never issued it; others behind issued it and stopped later (each said so)
@@ -227,7 +209,7 @@ def never_issued(group: str, held: dict[int, dict[int, dict]], ranks: list[int],
     return Finding(
         "hang", sorted(set(behind + ahead)) if unused else behind,
         f"{ranks_word(never)} never issued seq {first} of group {group!r}"
-        f"{f' ({_what(e)})' if shown == first else ''}{either}{later}{wait}",
+        f"{f' ({op_of(e)})' if shown == first else ''}{either}{later}{wait}",
         evidence,
         f"the collective at seq {first} must run on every rank, even one with nothing to send: "
         f"make {ranks_word(never)} issue it too (all-reduce zeros for parameters without a "
@@ -283,134 +265,9 @@ def _waiting_elsewhere(dump: dict, group: str) -> bool:
     return any(e["group"] != group and e["state"] == "issued" for e in dump["entries"])
 
 
-def _what(e: dict) -> str:
-    return e["op"] + (f" of {e['tag']}" if e.get("tag") else "")
-
-
 def _alike(held, ranks, seq) -> bool:
     return len({(signature(held[r][seq]), held[r][seq]["state"], held[r][seq].get("where"))
                 for r in ranks}) == 1
-
-
-def _reason(body: dict) -> str:
-    return body["reason"] + (f" ({body['error']})" if body.get("error") else "")
-
-
-def exceptions(dumps: dict[int, dict]) -> list[Finding]:
-    """The ranks whose dump was written on an exception, one finding per error, the earliest
-    first: ranks that timed out waiting for one that raised raise after it."""
-    by_error: dict[str, list[int]] = defaultdict(list)
-    for r, body in sorted(dumps.items(), key=lambda rb: (rb[1].get("time") or 0, rb[0])):
-        if body["reason"] == "exception":
-            by_error[body.get("error") or "an exception"].append(r)
-    out, timed_out = [], []
-    for error, ranks in by_error.items():
-        if TIMED_OUT.search(error):           # a consequence: what it waited for is the cause
-            timed_out.append((error, ranks))
-            continue
-        ranks = sorted(ranks)
-        out.append(Finding(
-            "exception", ranks, f"{ranks_word(ranks)} raised {error}", _last(dumps, ranks),
-            "the first error is the cause to fix: ranks that were waiting for this one hang or time "
-            "out because of it" if not out else
-            f"raised after {ranks_word(out[0].ranks)} did: fix that first, this may be its consequence"))
-    if timed_out:
-        ranks = sorted(r for _, rs in timed_out for r in rs)
-        out.append(Finding(
-            "timeout", ranks, f"{ranks_word(ranks)} gave up waiting in a collective (a timeout, or "
-                              f"a peer that went away): {timed_out[0][0]}",
-            _last(dumps, ranks),
-            "a timeout is where a hang ends: the finding about the collective the other ranks never "
-            "issued (or never completed) names the cause"))
-    return out
-
-
-def _last(dumps: dict[int, dict], ranks: list[int]) -> list[str]:
-    return [entry_line(f"rank {r}, its last collective", dumps[r]["entries"][-1])
-            if dumps[r]["entries"] else f"rank {r} had issued no collective" for r in ranks]
-
-
-def died(dumps: dict[int, dict]) -> Finding | None:
-    """The ranks that left only their ring: where each stopped, and what it was writing."""
-    dead = sorted(r for r, b in dumps.items() if b["reason"] == "ring")
-    if not dead:
-        return None
-    evidence = []
-    for r in dead:
-        entries = dumps[r]["entries"]
-        evidence.append(entry_line(f"rank {r}, the last collective it recorded", entries[-1])
-                        if entries else f"rank {r} had issued no collective")
-        evidence += [f"rank {r}'s ring: {t}" for t in dumps[r].get("torn", [])]
-    inside = [r for r in dead if dumps[r]["entries"] and dumps[r]["entries"][-1]["state"] == "issued"]
-    return Finding(
-        "died", dead,
-        f"{ranks_word(dead)} died without writing {'their dumps' if len(dead) > 1 else 'its dump'}"
-        + (f"; {ranks_word(inside)} inside the collective it issued last" if inside else ""),
-        evidence,
-        "a process that dies outright cannot write on its way out; its ring, written as every "
-        "collective was issued, says where it was. The cause is outside Python: gloo aborts the "
-        "process when a collective's sizes disagree on two ranks (a desync finding then names "
-        "both), the kernel's OOM killer (dmesg), SIGKILL, os.abort(), a crash in an extension. "
-        "The rank's own output, or torchrun's failure summary, has the message")
-
-
-def left_early(dumps: dict[int, dict]) -> Finding | None:
-    """Ranks that ended their run while others timed out waiting, in a collective no record
-    holds (one PyTorch issued from C++, e.g. DDP's buffer broadcast in forward)."""
-    waited = [r for r, b in dumps.items() if b["reason"] == "exception" and TIMED_OUT.search(b.get("error") or "")]
-    ended = sorted(r for r, b in dumps.items() if b["reason"] == "end")
-    if not waited or not ended:
-        return None
-    return Finding(
-        "hang", ended,
-        f"{ranks_word(ended)} ended {'their runs' if len(ended) > 1 else 'its run'} while "
-        f"{ranks_word(waited)} still waited in a collective",
-        _last(dumps, ended) + [f"rank {r}'s dump was written at the end of its run" for r in ended]
-        + _last(dumps, sorted(waited)),
-        f"every rank must run the same steps: {ranks_word(ended)} left before the others (a "
-        f"rank-dependent number of steps or batches, an early return or break). What the others "
-        f"waited in is a collective no record holds: one PyTorch issues itself (DDP's buffer "
-        f"broadcast at the start of forward, a barrier)")
-
-
-def missing_dumps(report: Report) -> Finding | None:
-    missing = [r for r in range(report.world_size or 0) if r not in report.dumps]
-    if not missing:
-        return None
-    evidence = [f"rank {r}: no flight_rank{r}.json or .ring; " + trace_end(report.traces[r])
-                if r in report.traces else f"rank {r}: no flight_rank{r}.json, no .ring and no "
-                f"rank{r}.jsonl" for r in missing]
-    return Finding(
-        "missing_dump", missing,
-        f"{ranks_word(missing)} left no flight record while {ranks_word(report.dumps)} did: "
-        f"{'they' if len(missing) > 1 else 'it'} died before writing",
-        evidence,
-        "a rank writes its dump at the end, on an exception and on SIGTERM; none means it was "
-        "killed outright (SIGKILL, the kernel's OOM killer: see dmesg), crashed inside C++ (gloo "
-        "aborts the process when collectives' sizes disagree) or never started. Its log, or "
-        "torchrun's failure summary, has the cause")
-
-
-def trace_end(path: Path) -> str:
-    """Where a rank's trace stops (read as far as it goes: a rank that died cuts it short)."""
-    events, bad = read_events(path, damaged="stop")
-    collectives = [ev for ev in events if ev["kind"] == "collective"]
-    last = collectives[-1] if collectives else None
-    step = next((ev["step"] for ev in reversed(events) if "step" in ev), None)
-    if bad:
-        n, why = bad[0]
-        return f"its trace {path.name} stops at line {n} ({why})" + _after(last, step)
-    return f"its trace {path.name} ends at line {_lines(path)}" + _after(last, step)
-
-
-def _lines(path: Path) -> int:
-    return sum(1 for _ in numbered_lines(path))
-
-
-def _after(last: dict | None, step) -> str:
-    at = f" in step {step}" if step is not None else ""
-    return at + (f", its last completed collective {last.get('op')} ({last.get('dtype')}, "
-                 f"{fmt_bytes(last.get('payload', 0))})" if last else ", with no collective")
 
 
 def diagnose(directory: str | Path) -> Report:

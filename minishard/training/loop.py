@@ -139,18 +139,14 @@ def _batches(cfg, config: TrainConfig, step: int, rank: RankContext) -> list:
 @contextlib.contextmanager
 def _flight(comm: Comm, config: TrainConfig):
     """The rank's last collectives, written to ``config.flight_dir`` however the run ends; a rank
-    that raised also leaves its trace there (``rank{r}.jsonl``: the doctor reads its ledger),
-    since whoever collects the ranks' events on success never gets them."""
+    that raised or was sent SIGTERM also leaves its trace there (``rank{r}.jsonl``: the player's,
+    and the doctor reads its ledger), since whoever collects the ranks' events on success never
+    gets them."""
     if not config.flight_dir:
         yield
         return
-    with dumping(comm.flight, config.flight_dir, torch_recorder=config.torch_flight):
-        try:
-            yield
-        except BaseException:
-            if comm.tracer is not None and comm.tracer.events:
-                comm.tracer.write_jsonl(f"{config.flight_dir}/rank{comm.flight.rank}.jsonl")
-            raise
+    with dumping(comm.flight, config.flight_dir, torch_recorder=config.torch_flight, tracer=comm.tracer):
+        yield
 
 
 @contextlib.contextmanager

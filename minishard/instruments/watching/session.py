@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from minishard.core.comm import ring_wire_bytes
-from minishard.core.flight import FlightRecorder
+from minishard.core.flight import FlightRecorder, raised_at
 from minishard.core.trace import Tracer
 from .basics import WatchError
 
@@ -136,6 +136,8 @@ class Watch:
             sink=self._write if self._file else None)
         if self.tracer.step is None:
             self.tracer.step = 0
+        if self.flight.clock is None:            # (the clock of its entries' times)
+            self.flight.clock = self.tracer.now
         try:
             comms, ledgers = own.recorders(self.model, self.optimizer)
             own.attach(self, comms, ledgers)
@@ -340,7 +342,8 @@ class Watch:
         self._detach()
         if self._file is not None:               # a trace directory: the flight recorder beside it
             self.flight.dump(self._trace, "end" if error is None else "exception",
-                             None if error is None else f"{kind.__name__}: {error}")
+                             None if error is None else f"{kind.__name__}: {error}",
+                             None if error is None else raised_at(tb))
 
     def _detach(self) -> None:
         while self._undo:
