@@ -17,6 +17,11 @@ Schema version 1 (one object per line, per rank)::
     unit        name, state
     transfer    direction ("h2d"|"d2h"|...), bytes, seconds, tag
 
+A trace of a run with an id (``run_id.py``) begins with a header line that is not an event —
+``{"v": 1, "run": "5f0c9a3be211", "rank": r, "world_size": n}``, no ``kind`` — which the readers
+skip (:func:`read_events`) and the doctor reads (:func:`read_header`): files of two runs are
+not read as one.
+
 ``t`` is seconds since the tracer's origin. Ranks started together share one origin (the
 launcher passes it), so their timelines line up.
 
@@ -67,6 +72,11 @@ class Tracer:
         self.step: int | None = None
         self._phases: list[str] = []            # open phases, innermost last (the flight recorder's)
         self._seq = 0
+        self.run: str | None = None              # the run's id, once the ranks agreed it
+
+    def header(self) -> dict | None:
+        """The trace's first line (None before the run has an id): see the module's docstring."""
+        return None if self.run is None else header(self.run, self.rank, self.world_size)
 
     @property
     def current_phase(self) -> str | None:
@@ -107,9 +117,32 @@ class Tracer:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
+            if self.run is not None:
+                f.write(json.dumps(self.header()) + "\n")
             for ev in self.events:
                 f.write(json.dumps(ev) + "\n")
         return path
+
+
+def header(run: str, rank: int, world_size: int | None) -> dict:
+    return {"v": SCHEMA_VERSION, "run": run, "rank": rank} | (
+        {"world_size": world_size} if world_size is not None else {})
+
+
+def is_header(line) -> bool:
+    return isinstance(line, dict) and "kind" not in line and "run" in line
+
+
+def read_header(path: str | Path) -> dict | None:
+    """A trace's header line (its run's id, rank and world size), or None: a trace written
+    before run ids, or one whose first line is not a header."""
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:
+        line = json.loads(first.decode("utf-8"))
+    except ValueError:                           # (UnicodeDecodeError and JSONDecodeError both)
+        return None
+    return line if is_header(line) else None
 
 
 # --------------------------------------------------------------------------- reading traces
@@ -160,6 +193,8 @@ def read_events(path: str | Path, *, damaged: str = "raise",
     bad: list[tuple[int, str]] = []
     for n, raw in numbered_lines(Path(path)):
         why, ev = _line_problem(raw)
+        if n == 1 and why is not None and _a_header(raw):
+            continue                                        # the run's header, not an event
         if why is None and ev is not None and also is not None:
             why = also(ev)
         if why is None:
@@ -187,6 +222,13 @@ def _line_problem(raw: bytes) -> tuple[str | None, dict | None]:
         return f"not JSON ({json_problem(e)}): a line cut short, or not a trace", None
     why = not_an_event(ev)
     return (why, None) if why is not None else (None, ev)
+
+
+def _a_header(raw: bytes) -> bool:
+    try:
+        return is_header(json.loads(raw.decode("utf-8")))
+    except ValueError:
+        return False
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -220,8 +262,10 @@ def merge(events: Iterable[dict]) -> list[dict]:
     return sorted(events, key=lambda e: (e["t"], e["rank"], e["seq"]))
 
 
-def write_dir(events: Iterable[dict], directory: str | Path) -> list[Path]:
-    """Write merged events back as one ``rank{r}.jsonl`` per rank."""
+def write_dir(events: Iterable[dict], directory: str | Path, run: str | None = None,
+              world_size: int | None = None) -> list[Path]:
+    """Write merged events back as one ``rank{r}.jsonl`` per rank (each headed by ``run``'s
+    header, when given)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     by_rank: dict[int, list[dict]] = {}
@@ -231,6 +275,8 @@ def write_dir(events: Iterable[dict], directory: str | Path) -> list[Path]:
     for r, evs in sorted(by_rank.items()):
         p = directory / f"rank{r}.jsonl"
         with open(p, "w") as f:
+            if run is not None:
+                f.write(json.dumps(header(run, r, world_size)) + "\n")
             for ev in sorted(evs, key=lambda e: e["seq"]):
                 f.write(json.dumps(ev) + "\n")
         paths.append(p)
