@@ -45,6 +45,7 @@ HEADER_BYTES = 64
 RECORD = 1024                               # bytes a slot holds: an entry's JSON is ~350
 SLOT = struct.Struct("<QcxxxxxxxdI")        # n, state, (pad), t_completed, JSON length
 ISSUED, COMPLETED = b"I", b"C"
+EMPTY = bytes(SLOT.size)                    # a slot never written (one begun is torn, not empty)
 _N, _T = struct.Struct("<Q"), struct.Struct("<d")       # a slot's n, and its t_completed
 
 
@@ -157,7 +158,11 @@ def read(path) -> dict:
     it died, as sentences. A file that is not a ring, or most of whose records cannot be read
     (more than one: a process dying tears one at most), raises ``ValueError`` naming it."""
     path = Path(path)
-    raw = path.read_bytes()
+    return decode(path.read_bytes(), path) | {"time": os.path.getmtime(path)}
+
+
+def decode(raw: bytes, path) -> dict:
+    """:func:`read` of a ring's bytes (``path``: the file errors name); its ``time`` is None."""
     head = _header(path, raw)
     capacity, record = head["capacity"], head["record"]
     entries, torn = [], []
@@ -166,9 +171,9 @@ def read(path) -> dict:
         if at + SLOT.size > len(raw):
             torn.append(f"slot {slot}: the file ends inside it")
             break
-        n, state, t_completed, length = SLOT.unpack_from(raw, at)
-        if n == 0 and length == 0:
+        if raw[at:at + SLOT.size] == EMPTY:
             continue                                            # never written
+        n, state, t_completed, length = SLOT.unpack_from(raw, at)
         ours = n and (n - 1) % capacity == slot                 # (collective n goes to this slot)
         try:
             entry = json.loads(raw[at + SLOT.size:at + SLOT.size + min(length, record - SLOT.size)])
@@ -187,5 +192,5 @@ def read(path) -> dict:
                          f"over, not a ring one run left; nothing is read from it")
     entries.sort(key=lambda e: e["n"])
     return {"rank": head["rank"], "world_size": head["world_size"], "capacity": capacity,
-            "reason": "ring", "error": None, "time": os.path.getmtime(path), "entries": entries,
+            "reason": "ring", "error": None, "time": None, "entries": entries,
             "facts": {}, "torn": torn, "run": head["run"]}
