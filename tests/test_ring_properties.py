@@ -222,3 +222,23 @@ def test_a_ring_whose_header_is_kept_and_most_records_scrambled_is_refused_whole
         body = flight_file.read(ring)
     kept = [e for e in was["entries"] if _slot_of(e["n"], capacity) not in slots]
     assert body["entries"] == kept and len(body["torn"]) == len(slots)
+
+
+@drawn(40)
+@given(capacity=st.integers(2, 6), data=st.data())
+def test_a_whole_record_copied_into_another_slot_is_not_read_there(capacity, data):
+    """A block of the file moved whole (a record, its header and its JSON agreeing with each
+    other) into a slot collective n does not go to: torn, its number not quoted."""
+    with tempfile.TemporaryDirectory() as d:
+        _recorder(d, capacity, [True] * (capacity + 2))
+        ring = flight_file.path_for(d, 1)
+        raw = bytearray(ring.read_bytes())
+    src = data.draw(st.integers(0, capacity - 1), label="from")
+    dst = data.draw(st.integers(0, capacity - 1).filter(lambda s: s != src), label="to")
+    raw[HEADER_BYTES + dst * RECORD:HEADER_BYTES + (dst + 1) * RECORD] = \
+        raw[HEADER_BYTES + src * RECORD:HEADER_BYTES + (src + 1) * RECORD]
+    body = _read(Path("moved.ring"), bytes(raw))
+    slots = [_slot_of(e["n"], capacity) for e in body["entries"]]
+    assert sorted(slots) == sorted(set(range(capacity)) - {dst})     # each once, in its own slot
+    (torn,) = body["torn"]
+    assert torn.startswith(f"slot {dst}:") and "collective ?" in torn

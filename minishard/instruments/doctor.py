@@ -31,7 +31,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from . import causes
+from . import causes, cut_short
 from .causes import Finding
 from .records import DUMP, RING, TRACE, Report, read_dir, read_dump   # noqa: F401 (the doctor's reading)
 from minishard.core.words import fmt_bytes
@@ -88,6 +88,10 @@ def signature(e: dict) -> tuple:
 
 def sizes_agree(a: dict, b: dict) -> bool:
     return signature(a)[:3] == signature(b)[:3]
+
+
+def sizes_agree_and_tag(a: dict, b: dict) -> bool:
+    return signature(a) == signature(b)
 
 
 # --------------------------------------------------------------------------- findings
@@ -443,8 +447,12 @@ def diagnose(directory: str | Path) -> Report:
 def from_traces(report: Report) -> Report:
     """A run that left only traces: the order of the collectives each rank completed is compared
     (a desync among them shows); hangs and deaths cannot be seen, so they are not looked for."""
-    found = [f for group, held in sorted(by_group(report.dumps).items())
-             if (f := desync(group, held, members(group, held, report.dumps, report.world_size)))]
+    found = []
+    for group, held in sorted(by_group(report.dumps).items()):
+        ranks = members(group, held, report.dumps, report.world_size)
+        # a trace a death cut short lacks what its rank had not completed: lined up, not a desync
+        if f := desync(group, cut_short.lined_up(held, ranks, sizes_agree_and_tag), ranks):
+            found.append(f)
     return ranked(report, found)
 
 

@@ -153,5 +153,6 @@ def from_trace(path: Path, rank: int) -> dict:
         entries.append({"seq": seqs[group], "op": ev["op"], "group": group, "group_size": ev["group"],
                         "shapes": [[ev["payload"] // size]] if size else [], "dtypes": [ev.get("dtype", "?")],
                         "bytes": ev["payload"], "state": "completed", "tag": ev.get("tag", ""),
+                        "t_issued": ev["t"], "t_completed": ev.get("t_end", ev["t"]),
                         "step": ev.get("step"), "src": ev.get("src")})
     return {"rank": rank, "world_size": None, "reason": "trace", "entries": entries}
