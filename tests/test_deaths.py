@@ -18,7 +18,7 @@ import pytest
 
 from minishard.cli import main
 from minishard.core import flight_file, run_id
-from minishard.core.trace import read_header
+from minishard.core.run_id import read_header
 from minishard.core.launch import RankError, Ranks
 from minishard.course.ch11 import outcome
 from minishard.instruments import doctor

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from minishard.cli import main  # noqa: E402
-from minishard.core import trace  # noqa: E402
+from minishard.core import run_id, trace  # noqa: E402
 from minishard.instruments import cut_short, doctor  # noqa: E402
 
 OPS = (("all_reduce", 4), ("all_gather", 8), ("reduce_scatter", 16), ("all_reduce", 32))
@@ -175,5 +175,5 @@ def test_a_short_trace_is_lined_up_with_the_longest_whichever_rank_holds_it():
 
 
 def test_the_world_size_is_the_headers_when_no_trace_holds_a_collective_of_the_world():
-    d = _doctor(4, {r: json.dumps(trace.header("0123456789ab", r, 4)) + "\n" for r in (0, 1)})
+    d = _doctor(4, {r: json.dumps(run_id.header("0123456789ab", r, 4)) + "\n" for r in (0, 1)})
     assert doctor.diagnose(d).world_size == 4

@@ -8,11 +8,16 @@ minishard's engine (one 8-byte broadcast as ``train`` starts, made on the defaul
 recorded by no flight recorder: it is not the run's), and inside the all-reduce that
 ``minishard.watch`` makes anyway as it starts (PyTorch's and DeepSpeed's jobs), as a float64 —
 48 bits, which a float64 holds exactly.
+
+A trace says it in its first line, a header that is not an event (no ``kind``): :func:`header`,
+read back by :func:`read_header`.
 """
 from __future__ import annotations
 
+import json
 import re
 import secrets
+from pathlib import Path
 
 BITS = 48
 DIGITS = BITS // 4
@@ -44,3 +49,24 @@ def agree(device=None, group=None) -> str:
     number = torch.tensor([mine], dtype=torch.int64, device=device)
     dist.broadcast(number, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return as_text(int(number.item()))
+
+
+def header(run: str, rank: int, world_size: int | None) -> dict:
+    """A trace's first line (``v``: the trace schema's version, ``trace.SCHEMA_VERSION``)."""
+    return {"v": 1, "run": run, "rank": rank} | ({"world_size": world_size} if world_size is not None else {})
+
+
+def is_header(line) -> bool:
+    return isinstance(line, dict) and "kind" not in line and "run" in line
+
+
+def read_header(path: str | Path) -> dict | None:
+    """A trace's header (its run's id, rank and world size), or None: a trace written before
+    run ids, or one whose first line is not a header."""
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:
+        line = json.loads(first.decode("utf-8"))
+    except ValueError:                           # (UnicodeDecodeError and JSONDecodeError both)
+        return None
+    return line if is_header(line) else None

@@ -17,10 +17,8 @@ Schema version 1 (one object per line, per rank)::
     unit        name, state
     transfer    direction ("h2d"|"d2h"|...), bytes, seconds, tag
 
-A trace of a run with an id (``run_id.py``) begins with a header line that is not an event —
-``{"v": 1, "run": "5f0c9a3be211", "rank": r, "world_size": n}``, no ``kind`` — which the readers
-skip (:func:`read_events`) and the doctor reads (:func:`read_header`): files of two runs are
-not read as one.
+A trace of a run with an id begins with a header line that is not an event (``run_id.header``:
+``{"v": 1, "run": "5f0c9a3be211", "rank": r, "world_size": n}``), which :func:`read_events` skips.
 
 ``t`` is seconds since the tracer's origin. Ranks started together share one origin (the
 launcher passes it), so their timelines line up.
@@ -42,6 +40,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
+
+from . import run_id
+from .lines import json_problem, not_utf8, numbered_lines  # noqa: F401 (trace readers import them here)
 
 SCHEMA_VERSION = 1
 KINDS = ("phase", "collective", "alloc", "free", "unit", "transfer")
@@ -76,7 +77,7 @@ class Tracer:
 
     def header(self) -> dict | None:
         """The trace's first line (None before the run has an id): see the module's docstring."""
-        return None if self.run is None else header(self.run, self.rank, self.world_size)
+        return None if self.run is None else run_id.header(self.run, self.rank, self.world_size)
 
     @property
     def current_phase(self) -> str | None:
@@ -124,27 +125,6 @@ class Tracer:
         return path
 
 
-def header(run: str, rank: int, world_size: int | None) -> dict:
-    return {"v": SCHEMA_VERSION, "run": run, "rank": rank} | (
-        {"world_size": world_size} if world_size is not None else {})
-
-
-def is_header(line) -> bool:
-    return isinstance(line, dict) and "kind" not in line and "run" in line
-
-
-def read_header(path: str | Path) -> dict | None:
-    """A trace's header line (its run's id, rank and world size), or None: a trace written
-    before run ids, or one whose first line is not a header."""
-    with open(path, "rb") as f:
-        first = f.readline()
-    try:
-        line = json.loads(first.decode("utf-8"))
-    except ValueError:                           # (UnicodeDecodeError and JSONDecodeError both)
-        return None
-    return line if is_header(line) else None
-
-
 # --------------------------------------------------------------------------- reading traces
 
 def not_an_event(ev) -> str | None:
@@ -159,27 +139,6 @@ def not_an_event(ev) -> str | None:
     return f"event has no {missing[0]!r} field: {ev}" if missing else None
 
 
-def json_problem(e: json.JSONDecodeError) -> str:
-    """``Unterminated string starting at column 147`` of a one-line document: the decoder's words
-    end in "at", its position follows (its ``str()`` says "at: line 1 column 147 (char 146)";
-    counted in characters, a line's newline is no line 2)."""
-    return f"{e.msg.removesuffix(' at')} at column {e.pos + 1}"
-
-
-def not_utf8(e: UnicodeDecodeError, text: bytes) -> tuple[int, str]:
-    """Where ``text`` (a file's bytes, or one line's) stops being UTF-8: the line (1 for one
-    line), and ``byte 0xff at column 67`` (counted in bytes from the line's start)."""
-    line_start = text.rfind(b"\n", 0, e.start) + 1
-    return (text.count(b"\n", 0, e.start) + 1,
-            f"byte 0x{text[e.start]:02x} at column {e.start - line_start + 1}")
-
-
-def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """A file's lines as bytes, numbered from 1: each reader decodes them, strictly or not."""
-    with open(path, "rb") as f:
-        yield from enumerate(f, 1)
-
-
 def read_events(path: str | Path, *, damaged: str = "raise",
                 also: Callable[[dict], str | None] | None = None) -> tuple[list[dict], list[tuple[int, str]]]:
     """One trace file's events, and its bad lines as ``(line number, why)``. Every reader of a
@@ -192,9 +151,7 @@ def read_events(path: str | Path, *, damaged: str = "raise",
     events: list[dict] = []
     bad: list[tuple[int, str]] = []
     for n, raw in numbered_lines(Path(path)):
-        why, ev = _line_problem(raw)
-        if n == 1 and why is not None and _a_header(raw):
-            continue                                        # the run's header, not an event
+        why, ev = _line_problem(raw, first=n == 1)
         if why is None and ev is not None and also is not None:
             why = also(ev)
         if why is None:
@@ -208,8 +165,9 @@ def read_events(path: str | Path, *, damaged: str = "raise",
     return events, bad
 
 
-def _line_problem(raw: bytes) -> tuple[str | None, dict | None]:
-    """(why the line is not an event, None), (None, the event), or (None, None) if blank."""
+def _line_problem(raw: bytes, first: bool = False) -> tuple[str | None, dict | None]:
+    """(why the line is not an event, None), (None, the event), or (None, None) if blank or
+    the ``first`` line is the run's header."""
     try:
         line = raw.decode("utf-8").strip()   # (a line cut inside a string reads as unterminated)
     except UnicodeDecodeError as e:
@@ -220,15 +178,10 @@ def _line_problem(raw: bytes) -> tuple[str | None, dict | None]:
         ev = json.loads(line)
     except json.JSONDecodeError as e:
         return f"not JSON ({json_problem(e)}): a line cut short, or not a trace", None
+    if first and run_id.is_header(ev):
+        return None, None
     why = not_an_event(ev)
     return (why, None) if why is not None else (None, ev)
-
-
-def _a_header(raw: bytes) -> bool:
-    try:
-        return is_header(json.loads(raw.decode("utf-8")))
-    except ValueError:
-        return False
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -276,7 +229,7 @@ def write_dir(events: Iterable[dict], directory: str | Path, run: str | None = N
         p = directory / f"rank{r}.jsonl"
         with open(p, "w") as f:
             if run is not None:
-                f.write(json.dumps(header(run, r, world_size)) + "\n")
+                f.write(json.dumps(run_id.header(run, r, world_size)) + "\n")
             for ev in sorted(evs, key=lambda e: e["seq"]):
                 f.write(json.dumps(ev) + "\n")
         paths.append(p)

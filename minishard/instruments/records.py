@@ -19,7 +19,8 @@ from . import one_run, torch_flight
 from .causes import Finding
 from minishard.core import flight_file
 from minishard.core.flight import FORMAT_VERSION
-from minishard.core.trace import TraceFormatError, not_utf8, read_events, read_header
+from minishard.core.run_id import read_header
+from minishard.core.trace import TraceFormatError, not_utf8, read_events
 
 DUMP = re.compile(r"flight_rank(\d+)\.json")
 RING = re.compile(r"flight_rank(\d+)\.ring")

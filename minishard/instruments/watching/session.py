@@ -136,13 +136,7 @@ class Watch:
         self.tracer = self._trace if isinstance(self._trace, Tracer) else Tracer(
             rank, world, origin=float(t[0]), keep=self._file is None,
             sink=self._write if self._file else None)
-        # (under train() the run has its id already: the recorder and the tracer it lends carry it)
-        if self.flight.run is None:
-            self.flight.run = run_id.as_text(int(t[2]))
-        if self.tracer.run is None:
-            self.tracer.run = self.flight.run
-        if self._file is not None:
-            self._write(self.tracer.header())            # the trace's first line: the run's id
+        self._join_run(t[2])
         if self.tracer.step is None:
             self.tracer.step = 0
         try:
@@ -171,6 +165,17 @@ class Watch:
             self._detach()
             raise
         return self
+
+    def _join_run(self, number) -> None:
+        """Rank 0's run id (from the all-reduce) on the recorder and the tracer, and the trace's
+        first line. Under train() the run has its id already: the recorder and tracer it lends
+        carry it."""
+        if self.flight.run is None:
+            self.flight.run = run_id.as_text(int(number))
+        if self.tracer.run is None:
+            self.tracer.run = self.flight.run
+        if self._file is not None:
+            self._write(self.tracer.header())
 
     def _open_trace(self, rank: int) -> str | None:
         """Open ``rank{r}.jsonl`` for streaming; the problem in words, or None."""
