@@ -115,7 +115,7 @@ class FlightRecorder:
     def run(self, run: str) -> None:
         with self._lock:
             self._run = run
-            if self.file is not None:
+            if self.file is not None and run is not None:
                 self.file.mark_run(run)
 
     def fly_to(self, directory: str | os.PathLike) -> Path:
