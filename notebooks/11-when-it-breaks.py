@@ -457,8 +457,10 @@ for name in ("local-clip", "clip"):
 # (`--fault reorder` needs `--strategy fsdp`; `local-clip` a `--clip` and a sharded strategy.)
 # A hung `torchrun` job ends within its `--timeout`, every rank writing its dump. The doctor's
 # exit status says what it found — 0 nothing, 1 a problem, 2 input it cannot read (the file and
-# the line named), 3 a run it could not check (traces, but no dump and no ring to align) — so a
-# job script can run it after a failure. On this chapter's directories:
+# the line named) or files that are not one run's (every run's files carry its id: two ids in one
+# folder, two world sizes, a ring whose records are scrambled — the files named, nothing
+# diagnosed), 3 a run it could not check (traces, but no dump and no ring to align) — so a job
+# script can run it after a failure. On this chapter's directories:
 
 # %%
 # NBVAL_CHECK_OUTPUT

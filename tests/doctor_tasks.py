@@ -10,6 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from minishard.core import run_id
 from minishard.core.comm import Comm
 from minishard.core.flight import FlightRecorder, dumping
 
@@ -23,7 +24,11 @@ SMALL_RING = 2       # rank 0's ring in that scenario: it has dropped its oldest
 
 
 def _comm(ctx, flight: FlightRecorder | None = None) -> Comm:
-    return Comm(ctx.tracer, group=dist.new_group(list(range(ctx.world_size))), flight=flight)
+    """The scenario's communicator; its run's id agreed in its group, as ``train`` agrees one."""
+    group = dist.new_group(list(range(ctx.world_size)))
+    comm = Comm(ctx.tracer, group=group, flight=flight)
+    comm.flight.run = ctx.tracer.run = run_id.agree(group=group)
+    return comm
 
 
 def _waited(work, seconds: float = WAIT_S) -> bool:

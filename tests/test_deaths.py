@@ -17,6 +17,8 @@ import os
 import pytest
 
 from minishard.cli import main
+from minishard.core import flight_file, run_id
+from minishard.core.run_id import read_header
 from minishard.core.launch import RankError, Ranks
 from minishard.course.ch11 import outcome
 from minishard.instruments import doctor
@@ -109,6 +111,13 @@ def test_the_same_jobs_run_healthy_find_nothing(pools, tmp_path, job, capsys):
     assert sorted(p.name for p in out.glob("flight_rank*")) == [
         "flight_rank0.json", "flight_rank0.ring", "flight_rank1.json", "flight_rank1.ring"]
     assert doctor.diagnose(out).findings == []
+    # the run's id, agreed as it started (the engine's broadcast, the watch's first all-reduce),
+    # in every file: the dumps, the rings and the traces' headers
+    said = {p.name: doctor.read_dump(p)["run"] for p in out.glob("flight_rank*.json")}
+    said |= {p.name: flight_file.header(p)["run"] for p in out.glob("flight_rank*.ring")}
+    said |= {p.name: read_header(p)["run"] for p in out.glob("rank*.jsonl")}
+    assert len(said) == (4 if job == "minishard" else 6) and len(set(said.values())) == 1, said
+    assert run_id.SHAPE.fullmatch(said["flight_rank0.json"]) and doctor.diagnose(out).unchecked == []
     assert main(["doctor", str(out)]) == 0
     assert "nothing found" in capsys.readouterr().out
 

@@ -204,7 +204,7 @@ BAD = {
     "cut short": (_cut, "not JSON"),
     "a newer format": (lambda d: _field(d, v=99), "format version 99"),
     "no entries": (lambda d: _field(d, entries="none"), "a list of entries"),
-    "another run's dump": (lambda d: _field(d, world_size=8), "dumps of different runs"),
+    "another run's dump": (lambda d: _field(d, world_size=8), "the files disagree on the world size"),
 }
 
 

@@ -90,7 +90,10 @@ def parser() -> argparse.ArgumentParser:
                     "died without one (DIR/flight_rank*.ring) and the traces of a run and print what "
                     "went wrong, most important first, with the evidence and the fix. Exit status 0: "
                     "nothing found; 1: a problem found (a rank that died is one); 2: unreadable "
-                    "input; 3: nothing could be checked (no dump and no ring)."))
+                    "input, or files that are not one run's (two run ids, two world sizes, a ring "
+                    "most of whose records are scrambled: the files named, nothing diagnosed); 3: "
+                    "nothing could be checked (no dump and no ring). Files written before run ids "
+                    "are read as before, and named as not checked to be one run's."))
     convert.add_arguments(sub.add_parser(
         "from-deepspeed", help="a DeepSpeed ZeRO-1/2/3 checkpoint as a minishard checkpoint",
         description="Read the DeepSpeed ZeRO stage 1, 2 or 3 checkpoint engine.save_checkpoint wrote "

@@ -340,7 +340,7 @@ def _finish(args, results: list[dict], events) -> None:
     from .report import report, summary
     if args.trace and events is not None:
         from minishard.core.trace import write_dir
-        write_dir(events, args.trace)
+        write_dir(events, args.trace, run=results[0].get("run"), world_size=len(results))
     exported = None
     if args.export:
         from minishard import checkpoint

@@ -11,7 +11,12 @@ traces beside them (``minishard/instruments/doctor.py`` says what it looks for).
 
     0   nothing found: every collective matched and completed, and nothing else was wrong
     1   a finding (a rank that died is always one)
-    2   the input cannot be read (the file, and the line, named)
+    2   the input cannot be read (the file, and the line, named), or is not one run's: files
+        of different runs (each file named under the run id it carries), files that disagree
+        on the world size, a ring most of whose records cannot be read. Nothing is diagnosed:
+        a diagnosis of files from two runs describes a run that never happened. Files written
+        before run ids carry none: they are read as before, and the report names them as not
+        checked to be one run's (``instruments/one_run.py``)
     3   nothing found, but not everything could be checked: no dump and no ring, only traces.
         A trace holds the collectives a rank *completed*, so their order is compared (a desync
         among them is a finding, exit 1), but a collective issued and never completed — a hang,
@@ -52,6 +57,14 @@ def run(args) -> int:
 
 
 def text(report: doctor.Report, verbose: bool = False) -> list[str]:
+    """The report in words; the files that carry no run id are named last (``not_checked``)."""
+    lines = findings_text(report, verbose)
+    if report.unchecked:
+        lines += [""] * bool(report.findings) + [not_checked(report)]
+    return lines
+
+
+def findings_text(report: doctor.Report, verbose: bool = False) -> list[str]:
     lines = [f"minishard doctor {report.directory}: {what_was_read(report)}"]
     if report.only_traces or not report.dumps:
         lines.append(("no flight_rank*.json or .ring: the order of the collectives each trace holds "
@@ -74,6 +87,16 @@ def text(report: doctor.Report, verbose: bool = False) -> list[str]:
             lines += ["   - " + "\n     ".join(d.splitlines()) for d in f.details]
         lines.append(f"   fix: {f.fix}")
     return lines
+
+
+def not_checked(report: doctor.Report) -> str:
+    """The files read without a run id, which nothing tells apart from another run's."""
+    why = "(written before minishard wrote run ids, or written back without one)"
+    if report.run is None:
+        return f"not checked to be one run's files: none of them carries a run id {why}"
+    many = len(report.unchecked) > 1
+    return (f"not checked to be run {report.run}'s: {', '.join(report.unchecked)} "
+            f"carr{'y' if many else 'ies'} no run id {why}")
 
 
 def checked(report: doctor.Report) -> str:

@@ -15,7 +15,9 @@ of the last ``capacity`` collectives, each with
                and torch (the user's code, a notebook cell, a test)
     t_issued, t_completed   seconds on the rank's trace clock
 
-and, beside the entries, ``facts``: what else must agree across ranks or tells a cause — the
+and, beside the entries, ``run``: the run's id, which the ranks agreed as it started
+(:mod:`minishard.core.run_id`: the doctor refuses files of different runs read as one), and
+``facts``: what else must agree across ranks or tells a cause — the
 run's config, a fingerprint of the weights each rank built and started from, whether the start
 was broadcast from rank 0, each step's gradient norm and the precision the optimizer steps in.
 
@@ -136,6 +138,19 @@ class FlightRecorder:
         self.file: FlightFile | None = None   # on disk as it flies (fly_to), once a run has a folder
         # the clock of the entries' t_issued (the rank's trace clock): a dump says its time on it
         self.clock = clock
+        self._run: str | None = None
+
+    @property
+    def run(self) -> str | None:
+        """The run's id (``run_id.py``), once the ranks agreed it; written into the dump and the ring."""
+        return self._run
+
+    @run.setter
+    def run(self, run: str) -> None:
+        with self._lock:
+            self._run = run
+            if self.file is not None and run is not None:
+                self.file.mark_run(run)
 
     def fly_to(self, directory: str | os.PathLike) -> Path:
         """From now on write every collective into ``flight_rank{r}.ring`` in ``directory`` as
@@ -143,7 +158,8 @@ class FlightRecorder:
         dies without reaching Python again leaves. The collectives held already go in first."""
         with self._lock:
             if self.file is None:
-                self.file = FlightFile(directory, self.rank, self.world_size, self.entries.maxlen)
+                self.file = FlightFile(directory, self.rank, self.world_size, self.entries.maxlen,
+                                       self._run)
                 for e in self.entries:
                     n = self.file.issued(e)
                     if e["state"] == "completed":
@@ -183,8 +199,8 @@ class FlightRecorder:
         path = Path(directory) / f"flight_rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            body = {"v": FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size,
-                    "capacity": self.entries.maxlen,    # a full ring has dropped older ones
+            body = {"v": FORMAT_VERSION, "run": self._run, "rank": self.rank,
+                    "world_size": self.world_size, "capacity": self.entries.maxlen,    # a full ring has dropped older ones
                     "reason": reason, "error": error, "raised": raised, "time": time.time(),
                     "t": None if self.clock is None else round(self.clock(), 7),
                     "entries": list(self.entries), "facts": self.facts}

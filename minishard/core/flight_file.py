@@ -9,7 +9,8 @@ every record is written into a memory-mapped file *as* the collective is issued,
 changes in place when it completes: the kernel owns the pages, so they reach the file when the
 process dies however it dies (not when the machine does).
 
-    header    64 bytes: MAGIC, format version, rank, world size, capacity, record size
+    header    64 bytes: MAGIC, format version, rank, world size, capacity, record size, the
+              run's id (``run_id.py``; 16 bytes, zeros in a ring written before run ids)
     records   ``capacity`` slots of ``RECORD`` bytes, a ring: collective n goes to slot
               (n - 1) % capacity, so the file keeps the last ``capacity`` and never grows
 
@@ -18,7 +19,10 @@ process dies however it dies (not when the machine does).
               the entry as JSON (its length, 4 bytes, then the bytes; it carries n too)
 
 A record the process was writing when it died — its header n not the n inside its JSON, or JSON
-cut short — is *torn*: :func:`read` names it and reads the rest. Why a memory-mapped ring and not
+cut short — is *torn*: :func:`read` names it and reads the rest. One process dying leaves at
+most one torn record (the one it was writing); a ring most of whose records cannot be read was
+scrambled by something else, and :func:`read` refuses it whole rather than read its few records
+as a run. Why a memory-mapped ring and not
 an append-only log: completing a collective is a 1-byte store here, where a log appends a second
 line per collective and has to be cut and rotated to stay bounded (``benchmarks/bench_flight.py``
 measures both).
@@ -33,11 +37,15 @@ from pathlib import Path
 
 MAGIC = b"MSFLIGHT"
 VERSION = 1
-HEADER = struct.Struct("<8sIIIII")          # magic, version, rank, world size, capacity, record
+# magic, version, rank, world size, capacity, record, (pad), run id: a ring without one has zeros
+# there, so the version stays 1 and a reader before run ids reads it as ever
+HEADER = struct.Struct("<8sIIIII4x16s")
+RUN_AT = HEADER.size - 16
 HEADER_BYTES = 64
 RECORD = 1024                               # bytes a slot holds: an entry's JSON is ~350
 SLOT = struct.Struct("<QcxxxxxxxdI")        # n, state, (pad), t_completed, JSON length
 ISSUED, COMPLETED = b"I", b"C"
+EMPTY = bytes(SLOT.size)                    # a slot never written (one begun is torn, not empty)
 _N, _T = struct.Struct("<Q"), struct.Struct("<d")       # a slot's n, and its t_completed
 
 
@@ -48,7 +56,7 @@ def path_for(directory, rank: int) -> Path:
 class FlightFile:
     """One rank's ring file, open for writing from the first collective on."""
 
-    def __init__(self, directory, rank: int, world_size: int, capacity: int):
+    def __init__(self, directory, rank: int, world_size: int, capacity: int, run: str | None = None):
         self.path, self.capacity = path_for(directory, rank), capacity
         self.path.parent.mkdir(parents=True, exist_ok=True)
         size = HEADER_BYTES + capacity * RECORD
@@ -60,8 +68,14 @@ class FlightFile:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        HEADER.pack_into(self._map, 0, MAGIC, VERSION, rank, world_size, capacity, RECORD)
+        # (every store is a slice assignment, in the order written: a test replays any prefix)
+        self._map[0:HEADER.size] = HEADER.pack(MAGIC, VERSION, rank, world_size, capacity, RECORD,
+                                               (run or "").encode())
         self._n = 0
+
+    def mark_run(self, run: str) -> None:
+        """The run's id, once the ranks agreed it (a watch opens its ring before they do)."""
+        self._map[RUN_AT:RUN_AT + 16] = run.encode().ljust(16, b"\0")
 
     def issued(self, entry: dict) -> int:
         """Write ``entry`` (state issued) into the next slot; returns its number, for
@@ -72,15 +86,15 @@ class FlightFile:
         at = HEADER_BYTES + (n - 1) % self.capacity * RECORD
         # n 0 (not yet committed) with the record, then the commit, last
         self._map[at:at + SLOT.size + len(body)] = SLOT.pack(0, ISSUED, 0.0, len(body)) + body
-        _N.pack_into(self._map, at, n)
+        self._map[at:at + 8] = _N.pack(n)
         return n
 
     def completed(self, n: int, t: float) -> None:
         """Mark record ``n`` completed at ``t`` — if the ring has not overwritten it since."""
         at = HEADER_BYTES + (n - 1) % self.capacity * RECORD
-        if _N.unpack_from(self._map, at)[0] == n:
-            _T.pack_into(self._map, at + 16, t)
-            self._map[at + 8:at + 9] = COMPLETED
+        if _N.unpack(self._map[at:at + 8])[0] == n:
+            self._map[at + 16:at + 24] = _T.pack(t)      # the time first, then the state that says
+            self._map[at + 8:at + 9] = COMPLETED         # it is there
 
 
 _JSON = json.JSONEncoder(separators=(",", ":")).encode     # (made once: json.dumps with
@@ -108,39 +122,75 @@ def _encode(entry: dict, n: int) -> bytes:
     return body
 
 
-def read(path) -> dict:
-    """A ring file as a flight dump's body (``reason: "ring"``: the rank wrote no dump), its
-    entries in the order they were issued, plus ``torn``: the slots the process was writing when
-    it died, as sentences. A file that is not a ring raises ``ValueError`` naming it."""
+def header(path) -> dict:
+    """A ring's header: ``rank``, ``world_size``, ``capacity``, ``record`` and ``run`` (None: a
+    ring written before run ids). A file that is not a ring, or whose header cannot be a ring's,
+    raises ``ValueError`` naming it."""
     path = Path(path)
-    raw = path.read_bytes()
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    return _header(path, raw)
+
+
+def _header(path: Path, raw: bytes) -> dict:
     if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
         raise ValueError(f"{path}: not a minishard flight ring (no {MAGIC.decode()} header)")
-    _, version, rank, world, capacity, record = HEADER.unpack_from(raw, 0)
+    _, version, rank, world, capacity, record, run = HEADER.unpack_from(raw, 0)
     if version != VERSION:
         raise ValueError(f"{path}: flight ring format version {version}, but this minishard reads "
                          f"version {VERSION}")
+    # (a header scrambled past its magic: slots smaller than their own header, or no slots, would
+    # send the reader round one place of the file for ever)
+    if record < SLOT.size or capacity < 1:
+        raise ValueError(f"{path}: a flight ring's header with {capacity} slots of {record} bytes: "
+                         f"damaged, not a ring this minishard wrote")
+    run = run.rstrip(b"\0")
+    try:
+        run = run.decode("ascii") if run else None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: a flight ring's header whose run id is not text: damaged") from None
+    return {"rank": rank, "world_size": world, "capacity": capacity, "record": record, "run": run}
+
+
+def read(path) -> dict:
+    """A ring file as a flight dump's body (``reason: "ring"``: the rank wrote no dump), its
+    entries in the order they were issued, plus ``torn``: the slots the process was writing when
+    it died, as sentences. A file that is not a ring, or most of whose records cannot be read
+    (more than one: a process dying tears one at most), raises ``ValueError`` naming it."""
+    path = Path(path)
+    return decode(path.read_bytes(), path) | {"time": os.path.getmtime(path)}
+
+
+def decode(raw: bytes, path) -> dict:
+    """:func:`read` of a ring's bytes (``path``: the file errors name); its ``time`` is None."""
+    head = _header(path, raw)
+    capacity, record = head["capacity"], head["record"]
     entries, torn = [], []
     for slot in range(capacity):
         at = HEADER_BYTES + slot * record
         if at + SLOT.size > len(raw):
             torn.append(f"slot {slot}: the file ends inside it")
             break
-        n, state, t_completed, length = SLOT.unpack_from(raw, at)
-        if n == 0 and length == 0:
+        if raw[at:at + SLOT.size] == EMPTY:
             continue                                            # never written
+        n, state, t_completed, length = SLOT.unpack_from(raw, at)
+        ours = n and (n - 1) % capacity == slot                 # (collective n goes to this slot)
         try:
-            entry = json.loads(raw[at + SLOT.size:at + SLOT.size + length])
-            if entry.get("n") != n:
+            entry = json.loads(raw[at + SLOT.size:at + SLOT.size + min(length, record - SLOT.size)])
+            if not ours or not isinstance(entry, dict) or entry.get("n") != n:
                 raise ValueError
-        except ValueError:
+        except (ValueError, RecursionError):                    # (RecursionError: "[[[[…")
             torn.append(f"slot {slot}: a record cut while it was written (collective "
-                        f"{n or '?'}), left out")
+                        f"{n if ours else '?'}), left out")
             continue
         entry["state"] = "completed" if state == COMPLETED else "issued"
         entry["t_completed"] = round(t_completed, 7) if state == COMPLETED else None
         entries.append(entry)
+    if len(torn) > 1 and 2 * len(torn) > len(torn) + len(entries):
+        raise ValueError(f"{path}: {len(torn)} of the {len(torn) + len(entries)} records in this ring "
+                         f"cannot be read (a rank that dies tears one at most): scrambled or written "
+                         f"over, not a ring one run left; nothing is read from it")
     entries.sort(key=lambda e: e["n"])
-    return {"rank": rank, "world_size": world, "capacity": capacity, "reason": "ring",
-            "error": None, "time": os.path.getmtime(path), "entries": entries, "facts": {},
-            "torn": torn}
+    return {"rank": head["rank"], "world_size": head["world_size"], "capacity": capacity,
+            "reason": "ring", "error": None, "time": None, "entries": entries,
+            "facts": {}, "torn": torn, "run": head["run"]}

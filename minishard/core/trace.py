@@ -17,6 +17,9 @@ Schema version 1 (one object per line, per rank)::
     unit        name, state
     transfer    direction ("h2d"|"d2h"|...), bytes, seconds, tag
 
+A trace of a run with an id begins with a header line that is not an event (``run_id.header``:
+``{"v": 1, "run": "5f0c9a3be211", "rank": r, "world_size": n}``), which :func:`read_events` skips.
+
 ``t`` is seconds since the tracer's origin. Ranks started together share one origin (the
 launcher passes it), so their timelines line up.
 
@@ -37,6 +40,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
+
+from . import run_id
+from .lines import json_problem, not_utf8, numbered_lines  # noqa: F401 (trace readers import them here)
 
 SCHEMA_VERSION = 1
 KINDS = ("phase", "collective", "alloc", "free", "unit", "transfer")
@@ -67,6 +73,11 @@ class Tracer:
         self.step: int | None = None
         self._phases: list[str] = []            # open phases, innermost last (the flight recorder's)
         self._seq = 0
+        self.run: str | None = None              # the run's id, once the ranks agreed it
+
+    def header(self) -> dict | None:
+        """The trace's first line (None before the run has an id): see the module's docstring."""
+        return None if self.run is None else run_id.header(self.run, self.rank, self.world_size)
 
     @property
     def current_phase(self) -> str | None:
@@ -107,7 +118,8 @@ class Tracer:
         """The events so far, whole or not at all: SIGTERM or a kill may come while it writes."""
         path, tmp = Path(path), Path(f"{path}.tmp")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text("".join(json.dumps(ev) + "\n" for ev in list(self.events)))  # (threads append)
+        head = [json.dumps(self.header()) + "\n"] if self.run is not None else []
+        tmp.write_text("".join(head + [json.dumps(ev) + "\n" for ev in list(self.events)]))  # (threads append)
         tmp.replace(path)
         return path
 
@@ -126,27 +138,6 @@ def not_an_event(ev) -> str | None:
     return f"event has no {missing[0]!r} field: {ev}" if missing else None
 
 
-def json_problem(e: json.JSONDecodeError) -> str:
-    """``Unterminated string starting at column 147`` of a one-line document: the decoder's words
-    end in "at", its position follows (its ``str()`` says "at: line 1 column 147 (char 146)";
-    counted in characters, a line's newline is no line 2)."""
-    return f"{e.msg.removesuffix(' at')} at column {e.pos + 1}"
-
-
-def not_utf8(e: UnicodeDecodeError, text: bytes) -> tuple[int, str]:
-    """Where ``text`` (a file's bytes, or one line's) stops being UTF-8: the line (1 for one
-    line), and ``byte 0xff at column 67`` (counted in bytes from the line's start)."""
-    line_start = text.rfind(b"\n", 0, e.start) + 1
-    return (text.count(b"\n", 0, e.start) + 1,
-            f"byte 0x{text[e.start]:02x} at column {e.start - line_start + 1}")
-
-
-def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """A file's lines as bytes, numbered from 1: each reader decodes them, strictly or not."""
-    with open(path, "rb") as f:
-        yield from enumerate(f, 1)
-
-
 def read_events(path: str | Path, *, damaged: str = "raise",
                 also: Callable[[dict], str | None] | None = None) -> tuple[list[dict], list[tuple[int, str]]]:
     """One trace file's events, and its bad lines as ``(line number, why)``. Every reader of a
@@ -159,7 +150,7 @@ def read_events(path: str | Path, *, damaged: str = "raise",
     events: list[dict] = []
     bad: list[tuple[int, str]] = []
     for n, raw in numbered_lines(Path(path)):
-        why, ev = _line_problem(raw)
+        why, ev = _line_problem(raw, first=n == 1)
         if why is None and ev is not None and also is not None:
             why = also(ev)
         if why is None:
@@ -173,8 +164,9 @@ def read_events(path: str | Path, *, damaged: str = "raise",
     return events, bad
 
 
-def _line_problem(raw: bytes) -> tuple[str | None, dict | None]:
-    """(why the line is not an event, None), (None, the event), or (None, None) if blank."""
+def _line_problem(raw: bytes, first: bool = False) -> tuple[str | None, dict | None]:
+    """(why the line is not an event, None), (None, the event), or (None, None) if blank or
+    the ``first`` line is the run's header."""
     try:
         line = raw.decode("utf-8").strip()   # (a line cut inside a string reads as unterminated)
     except UnicodeDecodeError as e:
@@ -185,6 +177,8 @@ def _line_problem(raw: bytes) -> tuple[str | None, dict | None]:
         ev = json.loads(line)
     except json.JSONDecodeError as e:
         return f"not JSON ({json_problem(e)}): a line cut short, or not a trace", None
+    if first and run_id.is_header(ev):
+        return None, None
     why = not_an_event(ev)
     return (why, None) if why is not None else (None, ev)
 
@@ -220,8 +214,10 @@ def merge(events: Iterable[dict]) -> list[dict]:
     return sorted(events, key=lambda e: (e["t"], e["rank"], e["seq"]))
 
 
-def write_dir(events: Iterable[dict], directory: str | Path) -> list[Path]:
-    """Write merged events back as one ``rank{r}.jsonl`` per rank."""
+def write_dir(events: Iterable[dict], directory: str | Path, run: str | None = None,
+              world_size: int | None = None) -> list[Path]:
+    """Write merged events back as one ``rank{r}.jsonl`` per rank (each headed by ``run``'s
+    header, when given)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     by_rank: dict[int, list[dict]] = {}
@@ -231,6 +227,8 @@ def write_dir(events: Iterable[dict], directory: str | Path) -> list[Path]:
     for r, evs in sorted(by_rank.items()):
         p = directory / f"rank{r}.jsonl"
         with open(p, "w") as f:
+            if run is not None:
+                f.write(json.dumps(run_id.header(run, r, world_size)) + "\n")
             for ev in sorted(evs, key=lambda e: e["seq"]):
                 f.write(json.dumps(ev) + "\n")
         paths.append(p)

@@ -36,7 +36,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from . import causes
+from . import causes, cut_short
 from .causes import Finding
 from .endings import (TIMED_OUT, died, exceptions, left_early, missing_dumps, trace_end,  # noqa: F401
                       written)
@@ -56,6 +56,10 @@ def signature(e: dict) -> tuple:
 
 def sizes_agree(a: dict, b: dict) -> bool:
     return signature(a)[:3] == signature(b)[:3]
+
+
+def sizes_agree_and_tag(a: dict, b: dict) -> bool:
+    return signature(a) == signature(b)
 
 
 # --------------------------------------------------------------------------- findings
@@ -300,8 +304,12 @@ def diagnose(directory: str | Path) -> Report:
 def from_traces(report: Report) -> Report:
     """A run that left only traces: the order of the collectives each rank completed is compared
     (a desync among them shows); hangs and deaths cannot be seen, so they are not looked for."""
-    found = [f for group, held in sorted(by_group(report.dumps).items())
-             if (f := desync(group, held, members(group, held, report.dumps, report.world_size)))]
+    found = []
+    for group, held in sorted(by_group(report.dumps).items()):
+        ranks = members(group, held, report.dumps, report.world_size)
+        # a trace a death cut short lacks what its rank had not completed: lined up, not a desync
+        if f := desync(group, cut_short.lined_up(held, ranks, sizes_agree_and_tag), ranks):
+            found.append(f)
     return ranked(report, found)
 
 

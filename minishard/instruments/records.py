@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from . import torch_flight
+from . import one_run, torch_flight
 from .causes import Finding
 from minishard.core import flight_file
 from minishard.core.flight import FORMAT_VERSION
+from minishard.core.run_id import read_header
 from minishard.core.trace import TraceFormatError, not_utf8, read_events
 
 DUMP = re.compile(r"flight_rank(\d+)\.json")
@@ -36,9 +37,12 @@ class Report:
     world_size: int | None
     findings: list[Finding] = field(default_factory=list)
     only_traces: bool = False                # no dump, no ring: the dumps were read from traces
+    unchecked: list[str] = field(default_factory=list)   # files that carry no run id (one_run.py)
+    run: str | None = None                   # the run's id, as its files say it
 
     def as_dict(self) -> dict:
-        return {"directory": self.directory, "world_size": self.world_size,
+        return {"directory": self.directory, "run": self.run, "unchecked": self.unchecked,
+                "world_size": self.world_size,
                 "dumps": {str(r): {"reason": d["reason"], "error": d.get("error"),
                                    "entries": len(d["entries"])} for r, d in sorted(self.dumps.items())},
                 "traces": sorted(str(p) for p in self.traces.values()),
@@ -78,47 +82,58 @@ def read_dump(path: Path) -> dict:
 
 
 def read_dir(directory: str | Path) -> Report:
-    """The dumps and the traces of one run; neither: an error naming the directory."""
+    """The dumps and the traces of one run; neither: an error naming the directory. Files of
+    different runs, or that disagree on the world size, are refused (``one_run.py``)."""
     d = Path(directory)
     if not d.is_dir():
         raise FileNotFoundError(f"{d}: no such trace directory (TrainConfig(flight_dir=DIR) or "
                                 f"demo --trace DIR writes one)")
-    dumps = {int(m.group(1)): read_dump(p) for p in sorted(d.iterdir()) if (m := DUMP.fullmatch(p.name))}
-    traces = {int(m.group(1)): p for p in sorted(d.iterdir()) if (m := TRACE.fullmatch(p.name))}
-    theirs = {r: p for p in sorted(d.iterdir()) if (r := torch_flight.rank_of(p)) is not None}
-    if not dumps and not traces and not theirs and not any(RING.fullmatch(p.name) for p in d.iterdir()):
+    files = sorted(d.iterdir())
+    dumps = {int(m.group(1)): read_dump(p) for p in files if (m := DUMP.fullmatch(p.name))}
+    traces = {int(m.group(1)): p for p in files if (m := TRACE.fullmatch(p.name))}
+    rings = {int(m.group(1)): p for p in files if (m := RING.fullmatch(p.name))}
+    theirs = {r: p for p in files if (r := torch_flight.rank_of(p)) is not None}
+    if not dumps and not traces and not theirs and not rings:
         raise FileNotFoundError(f"{d}: no flight_rank*.json dumps or .ring records, no rank*.jsonl "
                                 f"traces and no PyTorch flight-recorder dumps in this directory: "
                                 f"nothing to diagnose")
-    # a rank's ring stands in for the dump it did not live to write
-    for p in sorted(d.iterdir()):
-        if (m := RING.fullmatch(p.name)) and int(m.group(1)) not in dumps:
-            try:
-                dumps[int(m.group(1))] = flight_file.read(p)
-            except ValueError as e:
-                raise TraceFormatError(str(e)) from None
+    said = [one_run.Said(f"flight_rank{r}.json", b.get("run"), b["world_size"]) for r, b in dumps.items()]
+    # a rank's ring stands in for the dump it did not live to write; beside a dump, its header
+    # still says which run it flew in
+    try:
+        for r, p in rings.items():
+            body = flight_file.header(p) if r in dumps else flight_file.read(p)
+            said.append(one_run.Said(p.name, body["run"], body["world_size"]))
+            if r not in dumps:
+                dumps[r] = body
+    except ValueError as e:
+        raise TraceFormatError(str(e)) from None
+    for p in traces.values():
+        head = read_header(p) or {}
+        said.append(one_run.Said(p.name, head.get("run"), head.get("world_size")))
     # PyTorch's own dumps stand in for the ranks that left none of minishard's
     world_of_theirs = max([r + 1 for r in theirs] + [b["world_size"] for b in dumps.values()], default=0)
     for r, p in theirs.items():
         if r not in dumps:
             dumps[r] = torch_flight.read(p, r, world_of_theirs)
+            said.append(one_run.Said(p.name, None, None))
+    unchecked = one_run.check(d, said)
     only_traces = not dumps and bool(traces)
     if only_traces:
         dumps = {r: from_trace(p, r) for r, p in traces.items()}
-        # the world's collectives say its size; a rank that completed none of them says no less
-        world = max([e["group_size"] for b in dumps.values() for e in b["entries"] if e["group"] == "world"]
-                    + [max(dumps) + 1])
+        # the traces' headers say the world size; without them, the world's collectives say it,
+        # and a rank that completed none of them says no less
+        world = next((s.world_size for s in said if s.world_size is not None), None) or max(
+            [e["group_size"] for b in dumps.values() for e in b["entries"] if e["group"] == "world"]
+            + [max(dumps) + 1])
         for body in dumps.values():
             body["world_size"] = world
-    sizes = {r: b["world_size"] for r, b in dumps.items()}
-    if len(set(sizes.values())) > 1:
-        raise TraceFormatError(f"{d}: dumps of different runs: world sizes "
-                               + ", ".join(f"{s} in flight_rank{r}.json" for r, s in sorted(sizes.items())))
-    world = next(iter(sizes.values())) if sizes else None
+    world = next(iter(dumps.values()))["world_size"] if dumps else None
     for r in dumps:
         if r >= world:
             raise TraceFormatError(f"{d / f'flight_rank{r}.json'}: rank {r} in a world of {world}")
-    return Report(str(d), dumps, traces, world, only_traces=only_traces)
+    return Report(str(d), dumps, traces, world, only_traces=only_traces, unchecked=unchecked,
+                  run=next((s.run for s in said if s.run is not None), None))
 
 
 def from_trace(path: Path, rank: int) -> dict:
@@ -139,5 +154,6 @@ def from_trace(path: Path, rank: int) -> dict:
         entries.append({"seq": seqs[group], "op": ev["op"], "group": group, "group_size": ev["group"],
                         "shapes": [[ev["payload"] // size]] if size else [], "dtypes": [ev.get("dtype", "?")],
                         "bytes": ev["payload"], "state": "completed", "tag": ev.get("tag", ""),
+                        "t_issued": ev["t"], "t_completed": ev.get("t_end", ev["t"]),
                         "step": ev.get("step"), "src": ev.get("src")})
     return {"rank": rank, "world_size": None, "reason": "trace", "entries": entries}

@@ -19,6 +19,7 @@ import torch
 
 from minishard import strategies
 from minishard.core import model as model_mod
+from minishard.core import run_id
 from minishard.core.comm import Comm
 from minishard.core.flight import dumping
 from minishard.core.launch import RankContext
@@ -59,6 +60,8 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     hooks.check(config, rank.world_size)
     comm = hooks.comm(tracer, ledger, alone)
     facts = comm.flight.facts if config.flight_dir is not None else None   # for the doctor
+    if config.flight_dir is not None:       # in every file the run leaves: its dumps, rings, traces
+        tracer.run = comm.flight.run = run_id.new() if alone else run_id.agree(rank.device)
     built = _build_noted(config, cfg, rank, comm, ledger, facts, hooks)
     first_step, ckpt = 0, {}
     if config.resume_from is not None:
@@ -91,7 +94,8 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
     if config.save_to is not None:      # (a last save the loop did not make: of the last step)
         ckpt["save"] = _saved(config, built, comm, first_step + config.steps, saves)
     tracer.step = None
-    return report.outputs(rank, config, cfg, meter, built, first_step, w, ledger, comm, ckpt)
+    out = report.outputs(rank, config, cfg, meter, built, first_step, w, ledger, comm, ckpt)
+    return out | ({"run": tracer.run} if config.flight_dir is not None else {})
 
 
 def _save(config: TrainConfig, built: Built, comm: Comm, step: int):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minishard.core import run_id
 from minishard.core.comm import ring_wire_bytes
 from minishard.core.flight import FlightRecorder, raised_at
 from minishard.core.trace import Tracer
@@ -122,10 +123,11 @@ class Watch:
         if problem is None and self._file is not None and self._given_flight is None:
             self.flight.fly_to(self._trace)      # on disk as it flies: what a rank that dies leaves
         # one collective, before anything is patched: every rank learns whether every rank can
-        # write its trace (so they fail together, not hang), and rank 0's clock is everyone's
-        # origin (minishard's rule: ranks started together share one origin)
-        t = torch.tensor([0.0 if rank else time.time(), 1.0 if problem else 0.0],
-                         dtype=torch.float64)
+        # write its trace (so they fail together, not hang), rank 0's clock is everyone's
+        # origin (minishard's rule: ranks started together share one origin), and rank 0's new
+        # run id everyone's (48 bits: exact in a float64)
+        t = torch.tensor([0.0 if rank else time.time(), 1.0 if problem else 0.0,
+                          0.0 if rank else float(run_id.as_number(run_id.new()))], dtype=torch.float64)
         dist.all_reduce(t)
         if problem or t[1] > 0:
             self._detach()
@@ -134,6 +136,7 @@ class Watch:
         self.tracer = self._trace if isinstance(self._trace, Tracer) else Tracer(
             rank, world, origin=float(t[0]), keep=self._file is None,
             sink=self._write if self._file else None)
+        self._join_run(t[2])
         if self.tracer.step is None:
             self.tracer.step = 0
         if self.flight.clock is None:            # (the clock of its entries' times)
@@ -164,6 +167,17 @@ class Watch:
             self._detach()
             raise
         return self
+
+    def _join_run(self, number) -> None:
+        """Rank 0's run id (from the all-reduce) on the recorder and the tracer, and the trace's
+        first line. Under train() the run has its id already: the recorder and tracer it lends
+        carry it."""
+        if self.flight.run is None:
+            self.flight.run = run_id.as_text(int(number))
+        if self.tracer.run is None:
+            self.tracer.run = self.flight.run
+        if self._file is not None:
+            self._write(self.tracer.header())
 
     def _open_trace(self, rank: int) -> str | None:
         """Open ``rank{r}.jsonl`` for streaming; the problem in words, or None."""
