@@ -14,8 +14,13 @@ process dies however it dies (not when the machine does).
               (n - 1) % capacity, so the file keeps the last ``capacity`` and never grows
 
     a record  n (8 bytes, the recorder's count, 0: empty; written *last*: the commit),
-              state (1 byte: ``I`` issued, ``C`` completed), t_completed (8 bytes),
-              the entry as JSON (its length, 4 bytes, then the bytes; it carries n too)
+              state (1 byte: ``I`` issued, ``C`` completed; ``F``: a fact, not a collective),
+              t_completed (8 bytes), the entry as JSON (its length, 4 bytes, then the bytes;
+              it carries n too)
+
+A fact is what the doctor compares across ranks besides their collectives, short enough for a
+slot (:meth:`FlightFile.noted`: the replicas' digest every few steps); :func:`read` returns the
+facts apart from the entries, under their key, as a dump's ``facts`` holds them.
 
 A record the process was writing when it died — its header n not the n inside its JSON, or JSON
 cut short — is *torn*: :func:`read` names it and reads the rest. Why a memory-mapped ring and not
@@ -37,7 +42,7 @@ HEADER = struct.Struct("<8sIIIII")          # magic, version, rank, world size, 
 HEADER_BYTES = 64
 RECORD = 1024                               # bytes a slot holds: an entry's JSON is ~350
 SLOT = struct.Struct("<QcxxxxxxxdI")        # n, state, (pad), t_completed, JSON length
-ISSUED, COMPLETED = b"I", b"C"
+ISSUED, COMPLETED, FACT = b"I", b"C", b"F"
 _N, _T = struct.Struct("<Q"), struct.Struct("<d")       # a slot's n, and its t_completed
 
 
@@ -74,6 +79,18 @@ class FlightFile:
         self._map[at:at + SLOT.size + len(body)] = SLOT.pack(0, ISSUED, 0.0, len(body)) + body
         _N.pack_into(self._map, at, n)
         return n
+
+    def noted(self, key: str, fact: dict) -> bool:
+        """Write ``fact`` into the next slot as a fact under ``key`` (``read`` returns it in
+        ``facts[key]``). One too long for a slot is left out (False): the dump keeps it whole."""
+        body = _JSON({**fact, "fact": key, "n": self._n + 1}).encode()
+        if len(body) > RECORD - SLOT.size:
+            return False
+        self._n += 1
+        at = HEADER_BYTES + (self._n - 1) % self.capacity * RECORD
+        self._map[at:at + SLOT.size + len(body)] = SLOT.pack(0, FACT, 0.0, len(body)) + body
+        _N.pack_into(self._map, at, self._n)               # the commit, last
+        return True
 
     def completed(self, n: int, t: float) -> None:
         """Mark record ``n`` completed at ``t`` — if the ring has not overwritten it since."""
@@ -120,7 +137,7 @@ def read(path) -> dict:
     if version != VERSION:
         raise ValueError(f"{path}: flight ring format version {version}, but this minishard reads "
                          f"version {VERSION}")
-    entries, torn = [], []
+    entries, torn, facts = [], [], {}
     for slot in range(capacity):
         at = HEADER_BYTES + slot * record
         if at + SLOT.size > len(raw):
@@ -137,10 +154,15 @@ def read(path) -> dict:
             torn.append(f"slot {slot}: a record cut while it was written (collective "
                         f"{n or '?'}), left out")
             continue
+        if state == FACT:
+            facts.setdefault(str(entry.pop("fact", "")), []).append(entry)
+            continue
         entry["state"] = "completed" if state == COMPLETED else "issued"
         entry["t_completed"] = round(t_completed, 7) if state == COMPLETED else None
         entries.append(entry)
     entries.sort(key=lambda e: e["n"])
+    for records in facts.values():
+        records.sort(key=lambda e: e["n"])
     return {"rank": rank, "world_size": world, "capacity": capacity, "reason": "ring",
-            "error": None, "time": os.path.getmtime(path), "entries": entries, "facts": {},
+            "error": None, "time": os.path.getmtime(path), "entries": entries, "facts": facts,
             "torn": torn}
