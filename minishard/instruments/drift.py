@@ -112,13 +112,15 @@ class Compared:
     steps: tuple[list[int], list[int]] | None
 
 
-def first_difference(recs: dict[int, dict[int, Record]]) -> Compared | None:
+def first_difference(recs: dict[int, dict[int, Record]], compare: bool = True) -> Compared | None:
+    """The first recorded step at which the ranks differ (``compare`` False: in their optimizers
+    only, not in their replicas)."""
     for step in sorted(set().union(*map(set, recs.values()))):
         here = {r: mine[step] for r, mine in recs.items() if step in mine}
         if len(here) < 2:
             continue
         replicas = []
-        for key in sorted(set().union(*(set(rec.sets) for rec in here.values()))):
+        for key in sorted(set().union(*(set(rec.sets) for rec in here.values()))) if compare else ():
             held = {r: rec.sets[key] for r, rec in here.items() if key in rec.sets}
             if len(held) > 1 and len(set(held.values())) > 1:
                 replicas.append((key, *sides(held)))
@@ -136,7 +138,8 @@ def first_difference(recs: dict[int, dict[int, Record]]) -> Compared | None:
 def find(dumps: dict[int, dict]) -> list[dict]:
     """The ``drift`` finding's fields (kind, ranks, title, evidence, fix), or none."""
     recs = records(dumps)
-    c = first_difference(recs) if len(recs) > 1 else None
+    # replicas that started apart differ for that reason (the weights finding): not compared
+    c = first_difference(recs, not started_apart(dumps)) if len(recs) > 1 else None
     phase = skipped_phase(dumps)
     if c is None:
         return [_phase_finding(phase)] if phase else []
@@ -167,6 +170,12 @@ def find(dumps: dict[int, dict]) -> list[dict]:
         evidence.append(_phase_line(phase))
     evidence.append(_recorded(recs, dumps))
     return [{"kind": "drift", "ranks": odd, "title": title, "evidence": evidence, "fix": fix}]
+
+
+def started_apart(dumps: dict[int, dict]) -> bool:
+    """The ranks' replicas differed as training started (``weights_start``)."""
+    start = [(b.get("facts") or {}).get("weights_start") for b in dumps.values()]
+    return len({tuple(sorted(w.items())) for w in start if isinstance(w, dict) and w}) > 1
 
 
 def skipped_phase(dumps: dict[int, dict]) -> tuple[int, list[int], list[int], int] | None:

@@ -21,8 +21,8 @@ settings, the step count.
 A fingerprint here is XXH3-64 of a tensor's dtype, shape and bytes, as the checkpoint's checksums
 are: equal replicas give equal fingerprints, one flipped bit changes it. BLAKE2, which
 ``health.fingerprint`` uses once at the start, costs an order of magnitude more per byte: taken
-every 10 steps it would cost about 1 % of a step of the tiny GPT on two ranks, XXH3 well under
-0.1 % (``benchmarks/bench_flight.py``, ``benchmarks/RESULTS.md``).
+every 10 steps it costs more than 1 % of a step of the tiny GPT on two ranks, XXH3 under 0.2 %
+(``benchmarks/bench_flight.py --replicas``, ``benchmarks/RESULTS.md``).
 """
 from __future__ import annotations
 
