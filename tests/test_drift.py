@@ -28,7 +28,7 @@ from minishard.training.loop import TrainConfig, train
 
 import drift_tasks
 from drift_tasks import ODD, SKIPPED, STEPS
-from flight_dumps import dump, write
+from flight_dumps import dump, entry, write
 
 LAST = STEPS - 1
 
@@ -108,6 +108,27 @@ def test_under_zero_a_skipped_step_is_loud_and_the_rank_that_skipped_it_is_named
     assert "desync" in {g.kind for g in found}
     assert main(["doctor", str(out)]) == 1
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("rank0_last_step", (0, 1))
+def test_a_rank_past_a_steps_optimizer_phase_with_none_of_its_collectives_is_named_one_still_in_it_is_not(
+        tmp_path, rank0_last_step):
+    """ZeRO's step sends each rank's stepped part to the others in the optimizer phase: rank 1
+    issued those of step 0, rank 0 none. Gone on to step 1, rank 0 skipped step 0's optimizer
+    step; stopped in step 0 (its backward's all-reduce never completed), it is a hang's rank, not
+    one that skipped a step."""
+    rank0 = [entry(0, step=0, phase="backward", size=2, state="issued" if rank0_last_step == 0 else "completed")]
+    if rank0_last_step == 1:
+        rank0.append(entry(1, step=1, phase="backward", size=2, op="broadcast", state="issued"))
+    rank1 = [entry(0, step=0, phase="backward", size=2), entry(1, step=0, phase="optimizer", op="broadcast", size=2,
+                                                             state="issued")]
+    write(tmp_path, [dump(0, rank0, world=2), dump(1, rank1, world=2)])
+    skipped = [f for f in doctor.diagnose(tmp_path).findings if f.kind == "drift"]
+    if rank0_last_step == 0:
+        assert skipped == []
+    else:
+        (f,) = skipped
+        assert f.ranks == [0] and f.title == "rank 0's optimizer did not step at step 0: rank 1 did", f.title
 
 
 # --------------------------------------------------------------------------- what is recorded
@@ -308,6 +329,10 @@ def test_a_drift_planted_in_hand_built_dumps_is_named_at_its_step_and_rank(tmp_p
         assert f.title.endswith("its optimizer has another lr (0.2 against rank " + f"{0 if odd else 1}'s 0.1)")
     else:
         assert f.title.endswith(f"its optimizer did not step at step {at}"), (case, f.title)
+    others = [r for r in range(world) if r != odd]
+    assert (f"of two ranks neither is a majority: rank 0, the lower, is the reference" if world == 2 else
+            f"{'rank' if len(others) == 1 else 'ranks'} {', '.join(map(str, others))} agree: the majority, "
+            f"the reference") in " ".join(f.evidence), f.evidence
     earlier = [s for s in _recorded_steps(every, steps) if s < first]
     assert (f"they were equal after step {earlier[-1]}, the record before" if earlier else
             f"step {first} is the first step recorded: they differed from the first step on") in f.evidence

@@ -182,13 +182,14 @@ def skipped_phase(dumps: dict[int, dict]) -> tuple[int, list[int], list[int], in
     """The first step whose optimizer phase some ranks issued collectives in (ZeRO's broadcasts
     or all-gathers of the stepped parameters) while others issued none there and went on to a
     later step: (the step, the ranks that issued them, those that skipped it, how many the
-    first of them issued). A rank whose ring no longer holds that step is not judged."""
+    first of them issued). A rank whose ring no longer holds that step, or that is still in it
+    (stopped before its optimizer phase: a hang's), is not judged."""
     held = {r: [e for e in b["entries"] if isinstance(e.get("step"), int)] for r, b in dumps.items()}
     stepped = {r: {e["step"] for e in es if e.get("phase") == "optimizer"} for r, es in held.items()}
     for step in sorted(set().union(*stepped.values())):
         issued = sorted(r for r in held if step in stepped[r])
         past = sorted(r for r, es in held.items() if r not in issued and es
-                      and min(e["step"] for e in es) < step < max(e["step"] for e in es))
+                      and min(e["step"] for e in es) <= step < max(e["step"] for e in es))
         if past:
             n = sum(1 for e in held[issued[0]] if e["step"] == step and e.get("phase") == "optimizer")
             return step, issued, past, n
