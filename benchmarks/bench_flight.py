@@ -109,8 +109,8 @@ def facts_cost() -> tuple[float, float]:
     return per_step, time.perf_counter() - t0
 
 
-def record_cost(rank, strategy: str, repeats: int = 7) -> dict[str, float]:
-    """A rank task: seconds for one replicas' record of the tiny GPT under ``strategy`` (the
+def record_cost(rank, strategy: str, repeats: int = 7, model: str = "tiny") -> dict[str, float]:
+    """A rank task: seconds for one replicas' record of ``model`` under ``strategy`` (the
     median of ``repeats``), as a run takes it — the sets, their XXH3 fingerprints, the settings,
     the ring's slot — and the same fingerprints with BLAKE2 instead, for comparison."""
     from minishard.core.comm import Comm
@@ -118,9 +118,9 @@ def record_cost(rank, strategy: str, repeats: int = 7) -> dict[str, float]:
     from minishard.instruments import health, replicas
     from minishard.strategies.registry import build
     rank.tracer.enabled = False
-    config = TrainConfig(strategy=strategy, model="tiny", track_activations=False)
+    config = TrainConfig(strategy=strategy, model=model, track_activations=False)
     comm = Comm(rank.tracer)
-    built = build(GPT("tiny"), config, comm, None)
+    built = build(GPT(model), config, comm, None)
     comm.flight.fly_to(tempfile.mkdtemp(prefix="bench-replicas-"))
     notes = replicas.ReplicaNotes(built.model, getattr(built.optimizer, "optimizer", built.optimizer),
                                   comm.flight)
