@@ -166,6 +166,24 @@ def test_under_the_watch_the_cadence_and_an_unended_last_step(pools, tmp_path):
     assert [r["step"] for r in _records(out)] == [2]
 
 
+def test_a_long_run_keeps_every_fingerprint_in_its_first_and_latest_records_only(pools, tmp_path):
+    """Past ``KEPT`` records, the second oldest keeps only its digests: the dump stays small, the
+    digests still find the first step at which rank 1 differs, and a later record that kept the
+    fingerprints names the parameters."""
+    out = tmp_path / "long"
+    steps = replicas.KEPT + 4
+    pools(2).run(drift_tasks.users_job, "ddp", "skip", str(out), steps=steps, every=1)
+    records = _records(out)
+    whole = [r["step"] for r in records if "prints" in r["sets"][0]]
+    assert [r["step"] for r in records] == list(range(steps))
+    assert whole == [0, *range(steps - replicas.KEPT + 1, steps)], whole
+    (f,) = _drift(out)[1]
+    assert f.ranks == [ODD] and f"after step {SKIPPED}, the first step recorded" in f.title, f.title
+    assert f"optimizer did not step at step {SKIPPED}" in f.title
+    first_whole = min(s for s in whole if s >= SKIPPED)
+    assert any(f"the parameters are named from step {first_whole}'s" in e for e in f.evidence), f.evidence
+
+
 def test_replica_sets_of_minishards_own_strategies(pools, tmp_path):
     """FSDP's shards are in no set, the parameters a unit keeps whole are (every rank holds them);
     HSDP's shards are replicas across its replica group."""
@@ -210,7 +228,7 @@ def test_a_rank_known_by_its_ring_alone_is_compared_by_digest(tmp_path):
                                 replicas.settings_digest(SETTINGS), "sets": [[[0, 1], replicas.digest(prints)]]})
     (finding,) = doctor.diagnose(tmp_path).findings[-1:]
     assert finding.kind == "drift" and finding.ranks == [1] and "after step 4" in finding.title
-    assert "a ring keeps no fingerprint per parameter" in " ".join(finding.evidence)
+    assert "no record of both keeps a fingerprint per parameter: a ring's does not" in " ".join(finding.evidence)
 
 
 SETTINGS = [{"lr": 0.1, "momentum": 0.0}]

@@ -68,10 +68,13 @@ def _record(raw: dict) -> Record:
     step, count, said = int(raw["step"]), raw.get("optimizer_steps"), raw.get("settings")
     sets, prints = {}, {}
     for s in raw["sets"]:
-        if isinstance(s, dict):                        # a dump's: the fingerprints
+        if isinstance(s, dict):                        # a dump's: the fingerprints, or their digest
             key = tuple(int(x) for x in s["ranks"])
-            prints[key] = dict(s["prints"])
-            sets[key] = digest(prints[key])
+            if "prints" in s:
+                prints[key] = dict(s["prints"])
+                sets[key] = digest(prints[key])
+            else:
+                sets[key] = str(s["digest"])
         else:                                          # a ring's: [ranks, digest]
             ranks, d = s
             sets[tuple(int(x) for x in ranks)] = str(d)
@@ -320,24 +323,39 @@ def _cause(odd: list[int], ref: int, changed: dict, skipped: dict, here: dict[in
                 "(fingerprint_every=1) to find the step")
 
 
+def _named(recs, key, r: int, ref: int, step: int) -> tuple[int, dict, dict] | None:
+    """The first record from ``step`` on where both ranks kept every fingerprint of the set and
+    they differ: (its step, rank r's fingerprints, the reference's)."""
+    for s in sorted(recs[r]):
+        if s >= step and s in recs[ref]:
+            mine, theirs = recs[r][s].prints.get(key), recs[ref][s].prints.get(key)
+            if mine is not None and theirs is not None and mine != theirs:
+                return s, mine, theirs
+    return None
+
+
 def _replica_lines(c: Compared, here: dict[int, Record], recs) -> list[str]:
     out = []
     for key, ref_ranks, odd in c.replicas:
         ref = ref_ranks[0]
-        theirs = here[ref].prints.get(key)
         for r in odd:
-            mine = here[r].prints.get(key)
-            if mine is None or theirs is None:
+            named = _named(recs, key, r, ref, c.step)
+            if named is None:
                 out.append(f"rank {r}: the digest of the parameters held as replicas by {_ranks(key)} "
-                           f"differs from rank {ref}'s after step {c.step} (a ring keeps no "
-                           f"fingerprint per parameter)")
+                           f"differs from rank {ref}'s after step {c.step} (no record of both keeps "
+                           f"a fingerprint per parameter: a ring's does not)")
                 continue
+            at, mine, theirs = named
             names = [n for n in theirs if mine.get(n) != theirs[n]] + [n for n in mine if n not in theirs]
             first = names[0]
             shown = ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+            later = "" if at == c.step else (f" (step {c.step}'s record keeps one digest per set: "
+                                             f"the parameters are named from step {at}'s, the first "
+                                             f"after it that keeps every fingerprint)")
             out.append(f"rank {r}: {len(names)} of the {len(theirs)} parameters held as replicas by "
-                       f"{_ranks(key)} differ from rank {ref}'s after step {c.step} ({shown}; {first}: "
-                       f"fingerprint {mine.get(first, '(none)')} against {theirs.get(first, '(none)')})")
+                       f"{_ranks(key)} differ from rank {ref}'s after step {at} ({shown}; {first}: "
+                       f"fingerprint {mine.get(first, '(none)')} against {theirs.get(first, '(none)')})"
+                       + later)
         out.append(how_picked(ref_ranks, odd, {r: here[r].sets[key] for r in here if key in here[r].sets}))
         before = [s for s in sorted(recs[ref]) if s < c.step and all(
             key in recs[r].get(s, Record(s, None, None, "", {})).sets for r in [ref, *odd])]
@@ -398,8 +416,10 @@ def checked(dumps: dict[int, dict]) -> str:
                 "fingerprints were recorded during the run (minishard.watch and "
                 "TrainConfig(flight_dir=) record them every fingerprint_every steps).")
     steps = steps_word(sorted(set().union(*map(set, recs.values()))))
-    sets = {key: len(rec.prints.get(key, ())) for mine in recs.values() for rec in mine.values()
-            for key in rec.sets}
+    sets: dict[tuple[int, ...], int] = {}
+    for rec in (rec for mine in recs.values() for rec in mine.values()):
+        for key in rec.sets:
+            sets[key] = max(sets.get(key, 0), len(rec.prints.get(key, ())))
     if not sets:
         return (f"The optimizers' settings and step counts agreed at every step recorded (steps {steps}). "
                 f"Not compared: the weights after the start — no rank holds a parameter as a "

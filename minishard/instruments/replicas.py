@@ -2,7 +2,8 @@
 ``every``-th step (``step % every == 0``) and after its last step, so that ``drift.py`` can name
 the first step at which one rank's replica differs and why.
 
-A record, in ``facts["replicas"]`` of the rank's flight dump:
+A record, in ``facts["replicas"]`` of the rank's flight dump (the first and the ``KEPT - 1``
+latest with each parameter's fingerprint, the others with one digest of each set's):
 
     step        the step that has just ended
     sets        each set of parameters this rank holds as a replica of other ranks': the ranks
@@ -36,6 +37,10 @@ import torch.distributed as dist
 import xxhash
 
 EVERY = 10             # the default cadence: steps 0, 10, 20, ... and the last
+# records that keep each parameter's fingerprint — the first and the latest: the others keep one
+# digest per set, so that a long run's dump stays small (the digests find the first step at
+# which a rank differs; a record with the fingerprints names the parameters)
+KEPT = 8
 
 
 def check_every(every, name: str = "fingerprint_every") -> None:
@@ -161,6 +166,7 @@ class ReplicaNotes:
         self.steps = 0                           # optimizer steps taken since these notes began
         self._last: int | None = None            # the step noted last
         self._ended: int | None = None           # the step that ended last
+        self._whole: list[dict] = []             # the records that keep every fingerprint
         recorder.facts["fingerprint_every"] = every
         self._hooks = [] if optimizer is None else [optimizer.register_step_post_hook(self._stepped)]
 
@@ -183,13 +189,19 @@ class ReplicaNotes:
     def note(self, step: int) -> None:
         sets = replicated_sets(self.model)
         said = settings(self.optimizer) if self.optimizer is not None else []
-        record = {"step": step, "optimizer_steps": self.steps, "settings": said,
-                  "sets": [{"ranks": list(ranks), "prints": fingerprint(named)}
-                           for ranks, named in sorted(sets.items())]}
+        kept = []
+        for ranks, named in sorted(sets.items()):
+            prints = fingerprint(named)
+            kept.append({"ranks": list(ranks), "digest": digest(prints), "prints": prints})
+        record = {"step": step, "optimizer_steps": self.steps, "settings": said, "sets": kept}
         ring = {"step": step, "optimizer_steps": self.steps, "settings": settings_digest(said),
-                "sets": [[s["ranks"], digest(s["prints"])] for s in record["sets"]]}
+                "sets": [[s["ranks"], s["digest"]] for s in kept]}
         self.recorder.note("replicas", record, ring)
         self._last = step
+        self._whole.append(record)
+        if len(self._whole) > KEPT:              # the second oldest gives up its fingerprints
+            for s in self._whole.pop(1)["sets"]:
+                s.pop("prints", None)
 
     def close(self) -> None:
         for h in self._hooks:
