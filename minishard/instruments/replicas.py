@@ -23,7 +23,8 @@ A fingerprint here is XXH3-64 of a tensor's dtype, shape and bytes, as the check
 are: equal replicas give equal fingerprints, one flipped bit changes it. BLAKE2, which
 ``health.fingerprint`` uses once at the start, costs an order of magnitude more per byte: taken
 every 10 steps it costs more than 1 % of a step of the tiny GPT on two ranks, XXH3 under 0.2 %
-(``benchmarks/bench_flight.py --replicas``, ``benchmarks/RESULTS.md``).
+(``benchmarks/bench_flight.py --replicas``, ``benchmarks/RESULTS.md``). On an accelerator each
+replica is copied to the host to be hashed: that cost is not measured here (CPU ranks only).
 """
 from __future__ import annotations
 
