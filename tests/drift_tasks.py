@@ -68,3 +68,31 @@ def nudged(rank, out: str, step_at: int, name: str, every: int, steps: int = STE
             opt.zero_grad()
             w.step()
     return [n for n, _ in model.module.named_parameters()]
+
+
+def own_job(rank, kind: str, bug: str | None, out: str) -> str:
+    """minishard's own DDP, ZeroOptimizer (stage 2) or fully_shard, built by hand as a user builds
+    them, under watch; ``bug`` "lr": rank ``ODD``'s optimizer with ``ODD_LR``."""
+    from minishard.strategies.fsdp import ShardedOptimizer
+    net = minishard.GPT(minishard.model_config("nano"), seed=0)
+    comm = minishard.Comm()
+    lr = ODD_LR if bug == "lr" and rank.rank == ODD else LR
+    if kind == "fsdp":
+        for i, block in enumerate(net.blocks):
+            minishard.fully_shard(block, comm=comm, name=f"blocks.{i}")
+        model = minishard.fully_shard(net, comm=comm, name="root")
+        opt = ShardedOptimizer(net, torch.optim.AdamW(net.parameters(), lr=lr))
+    elif kind == "ddp":
+        model, opt = minishard.DDP(net, comm=comm), torch.optim.AdamW(net.parameters(), lr=lr)
+    else:
+        model = net
+        opt = minishard.ZeroOptimizer(net.parameters(), torch.optim.AdamW, stage=2, comm=comm, lr=lr)
+    cfg = minishard.model_config("nano")
+    with minishard.watch(model, opt, trace=out) as w:
+        for step in range(STEPS):
+            x, y = minishard.batch(cfg, step, 2, rank.rank, rank.world_size)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+    return "done"

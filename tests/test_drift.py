@@ -138,6 +138,19 @@ def test_a_rank_past_a_steps_optimizer_phase_with_none_of_its_collectives_is_nam
         assert f.ranks == [0] and f.title == "rank 0's optimizer did not step at step 0: rank 1 did", f.title
 
 
+@pytest.mark.parametrize("kind,bug", [("ddp", "lr"), ("zero", "lr"), ("fsdp", "lr"), ("zero", None)])
+def test_minishards_own_strategies_under_the_watch(pools, tmp_path, kind, bug):
+    out = tmp_path / kind
+    pools(2).run(drift_tasks.own_job, kind, bug, str(out))
+    found = doctor.diagnose(out).findings
+    if bug is None:
+        assert found == []
+        return
+    (f,) = found
+    assert f.kind == "drift" and f.ranks == [ODD] and "another lr" in f.title, f.title
+    assert ("replica differs" in f.title) == (kind == "ddp"), f.title
+
+
 # --------------------------------------------------------------------------- what is recorded
 
 def _records(out, rank=0) -> list[dict]:
