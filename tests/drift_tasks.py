@@ -25,10 +25,15 @@ def _build(job: str, lr: float):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
     net = minishard.GPT(minishard.model_config("nano"), seed=0)
-    if job == "fsdp2":
+    if job in ("fsdp2", "hsdp2"):
+        # HSDP: a mesh of (replicas, shards) — here every rank a replica of a one-rank shard group
+        from torch.distributed.device_mesh import init_device_mesh
+        import torch.distributed as dist
+        mesh = {"mesh": init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+                } if job == "hsdp2" else {}
         for block in net.blocks:
-            fully_shard(block)
-        return fully_shard(net), torch.optim.AdamW(net.parameters(), lr=lr)
+            fully_shard(block, **mesh)
+        return fully_shard(net, **mesh), torch.optim.AdamW(net.parameters(), lr=lr)
     model = DistributedDataParallel(net)
     if job == "zero":
         return model, ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)

@@ -83,6 +83,18 @@ def test_rank_1_with_another_learning_rate_is_named_with_the_step_and_both_value
     capsys.readouterr()
 
 
+def test_fsdp2s_hybrid_shards_are_replicas_across_their_replica_group(pools, tmp_path):
+    """FSDP2 on a (replicate, shard) mesh: a DTensor's ``Replicate`` dimension makes the ranks
+    along it replicas of one shard — compared, and the rank with another lr named."""
+    healthy, planted = tmp_path / "healthy", tmp_path / "lr"
+    pools(2).run(drift_tasks.users_job, "hsdp2", None, str(healthy))
+    assert [(s["ranks"], len(s["prints"])) for s in _records(healthy)[0]["sets"]] == [([0, 1], 41)]
+    assert doctor.diagnose(healthy).findings == []
+    pools(2).run(drift_tasks.users_job, "hsdp2", "lr", str(planted))
+    (f,) = _drift(planted)[1]
+    assert f.ranks == [ODD] and "replica differs from rank 0's after step 0" in f.title and "another lr" in f.title
+
+
 @pytest.mark.parametrize("job", ("ddp", "fsdp2"))
 def test_rank_1_that_skipped_one_optimizer_step_is_named_with_that_step(pools, tmp_path, job, capsys):
     out = tmp_path / job
