@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from .health import row_major
+
 EVERY = 10             # the default cadence: steps 0, 10, 20, ... and the last
 # records that keep each parameter's fingerprint — the first and the latest: the others keep one
 # digest per set, so that a long run's dump stays small (the digests find the first step at
@@ -52,15 +54,12 @@ def check_every(every, name: str = "fingerprint_every") -> None:
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """name -> XXH3-64 (16 hex digits) of the tensor's dtype, shape and bytes, as they are laid
-    out contiguously (the values, whatever the strides)."""
+    """name -> XXH3-64 (16 hex digits) of the tensor's dtype, shape and elements in row-major
+    order (``health.row_major``: a layout is not a value)."""
     out = {}
     for name, t in named:
-        t = t.detach()
-        t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
         h = xxhash.xxh3_64(f"{t.dtype}{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        h.update(row_major(name, t).numpy())
         out[name] = h.hexdigest()
     return out
 
