@@ -12,8 +12,6 @@ the parameters an FSDP unit keeps whole, an HSDP replica group), what the ring k
 and the doctor against planted drifts — at a random step and rank, in hand-built dumps of 2 to 6
 ranks and on real ranks."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,18 +22,13 @@ import minishard
 from minishard.cli import main
 from minishard.core import flight_file
 from minishard.core.flight import FlightRecorder
-from minishard.instruments import doctor, drift, replicas
+from minishard.instruments import doctor, replicas
 from minishard.training.config import ConfigError
 from minishard.training.loop import TrainConfig, train
 
 import drift_tasks
 from drift_tasks import ODD, SKIPPED, STEPS
 from flight_dumps import dump, entry, write
-
-# the rank processes import the benchmark's task by its module's name: the pool starts after
-# collection, with this path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_flight  # noqa: E402
 
 LAST = STEPS - 1
 
@@ -402,13 +395,3 @@ def test_a_drift_planted_on_real_ranks_is_named_at_its_step_and_rank(pools, tmp_
     # the nudged parameter differs, and with DDP's averaged gradients the others stay equal
     assert any(e.startswith(f"rank {ODD}: 1 of the 41 parameters held as replicas by ranks 0, 1")
                and f"({names[param]};" in e for e in f.evidence), f.evidence
-
-
-def test_the_benchmark_measures_a_record_as_a_run_takes_it(pools):
-    """``benchmarks/bench_flight.py --replicas``: one record of the replicas on each rank (the
-    nano GPT here, the tiny one there), with XXH3 as recorded and BLAKE2 beside it; FSDP's shards
-    are no replica."""
-    ddp, fsdp = (pools(2).run(bench_flight.record_cost, s, repeats=1, model="nano") for s in ("ddp", "fsdp"))
-    psi = minishard.GPT(minishard.model_config("nano"), device="meta").num_params()
-    assert all(c["bytes"] == 4 * psi and c["xxh3"] > 0 and c["blake2"] > 0 for c in ddp), ddp
-    assert all(c["bytes"] == 0 for c in fsdp), fsdp
