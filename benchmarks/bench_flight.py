@@ -13,15 +13,25 @@ as JSON into its slot, then a 1-byte state change when it completes) and an appe
 JSON line per issue and one per completion, ``os.write`` on an ``O_APPEND`` file: what the ring
 would be without its fixed slots). The
 doctor's facts (``minishard/instruments/health.py``) cost a few microseconds a step for fp32 weights and a
-fingerprint of the weights once at the start: measured beside it.
+fingerprint of the weights once at the start: measured beside it. So is what a run pays every
+``fingerprint_every`` steps (default 10) for the replicas' record (``instruments/replicas.py``: the
+fingerprints of the parameters a rank holds as replicas, the optimizer's settings, the ring's
+slot), on the ranks of each strategy, with XXH3 as recorded and with BLAKE2 in its place:
+
+    python benchmarks/bench_flight.py               # all of it (about a minute)
+    python benchmarks/bench_flight.py --replicas    # the replicas' record only
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,6 +40,8 @@ from minishard.core.launch import Ranks
 from minishard.training.loop import TrainConfig, train
 
 CALLS = 20_000
+STRATEGIES = ("ddp_naive", "ddp", "zero2", "fsdp")
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # the ranks import this file's task
 
 
 VARIANTS = ("bare", "memory", "ring", "log")
@@ -97,7 +109,58 @@ def facts_cost() -> tuple[float, float]:
     return per_step, time.perf_counter() - t0
 
 
+def record_cost(rank, strategy: str, repeats: int = 7, model: str = "tiny") -> dict[str, float]:
+    """A rank task: seconds for one replicas' record of ``model`` under ``strategy`` (the
+    median of ``repeats``), as a run takes it — the sets, their XXH3 fingerprints, the settings,
+    the ring's slot — and the same fingerprints with BLAKE2 instead, for comparison."""
+    from minishard.core.comm import Comm
+    from minishard.core.model import GPT
+    from minishard.instruments import health, replicas
+    from minishard.strategies.registry import build
+    rank.tracer.enabled = False
+    config = TrainConfig(strategy=strategy, model=model, track_activations=False)
+    comm = Comm(rank.tracer)
+    built = build(GPT(model), config, comm, None)
+    comm.flight.fly_to(tempfile.mkdtemp(prefix="bench-replicas-"))
+    notes = replicas.ReplicaNotes(built.model, getattr(built.optimizer, "optimizer", built.optimizer),
+                                  comm.flight)
+    xxh, blake = [], []
+    for step in range(repeats):
+        t0 = time.perf_counter()
+        notes.note(step)
+        xxh.append(time.perf_counter() - t0)
+        named = [t for ts in replicas.replicated_sets(built.model).values() for t in ts]
+        t0 = time.perf_counter()
+        health.fingerprint(named)
+        blake.append(time.perf_counter() - t0)
+    held = sum(t.numel() * t.element_size() for ts in replicas.replicated_sets(built.model).values()
+               for _, t in ts)
+    return {"xxh3": statistics.median(xxh), "blake2": statistics.median(blake), "bytes": held}
+
+
+def replicas_cost(ranks) -> None:
+    """Each strategy's step on 2 ranks of the tiny GPT, and a replicas' record's cost over the
+    default cadence's steps: the share of a step a run pays."""
+    from minishard.instruments.replicas import EVERY
+    for strategy in STRATEGIES:
+        res = ranks.run(train, TrainConfig(strategy=strategy, model="tiny", steps=4, micro_batch=2,
+                                           track_activations=False))
+        step = statistics.median(res[0]["step_times"][1:])
+        task = importlib.import_module("bench_flight").record_cost      # (by its module's name)
+        cost = max(ranks.run(task, strategy), key=lambda c: c["xxh3"])    # the slower rank
+        print(f"{strategy:<10} step {step * 1e3:7.1f} ms; a replicas' record ({cost['bytes']:,} B held as "
+              f"replicas) {cost['xxh3'] * 1e3:.2f} ms, every {EVERY} steps = {100 * cost['xxh3'] / EVERY / step:.3f} "
+              f"% of a step (with BLAKE2: {cost['blake2'] * 1e3:.2f} ms, {100 * cost['blake2'] / EVERY / step:.3f} %)")
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--replicas", action="store_true", help="only the replicas' record's cost")
+    args = p.parse_args()
+    if args.replicas:
+        with Ranks(2) as ranks:
+            replicas_cost(ranks)
+        return
     times = per_call()
     cost = times["memory"] - times["bare"]
     print(f"the recorder in memory: +{cost * 1e6:.1f} us per collective (median of 5 interleaved "
@@ -111,7 +174,8 @@ def main() -> None:
     print(f"the facts: {per_step * 1e6:.1f} us per step (fp32: no copy), {once * 1e3:.1f} ms once at the "
           f"start (fingerprints of the tiny GPT's weights, twice for replicas)")
     with Ranks(2) as ranks:
-        for strategy in ("ddp_naive", "ddp", "zero2", "fsdp"):
+        replicas_cost(ranks)
+        for strategy in STRATEGIES:
             res = ranks.run(train, TrainConfig(strategy=strategy, model="tiny", steps=4, micro_batch=2,
                                                track_activations=False))
             step = statistics.median(res[0]["step_times"][1:])

@@ -73,7 +73,7 @@ from minishard import GPT, RankError, Ranks
 from minishard.instruments import doctor
 from minishard.core.trace import read_events
 from minishard.cli import main as minishard_cli
-from minishard.course.ch11 import broken, doctor_text, outcome, stable, summary, verdict
+from minishard.course.ch11 import broken, doctor_text, drifting, outcome, stable, summary, verdict
 from minishard.course.glue import glue
 from minishard.viewers.playback import fmt_bytes
 
@@ -132,8 +132,9 @@ assert all(e["bytes"] == 4 * NANO for e in dump["entries"])       # the whole mo
 # Three collectives: DDP's broadcast of rank 0's weights at the start, then one gradient
 # all-reduce per step (the nano model's 850 KiB fit in one 25 MiB bucket). Beside the entries,
 # the facts the collectives cannot tell: the run's config, a fingerprint (a hash) of every
-# parameter as the rank built it and as training started from it, and each step's dtypes and
-# gradient norm. The doctor compares the four ranks' recorders seq by seq, then the facts, then
+# parameter as the rank built it and as training started from it, each step's dtypes and
+# gradient norm, and — every `fingerprint_every` steps and after the last — the replicas'
+# fingerprints with the optimizer's settings and step count (§4). The doctor compares the four ranks' recorders seq by seq, then the facts, then
 # the ledger in the traces, and finds nothing — the baseline every fix below must get back to.
 #
 # ## 2. A rank that skips a collective: the hang
@@ -294,6 +295,45 @@ assert not doctor.diagnose(RUNS / "torch-ddp-own-seeds").findings
 # For FSDP2 the fix is on the user's side: build the model from one seed on every rank (or on
 # the meta device, then load one checkpoint), or broadcast rank 0's weights before
 # `fully_shard`.
+#
+# ### Replicas that drift apart after the start
+# Replicas that start equal can still part later, every collective matching: rank 1's optimizer
+# built with another learning rate, or rank 1 skipping `optimizer.step()` once (a NaN check on
+# its own loss). The averaged gradient is the same on every rank; what each rank does with it is
+# not. So `minishard.watch` — and `train` with a `flight_dir` — fingerprints the parameters each
+# rank holds as a replica every `fingerprint_every` steps (10 by default, and after the last),
+# beside each rank's optimizer settings and step count. A user's own script, PyTorch's DDP and
+# AdamW, where rank 1 was given twice the learning rate:
+#
+# ```python
+# opt = torch.optim.AdamW(model.parameters(), lr=2e-3 if rank == 1 else 1e-3)   # the bug
+# with minishard.watch(model, opt, trace="runs/drift") as w:
+#     for x, y in batches:
+#         model(x, y).backward(); opt.step(); opt.zero_grad(); w.step()
+# ```
+
+# %%
+# NBVAL_CHECK_OUTPUT
+drifted = R4.run(drifting, str(RUNS / "drift"), odd_lr=2e-3)
+report = show("drift")
+print()
+fixed = R4.run(drifting, str(RUNS / "drift-fixed"))
+show("drift-fixed")
+print(f"after 2 steps the 4 replicas are equal — planted: {replicas_equal(drifted)}; fixed: {replicas_equal(fixed)}")
+(f,) = report.findings
+assert (f.kind, f.ranks) == ("drift", [1]) and "after step 0" in f.title and "another lr" in f.title
+assert not doctor.diagnose(RUNS / "drift-fixed").findings
+assert not replicas_equal(drifted) and replicas_equal(fixed)
+
+# %% [markdown]
+# The doctor names rank 1 — ranks 0, 2 and 3 agree, and the majority is the reference (with two
+# ranks, rank 0 is) — the first recorded step at which its replica differs, step 0 (every
+# parameter took another step from the first update on), and the cause its records show: the
+# learning rate, both values. A skipped step shows as step counts that differ, and the doctor
+# names the step that rank's optimizer did not take. The fix run finds nothing, and says what it
+# compared. Under ZeRO the same bug leaves the replicas equal — each rank steps its own part and
+# sends it to the others — and under FSDP2 no rank holds a replica; there the settings and step
+# counts that differ are the finding (`tests/test_drift.py` runs all three jobs, both bugs).
 #
 # ## 5. Memory that did not drop
 # "FSDP's memory is no lower than DDP's" (fairscale#1050, pytorch#82001, accelerate#3474) has
@@ -588,6 +628,7 @@ assert not doctor.diagnose(RUNS / "crash-fixed").findings and left == [".json", 
 # | a rank skips a collective (§2) | the others time out | `hang`: the rank, the seq it never issued, its last collective | every rank issues every collective | not run: the fault is planted in minishard's communicator |
 # | collectives in different orders (§3) | nothing when the sizes agree | `desync`: the first seq where the ranks disagree | one rank-independent order for units, buckets, prefetch | FSDP2: the same finding |
 # | ranks start from different weights (§4) | replicas that never agree | `weights`: which ranks, which parameters | broadcast rank 0's weights, or one seed | FSDP2, own seeds: the same finding; DDP: nothing (it broadcasts) |
+# | replicas drift apart after the start (§4) | nothing: every collective matches | `drift`: the rank, the first recorded step, the parameters, another lr or a skipped step | one optimizer setting everywhere; a step skipped by all ranks or none | this is PyTorch's DDP under `watch`; ZeRO and FSDP2: the same finding (`tests/test_drift.py`) |
 # | no wrap policy (§5) | FSDP no lower than DDP | `memory`: one unit holds all of Ψ | one unit per block | FSDP2: the same finding |
 # | accumulation without sync (§5) | 4Ψ more memory from the first micro-batch on | `memory`: 4Ψ of full gradients kept | reduce-scatter every micro-batch | not run (FSDP2's switch: `set_requires_gradient_sync(False)`) |
 # | bf16 weights stepped in bf16 (§6) | the loss stalls | `precision`: the updates rounded away | an fp32 master | DDP with bf16 parameters: the same finding |

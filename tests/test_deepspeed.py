@@ -288,15 +288,19 @@ def test_each_collective_names_the_deepspeed_line_that_issued_it_and_the_users(w
 
 def test_replicas_are_fingerprinted_below_stage_3_and_not_at_it(watched):
     """Stages 0–2 hold the weights whole on every rank: the watch notes their fingerprint for the
-    doctor (ranks that start apart are found); stage 3 holds partitions, different by design."""
+    doctor (ranks that start apart are found), and every few steps the replicas' (ranks that
+    drift apart are); stage 3 holds partitions, different by design."""
     import json
     for stage in (0, 2, 3):
         d, _ = watched[stage, 2]
         facts = [json.loads((d / f"flight_rank{r}.json").read_text())["facts"] for r in (0, 1)]
+        sets = [s for rec in facts[0]["replicas"] for s in rec["sets"]]
+        assert facts[0]["replicas"] and all(rec["settings"] for rec in facts[0]["replicas"])
         if stage < 3:
             assert facts[0]["weights_start"] == facts[1]["weights_start"] and facts[0]["weights_start"]
+            assert sets and all(s["ranks"] == [0, 1] for s in sets)     # and every few steps after
         else:
-            assert "weights_start" not in facts[0]
+            assert "weights_start" not in facts[0] and not sets
 
 
 def test_stage_3s_defaults_keep_a_small_model_whole(pools, tmp_path):

@@ -15,7 +15,9 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, strategies as st  # noqa: E402
 
-from minishard.instruments import health  # noqa: E402
+import xxhash  # noqa: E402
+
+from minishard.instruments import health, replicas  # noqa: E402
 from test_properties import bounded  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8,
@@ -79,6 +81,9 @@ def test_equal_elements_give_the_fingerprint_of_their_bytes_in_any_layout(data, 
     want = expected(dtype, shape, raw)
     assert health.fingerprint([("w", t)])["w"] == want
     assert health.fingerprint([("w", view)])["w"] == want, (view.stride(), view.storage_offset())
+    # the replicas' fingerprint, taken every few steps (replicas.py), hashes the same bytes
+    fast = xxhash.xxh3_64_hexdigest(f"{dtype}{shape}".encode() + raw)
+    assert replicas.fingerprint([("w", t), ("v", view)]) == {"w": fast, "v": fast}
 
 
 @bounded(100)

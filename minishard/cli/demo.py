@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="DIR", help="write rank*.jsonl (the player's trace) and trace.json (Perfetto)")
     g.add_argument("--torch-flight", action="store_true",
                    help="with --trace: also write PyTorch's own flight recorder there (the doctor reads it)")
+    g.add_argument("--fingerprint-every", type=int, default=10, metavar="K",
+                   help="with --trace: fingerprint the replicas and note the optimizer's settings after "
+                        "every K-th step and the last (default 10; the doctor names a rank whose "
+                        "replica drifted)")
     g.add_argument("--world-size", type=int, default=None, help="without torchrun: start this many ranks here")
     g.add_argument("--quiet", action="store_true", help="no per-step lines")
     g.add_argument("--json", action="store_true", help="print the results as JSON (for scripts), not tables")
@@ -112,7 +116,7 @@ def config_of(args) -> "TrainConfig":
             prefetch=args.prefetch, shard_size=args.shard_size, recompute=args.recompute,
             loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload, offload_dir=_here(args.offload_dir),
             device_budget=None if args.device_budget is None else int(args.device_budget * MiB),
-            track_activations=True, trace=True, flight_dir=_here(args.trace), torch_flight=args.torch_flight, resume_from=_here(args.resume),
+            track_activations=True, trace=True, flight_dir=_here(args.trace), torch_flight=args.torch_flight, fingerprint_every=args.fingerprint_every, resume_from=_here(args.resume),
             save_every=args.save_every, save_background=args.save_background,
             save_to=_here(args.save or (str(Path(args.export) / ".checkpoint") if args.export else None)))
         config.refuse_unused()

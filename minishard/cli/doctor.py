@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from minishard.instruments import doctor
+from minishard.instruments import doctor, drift
 
 FOUND, CANNOT_CHECK = 1, 3
 # how each rank's record came to be (its dump's reason), in the order a run's end meets them
@@ -114,7 +114,7 @@ def checked(report: doctor.Report) -> str:
     blind = any((f.get("run") or {}).get("watched") == "fsdp2" for f in facts) and not any(
         f.get("weights_built") for f in facts)
     return ((", ".join(said) if said else "no facts or traces to check more (the dumps of "
-             "minishard.train hold them)") + "."
+             "minishard.train hold them)") + ". " + drift.checked(report.dumps)
             + (" Not compared: the weights each FSDP2 rank built — its shards differ by design; "
                "take built = minishard.fingerprint(model) before fully_shard and pass "
                "watch(..., built=built)." if blind else ""))

@@ -19,7 +19,9 @@ and, beside the entries, ``run``: the run's id, which the ranks agreed as it sta
 (:mod:`minishard.core.run_id`: the doctor refuses files of different runs read as one), and
 ``facts``: what else must agree across ranks or tells a cause — the
 run's config, a fingerprint of the weights each rank built and started from, whether the start
-was broadcast from rank 0, each step's gradient norm and the precision the optimizer steps in.
+was broadcast from rank 0, each step's gradient norm and the precision the optimizer steps in,
+and every few steps the replicas' fingerprints and the optimizer's settings
+(``instruments/replicas.py``: records, :meth:`FlightRecorder.note`, kept in the ring too).
 
 :meth:`FlightRecorder.dump` writes ``flight_rank{r}.json`` next to the rank's trace: on an
 exception (a collective timing out raises one; the dump says where it was raised), on SIGTERM
@@ -191,6 +193,15 @@ class FlightRecorder:
         entry["state"], entry["t_completed"] = "completed", round(t, 7)
         if self.file is not None and "n" in entry:
             self.file.completed(entry["n"], entry["t_completed"])
+
+    def note(self, key: str, record: dict, ring: dict | None = None) -> None:
+        """Append ``record`` to ``facts[key]`` (a list: one record a step, e.g. the replicas'
+        fingerprints) and, where the recorder flies, ``ring`` — the record cut to fit a slot —
+        to its ring, where a rank that dies without a dump keeps it."""
+        with self._lock:
+            self.facts.setdefault(key, []).append(record)
+            if self.file is not None and ring is not None:
+                self.file.noted(key, ring)
 
     def dump(self, directory: str | os.PathLike, reason: str, error: str | None = None,
              raised: dict[str, str] | None = None) -> Path:

@@ -15,8 +15,13 @@ process dies however it dies (not when the machine does).
               (n - 1) % capacity, so the file keeps the last ``capacity`` and never grows
 
     a record  n (8 bytes, the recorder's count, 0: empty; written *last*: the commit),
-              state (1 byte: ``I`` issued, ``C`` completed), t_completed (8 bytes),
-              the entry as JSON (its length, 4 bytes, then the bytes; it carries n too)
+              state (1 byte: ``I`` issued, ``C`` completed; ``F``: a fact, not a collective),
+              t_completed (8 bytes), the entry as JSON (its length, 4 bytes, then the bytes;
+              it carries n too)
+
+A fact is what the doctor compares across ranks besides their collectives, short enough for a
+slot (:meth:`FlightFile.noted`: the replicas' digest every few steps); :func:`read` returns the
+facts apart from the entries, under their key, as a dump's ``facts`` holds them.
 
 A record the process was writing when it died — its header n not the n inside its JSON, or JSON
 cut short — is *torn*: :func:`read` names it and reads the rest. One process dying leaves at
@@ -44,7 +49,7 @@ RUN_AT = HEADER.size - 16
 HEADER_BYTES = 64
 RECORD = 1024                               # bytes a slot holds: an entry's JSON is ~350
 SLOT = struct.Struct("<QcxxxxxxxdI")        # n, state, (pad), t_completed, JSON length
-ISSUED, COMPLETED = b"I", b"C"
+ISSUED, COMPLETED, FACT = b"I", b"C", b"F"
 EMPTY = bytes(SLOT.size)                    # a slot never written (one begun is torn, not empty)
 _N, _T = struct.Struct("<Q"), struct.Struct("<d")       # a slot's n, and its t_completed
 
@@ -88,6 +93,18 @@ class FlightFile:
         self._map[at:at + SLOT.size + len(body)] = SLOT.pack(0, ISSUED, 0.0, len(body)) + body
         self._map[at:at + 8] = _N.pack(n)
         return n
+
+    def noted(self, key: str, fact: dict) -> bool:
+        """Write ``fact`` into the next slot as a fact under ``key`` (``read`` returns it in
+        ``facts[key]``). One too long for a slot is left out (False): the dump keeps it whole."""
+        body = _JSON({**fact, "fact": key, "n": self._n + 1}).encode()
+        if len(body) > RECORD - SLOT.size:
+            return False
+        self._n += 1
+        at = HEADER_BYTES + (self._n - 1) % self.capacity * RECORD
+        self._map[at:at + SLOT.size + len(body)] = SLOT.pack(0, FACT, 0.0, len(body)) + body
+        _N.pack_into(self._map, at, self._n)               # the commit, last
+        return True
 
     def completed(self, n: int, t: float) -> None:
         """Mark record ``n`` completed at ``t`` — if the ring has not overwritten it since."""
@@ -165,7 +182,7 @@ def decode(raw: bytes, path) -> dict:
     """:func:`read` of a ring's bytes (``path``: the file errors name); its ``time`` is None."""
     head = _header(path, raw)
     capacity, record = head["capacity"], head["record"]
-    entries, torn = [], []
+    entries, torn, facts = [], [], {}
     for slot in range(capacity):
         at = HEADER_BYTES + slot * record
         if at + SLOT.size > len(raw):
@@ -183,6 +200,9 @@ def decode(raw: bytes, path) -> dict:
             torn.append(f"slot {slot}: a record cut while it was written (collective "
                         f"{n if ours else '?'}), left out")
             continue
+        if state == FACT:
+            facts.setdefault(str(entry.pop("fact", "")), []).append(entry)
+            continue
         entry["state"] = "completed" if state == COMPLETED else "issued"
         entry["t_completed"] = round(t_completed, 7) if state == COMPLETED else None
         entries.append(entry)
@@ -191,6 +211,8 @@ def decode(raw: bytes, path) -> dict:
                          f"cannot be read (a rank that dies tears one at most): scrambled or written "
                          f"over, not a ring one run left; nothing is read from it")
     entries.sort(key=lambda e: e["n"])
+    for records in facts.values():
+        records.sort(key=lambda e: e["n"])
     return {"rank": head["rank"], "world_size": head["world_size"], "capacity": capacity,
             "reason": "ring", "error": None, "time": None, "entries": entries,
-            "facts": {}, "torn": torn, "run": head["run"]}
+            "facts": facts, "torn": torn, "run": head["run"]}

@@ -6,6 +6,9 @@ word on each.
   its flight dump and its trace — in a directory for :func:`minishard.instruments.doctor.diagnose`;
   :func:`outcome` does the same for a run that fails on some ranks (a hang that times out), each
   rank's error coming back as data.
+* :func:`drifting` is a user's own job — PyTorch's DDP and AdamW under ``minishard.watch`` — where
+  rank 1 may build its optimizer with another learning rate: replicas that drift apart though
+  every collective matches.
 * :func:`doctor_text` is the doctor's printed report, made the same on every machine (see
   :func:`stable`); :func:`summary` is one finding in a line, :func:`verdict` a run's in a line.
 
@@ -52,6 +55,28 @@ def outcome(rank: RankContext, directory: str, **knobs) -> dict[str, Any]:
         return {"finished": True, **broken(rank, directory, **knobs)}
     except Exception as e:                     # a collective that timed out raises RuntimeError
         return {"finished": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def drifting(rank: RankContext, directory: str, odd_lr: float | None = None, lr: float = 1e-3) -> dict[str, Any]:
+    """A user's script on every rank: the nano GPT in PyTorch's ``DistributedDataParallel``,
+    ``torch.optim.AdamW(lr=lr)`` — on rank 1 ``lr=odd_lr`` if given — trained ``SMALL``'s steps
+    under ``minishard.watch(trace=directory)``. Returns this rank's parameters after the run."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import minishard
+    cfg = minishard.model_config(SMALL["model"])
+    net = minishard.GPT(cfg, seed=0)
+    model = DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=odd_lr if odd_lr is not None and rank.rank == 1 else lr)
+    with minishard.watch(model, opt, trace=directory) as w:
+        for step in range(SMALL["steps"]):
+            x, y = minishard.batch(cfg, step, SMALL["micro_batch"], rank.rank, rank.world_size)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+    return {"params": {n: p.detach().clone() for n, p in net.named_parameters()}}
 
 
 # --------------------------------------------------------------------------- the doctor's words

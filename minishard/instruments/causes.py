@@ -5,6 +5,9 @@ collective matched.
     weights    ranks that started from different weights: their replicas' fingerprints differ at
                the start, or they built different weights and nothing broadcast rank 0's before
                each sharded its own (FSDP2's ``fully_shard`` broadcasts nothing)
+    drift      replicas that drifted apart after the start, or optimizers told different things:
+               the first recorded step at which a rank differs, and the likely cause — another
+               hyperparameter, a step its optimizer did not take (``drift.py``)
     clip       ranks that clipped by different gradient norms at the same step: each computed the
                norm of its own shards, not of the whole gradient
     precision  the optimizer stepped weights that are not fp32 — no master copy — with the share
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from minishard.strategies.clipping import NORM_TAG
+from . import drift as drift_
 from minishard.core import trace
 from minishard.core.words import fmt_bytes
 
@@ -343,6 +347,7 @@ class Cause:
 # the doctor's findings beyond the collectives, in the order it reports them
 CAUSES: list[Cause] = [
     Cause("weights", lambda report: weights(report.dumps)),
+    Cause("drift", lambda report: [Finding(**f) for f in drift_.find(report.dumps)]),
     Cause("clip", lambda report: clip(report.dumps)),
     Cause("precision", lambda report: precision(report.dumps)),
     Cause("memory", lambda report: memory(report.traces, report.dumps)),

@@ -35,25 +35,28 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
     for name, t in named:
         h = hashlib.blake2b(digest_size=8)
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(_row_major_bytes(name, t))
+        h.update(row_major(name, t).numpy())
         out[name] = h.hexdigest()
     return out
 
 
-def _row_major_bytes(name: str, t: torch.Tensor) -> bytes:
+def row_major(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements in row-major order, as a flat uint8 tensor on the CPU: what a
+    fingerprint hashes, whatever the layout (this BLAKE2 one and the replicas' XXH3,
+    ``replicas.fingerprint``, alike)."""
     if t.is_meta:
         raise ValueError(f"fingerprint: {name} is on the meta device and has no values yet; "
                          f"fingerprint the weights once they are materialized")
     t = t.detach().cpu().resolve_conj().resolve_neg()
     if not t.numel():
-        return b""
+        return torch.empty(0, dtype=torch.uint8)
     # one dimension (a 0-d tensor has none to view as bytes); a tensor whose strides are not
     # row-major is copied into row-major order by the reshape, and a single element with a
     # stride is copied too: viewing elements as bytes needs unit stride
     flat = t.reshape(-1)
     if flat.stride(0) != 1:
         flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat.view(torch.uint8).numpy().tobytes()
+    return flat.view(torch.uint8)
 
 
 def fingerprint_model(model: torch.nn.Module) -> dict[str, str]:

@@ -146,6 +146,9 @@ class TrainConfig:
     flight_dir: str | None = None    # write each rank's flight recorder here (flight.py): at the
                                      # end, on an exception, on SIGTERM
     torch_flight: bool = False       # and PyTorch's own (c10d's) beside it, for the doctor
+    fingerprint_every: int | None = 10   # with flight_dir: the replicas' fingerprints and the
+                                     # optimizer's settings after every K-th step and the last
+                                     # (instruments/replicas.py); None: after the last only
     return_params: bool = False      # the final parameters, gathered (parity tests)
     return_state: bool = False       # this rank's optimizer state_dict
     resume_from: str | None = None   # start from a checkpoint (any world size or strategy)
@@ -208,6 +211,7 @@ class TrainConfig:
         if self.torch_flight and self.flight_dir is None:
             raise ConfigError("{torch_flight} needs {flight_dir}: the directory the dumps are "
                               "written to", torch_flight=True, flight_dir=...)
+        self._check_fingerprints()
         for name in ("offload", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
                      "accumulation", "quantized_weights", "quantized_gradients"):
             if name in self.unused():
@@ -252,6 +256,17 @@ class TrainConfig:
                 raise ConfigError("{%s}: DeepSpeed saves its own checkpoints (engine.save_checkpoint); "
                                   "minishard.checkpoint.from_deepspeed turns one into minishard's"
                                   % name, **{name: getattr(self, name)})
+
+    def _check_fingerprints(self) -> None:
+        every = self.fingerprint_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ConfigError("{fingerprint_every}: must be an integer >= 1 (fingerprint the replicas "
+                              "after every K-th step and the last), or None (after the last step "
+                              "only)", fingerprint_every=every)
+        default = next(f.default for f in dataclasses.fields(self) if f.name == "fingerprint_every")
+        if every != default and self.flight_dir is None:
+            raise ConfigError("{fingerprint_every} needs {flight_dir}: the fingerprints go into the "
+                              "flight dumps written there", fingerprint_every=every, flight_dir=...)
 
     def _check_saves(self) -> None:
         every = self.save_every

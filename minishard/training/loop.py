@@ -25,7 +25,7 @@ from minishard.core.flight import dumping
 from minishard.core.launch import RankContext
 from minishard.core.ledger import LiveLedger
 from minishard.core.trace import Tracer
-from minishard.instruments import health
+from minishard.instruments import health, replicas
 from minishard.instruments.watching import watch
 from minishard.strategies.fsdp import wrap_targets
 from minishard.strategies.registry import Built, build
@@ -72,7 +72,7 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
 
     meter = Meter(built.comms, built.units)
     saves: list[tuple[int, Any]] = []           # (step, what save returned)
-    with _flight(comm, config), _noting(built, facts, tracer), \
+    with _flight(comm, config), _noting(built, facts, tracer, comm, config) as noted, \
             _watching(built, config, tracer, alone, comm) as w:
         for step in range(first_step, first_step + config.steps):
             tracer.step = step
@@ -83,6 +83,8 @@ def train(rank: RankContext | None = None, config: TrainConfig = TrainConfig(),
                                   track_activations=config.track_activations)
             if w:
                 w.step()
+            if noted is not None:
+                noted.ended(step)
             meter.loss(loss)
             if on_step is not None:
                 on_step({"rank": rank.rank, "step": step, "first": step == first_step,
@@ -154,14 +156,22 @@ def _flight(comm: Comm, config: TrainConfig):
 
 
 @contextlib.contextmanager
-def _noting(built: Built, facts: dict | None, tracer: Tracer):
+def _noting(built: Built, facts: dict | None, tracer: Tracer, comm: Comm, config: TrainConfig):
     """For the doctor (``facts``: the flight recorder's), a note of every optimizer step — the
-    precision it stepped in, the norm it was clipped by — through the optimizer's step hooks."""
-    removers = [] if facts is None else health.note_steps(
-        built.optimizer, facts, lambda: tracer.step, lambda: built.last_grad_norm)
+    precision it stepped in, the norm it was clipped by — through the optimizer's step hooks; and
+    what it yields, the replicas' fingerprints and the optimizer's settings every
+    ``config.fingerprint_every`` steps (the loop says when a step ended) and after the last."""
+    if facts is None:
+        yield None
+        return
+    removers = health.note_steps(built.optimizer, facts, lambda: tracer.step, lambda: built.last_grad_norm)
+    noted = replicas.ReplicaNotes(built.model, getattr(built.optimizer, "optimizer", built.optimizer),
+                                  comm.flight, config.fingerprint_every)
     try:
-        yield
+        yield noted
+        noted.finished()
     finally:
+        noted.close()
         for remove in removers:
             remove()
 

@@ -62,6 +62,7 @@ import os
 import torch
 
 from minishard.core.trace import Tracer
+from minishard.instruments.replicas import EVERY
 from .session import SUPPORTED, Watch, WatchError
 
 __all__ = ["watch", "Watch", "WatchError", "SUPPORTED"]
@@ -69,7 +70,7 @@ __all__ = ["watch", "Watch", "WatchError", "SUPPORTED"]
 
 def watch(model: torch.nn.Module, optimizer=None, *,
           trace: str | os.PathLike | Tracer | None = None, flight=None,
-          built: dict[str, str] | None = None) -> Watch:
+          built: dict[str, str] | None = None, fingerprint_every: int | None = EVERY) -> Watch:
     """Watch a training job; see this package's docstring.
 
     ``trace``: a directory (``rank{r}.jsonl`` is streamed into it), a :class:`Tracer` (e.g. a
@@ -78,5 +79,9 @@ def watch(model: torch.nn.Module, optimizer=None, *,
     (one of its own if None; a trace directory gets its dump). ``built``: the weights as this
     rank built them, ``minishard.fingerprint(model)`` taken *before* ``fully_shard`` — FSDP2
     broadcasts nothing and then holds shards, different by design, so only this fingerprint lets
-    the doctor tell ranks that built different models apart."""
-    return Watch(model, optimizer, trace, flight, built)
+    the doctor tell ranks that built different models apart. ``fingerprint_every``: every
+    K-th step (``step % K == 0``) and after the last, the watch's own flight recorder notes the
+    fingerprints of the parameters each rank holds as a replica, and the optimizer's settings
+    and step count (``instruments/replicas.py``); None: after the last step only. The doctor
+    names the first step at which a rank's replica differs, and why."""
+    return Watch(model, optimizer, trace, flight, built, fingerprint_every)

@@ -32,7 +32,10 @@ def attach(w) -> None:
         # A call from minishard's own modules (its Comm, the watch) is recorded where it is made;
         # counting it here too would count it twice. The caller's module is the only signal:
         # torch.distributed passes no caller, and the engine must not tell the watch it is on.
-        def wrapped(*args, fname=fname, orig=orig, op=op, sig=sig, arg=payload_arg, **kwargs):
+        # (the loop's values are bound under names no torch.distributed keyword has: a caller's
+        # ``op=ReduceOp.AVG`` is the reduction, and must reach the function, not rename the record)
+        def wrapped(*args, _fname=fname, _orig=orig, _op=op, _sig=sig, _arg=payload_arg, **kwargs):
+            fname, orig, op, sig, arg = _fname, _orig, _op, _sig, _arg
             if w._quiet() or sys._getframe(1).f_globals.get("__name__", "").startswith("minishard."):
                 return orig(*args, **kwargs)
             a = sig.bind(*args, **kwargs).arguments

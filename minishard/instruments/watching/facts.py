@@ -3,7 +3,9 @@ own runs (``minishard/instruments/health.py``): the fingerprint of the weights a
 them whole (DDP's replicas; FSDP2's DTensors are shards, different by design — for FSDP2, the
 fingerprint the user took with ``minishard.fingerprint(model)`` before ``fully_shard`` and gave
 as ``watch(built=)``), and per optimizer step the dtypes it stepped — with, where they are not
-fp32, how many elements came out unchanged.
+fp32, how many elements came out unchanged. Every ``fingerprint_every``-th step and at the end,
+the replicas' fingerprints and the optimizer's settings and step count
+(``minishard/instruments/replicas.py``): what tells replicas that drifted apart after the start.
 
 Only a watch that keeps its own flight recorder notes them: under ``train()`` the run's recorder
 already has them."""
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from minishard.instruments import health
+from minishard.instruments import health, replicas
 from . import deepspeed
 
 
@@ -25,6 +27,8 @@ def attach(w) -> None:
     if w.built is not None:              # taken before fully_shard: what each rank built
         facts["weights_built"] = dict(w.built)
     opt = w._stepped
+    w.replicas = replicas.ReplicaNotes(w.model, opt, w.flight, w.fingerprint_every)
+    w._undo.append(w.replicas.close)
     if opt is None:
         return
     w._undo += health.note_steps(opt, facts, lambda: w.tracer.step, on=opt)

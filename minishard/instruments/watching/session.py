@@ -16,6 +16,7 @@ from minishard.core import run_id
 from minishard.core.comm import ring_wire_bytes
 from minishard.core.flight import FlightRecorder, raised_at
 from minishard.core.trace import Tracer
+from minishard.instruments import replicas
 from .basics import WatchError
 
 SUPPORTED = ("torch.nn.parallel.DistributedDataParallel (any torch.optim optimizer, or "
@@ -87,9 +88,12 @@ class Watch:
     """The context manager :func:`minishard.watch` returns; ``w.step()`` ends a training step."""
 
     def __init__(self, model, optimizer=None, trace=None, flight: FlightRecorder | None = None,
-                 built: dict[str, str] | None = None):
+                 built: dict[str, str] | None = None, fingerprint_every: int | None = replicas.EVERY):
+        replicas.check_every(fingerprint_every)
         self.model, self.optimizer, self._trace = model, optimizer, trace
         self._given_flight, self.built = flight, built
+        self.fingerprint_every = fingerprint_every
+        self.replicas: replicas.ReplicaNotes | None = None   # (facts.py: with its own recorder)
         self.kind = _kind(model, optimizer)      # refuse an unsupported wrapper at once
         self._stepped = _stepped(optimizer, model)
         self.tracer: Tracer | None = None
@@ -317,6 +321,8 @@ class Watch:
     def step(self) -> None:
         """The training step is over: close its phases; the next events belong to the next."""
         self._end_step()
+        if self.replicas is not None:
+            self.replicas.ended(self.tracer.step)
         self.tracer.step += 1
 
     # ------------------------------------------------------------------ optimizer state
@@ -352,7 +358,10 @@ class Watch:
 
     # ------------------------------------------------------------------ exit
     def __exit__(self, kind, error, tb) -> None:
+        open_step = self._in_step                # (a last step the loop did not end with step())
         self._end_step()
+        if self.replicas is not None and error is None and self.tracer is not None:
+            self.replicas.finished(self.tracer.step if open_step else self.tracer.step - 1)
         self._detach()
         if self._file is not None:               # a trace directory: the flight recorder beside it
             self.flight.dump(self._trace, "end" if error is None else "exception",
