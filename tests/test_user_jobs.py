@@ -31,8 +31,9 @@ EXPECTED = {
     # DDP broadcasts rank 0's weights when it wraps the model; FSDP2 broadcasts nothing
     ("ddp", "seeds"): None, ("zero", "seeds"): None, ("fsdp", "seeds"): "weights",
 }
-DEFAULT = {("ddp", "lr"), ("fsdp", "skip"), ("zero", "skip"), ("ddp", "eval_forward"),
-           ("fsdp", "eval_forward"), ("zero", "raise"), ("zero", "sigkill"), ("zero", "seeds")}
+# (another lr and a skipped step under all three: tests/test_drift.py, every run)
+DEFAULT = {("ddp", "eval_forward"), ("fsdp", "eval_forward"), ("zero", "raise"), ("zero", "sigkill"),
+           ("zero", "seeds"), ("fsdp", "lr")}
 CASES = [c for c in EXPECTED if ALL or c in DEFAULT]
 # the bugs after which every rank ends its run: the warm pool survives them
 ENDS = {c for c, kind in EXPECTED.items() if kind in (None, "drift", "weights")}
@@ -65,7 +66,9 @@ def test_the_users_bug_is_named_or_found_harmless(pools, tmp_path, kind, bug, ca
     first = findings[0]
     assert first.kind == expected and ODD in first.ranks, text
     words = " ".join([first.title, *first.evidence])
-    if expected == "drift":                      # the step the replicas (or the optimizers) parted
+    if expected == "drift" and bug == "lr":     # from the start: both values named
+        assert "another lr (0.2 against rank 0's 0.1)" in first.title, text
+    if expected == "drift" and bug == "skip":   # the step it skipped
         assert re.search(rf"\bstep {AT}\b", words), text
     if expected == "exception":                  # the message, and where it was raised
         assert "the loss came out NaN" in first.title, text
