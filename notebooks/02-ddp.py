@@ -34,14 +34,14 @@
 # **The one-line "syntax"** — on rank $r$ of $N$, with $\Psi$ the number of parameters (so the
 # fp32 gradient is $4\Psi$ bytes):
 #
-# $$g = \frac{1}{N}\sum_{r=0}^{N-1} \nabla L(x_r) \quad\text{(all-reduce)},\qquad
+# $$g = \frac{1}{N}\sum_{r=0}^{N-1} \nabla\,\mathrm{loss}(x_r) \quad\text{(all-reduce)},\qquad
 # \text{elements each rank sends per step} = \frac{2(N-1)}{N}\,\Psi
 # \ \ (\times 4 \text{ bytes in fp32}).$$
 #
 # <details><summary>中文</summary>
 #
 # **一行"语法"**：在 $N$ 个 rank 中的第 $r$ 个上（$\Psi$ 为参数量，fp32 梯度即 $4\Psi$ 字节），梯度
-# $g = \frac{1}{N}\sum_r \nabla L(x_r)$ 由一次 all-reduce 得到；每个 rank 每步发送 $\frac{2(N-1)}{N}\,\Psi$
+# $g = \frac{1}{N}\sum_r \nabla\,\mathrm{loss}(x_r)$ 由一次 all-reduce 得到；每个 rank 每步发送 $\frac{2(N-1)}{N}\,\Psi$
 # 个元素（fp32 下乘以 4 字节）。
 #
 # </details>
