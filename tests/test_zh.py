@@ -200,9 +200,9 @@ def chinese_lines(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def variant_in(variant: str, line: str) -> bool:
+def variant_in(variant: str, line: str, not_variants_: list[str] | None = None) -> bool:
     if CJK.search(variant):
-        for word in not_variants():            # "rank 数" is not in "rank 数据"
+        for word in not_variants() if not_variants_ is None else not_variants_:   # "rank 数据"
             if variant in word:
                 line = line.replace(word, " ")
         return variant in line
@@ -221,14 +221,14 @@ ZH_PAGES = sorted(ZH.glob("*.md"))
 
 def rejected_uses(path: Path) -> list[str]:
     """'file:line: variant → term' for every avoided variant, also where a line break splits it."""
-    lines = chinese_lines(path)
+    lines, rows, nv = chinese_lines(path), wording(), not_variants()     # the glossary read once
     bad = []
     for i, (n, line) in enumerate(lines):
         after = re.sub(r"^[#>\s]+", "", lines[i + 1][1]) if i + 1 < len(lines) else ""
         joined = line.rstrip() + after if CJK.search(line[-1:] or " ") else line.rstrip() + " " + after
-        for _, use, variants in wording():
+        for _, use, variants in rows:
             for v in variants:
-                if variant_in(v, line) or (variant_in(v, joined) and not variant_in(v, after)):
+                if variant_in(v, line, nv) or (variant_in(v, joined, nv) and not variant_in(v, after, nv)):
                     bad.append(f"{path.relative_to(ROOT)}:{n}: {v!r} → {use}")
     return bad
 
