@@ -160,7 +160,7 @@ for s in (2048, 4096, 8192):
 # ($as^2b + 2as^2b$) and a 1-byte mask after each of the attention and MLP outputs ($sbh$
 # each). minishard's GPT has no dropout, so what is left is
 #
-# $$\underbrace{(2 + 4 + 2 + 2)\,sbh + 2\,as^2b}_{\text{qkv input, }q\,k\text{, }v\text{, proj input, softmax}}
+# $$\underbrace{(2 + 4 + 2 + 2)\,sbh + 2\,as^2b}_{\text{qkv input, q k, v, proj input, softmax}}
 # + \underbrace{(2 + 8 + 8)\,sbh}_{\text{fc input, GELU input, proj input}} + 4\,sbh
 # = 32\,sbh + 2\,as^2b .$$
 #

@@ -34,14 +34,14 @@
 # **The one-line "syntax"** — on rank $r$ of $N$, with $\Psi$ the number of parameters (so the
 # fp32 gradient is $4\Psi$ bytes):
 #
-# $$g = \frac{1}{N}\sum_{r=0}^{N-1} \nabla L(x_r) \quad\text{(all-reduce)},\qquad
+# $$g = \frac{1}{N}\sum_{r=0}^{N-1} \nabla\,\mathrm{loss}(x_r) \quad\text{(all-reduce)},\qquad
 # \text{elements each rank sends per step} = \frac{2(N-1)}{N}\,\Psi
 # \ \ (\times 4 \text{ bytes in fp32}).$$
 #
 # <details><summary>中文</summary>
 #
 # **一行"语法"**：在 $N$ 个 rank 中的第 $r$ 个上（$\Psi$ 为参数量，fp32 梯度即 $4\Psi$ 字节），梯度
-# $g = \frac{1}{N}\sum_r \nabla L(x_r)$ 由一次 all-reduce 得到；每个 rank 每步发送 $\frac{2(N-1)}{N}\,\Psi$
+# $g = \frac{1}{N}\sum_r \nabla\,\mathrm{loss}(x_r)$ 由一次 all-reduce 得到；每个 rank 每步发送 $\frac{2(N-1)}{N}\,\Psi$
 # 个元素（fp32 下乘以 4 字节）。
 #
 # </details>
@@ -348,11 +348,11 @@ assert drift(acc[0]["params"], single_acc["params"], INIT).within(1e-3)
 #
 # <details><summary>中文</summary>
 #
-# 对齐（parity）只说明 minishard 的 DDP 和 PyTorch 的最后得到同样的比特；这里看各自是怎么走到那里的。
+# 逐位比对（parity）只说明 minishard 的 DDP 和 PyTorch 的训练结果逐位相同；这里看各自是怎么走到那里的。
 # `minishard.watch` 把 PyTorch 自己的 `DistributedDataParallel` 记进 minishard 的 trace——任何训练脚本里
 # 加两行就行（README 的 “Your own PyTorch job”）——`train` 跑 `torch_ddp` 策略时就套着它。两边都是：
-# nano 模型，桶大小 0.25 MB（这样它的 217,664 个参数分成三个桶），两个 step。一个滑块把两个播放器同时
-# 拨到同一个 step 的同一个阶段。
+# nano 模型，桶大小 0.25 MB（这样它的 217,664 个参数分成三个桶），两步。一个滑块把两个回放器同时
+# 拨到同一步的同一个阶段。
 #
 # </details>
 
@@ -402,8 +402,8 @@ assert sum(r["bytes"] for r in rows if r["step"] == 0) == 4 * NANO_PSI
 #
 # <details><summary>中文</summary>
 #
-# 从第二个 step 起，两个 reducer 发起同样的三个桶，从最后几层开始，字节数也一样：minishard 按反向
-# 产生梯度的顺序（参数顺序的逆序）规划桶，这正是 PyTorch 的 reducer *学到*的顺序。第一个 step 时
+# 从第二步起，两个 reducer 发起同样的三个桶，从最后几层开始，字节数也一样：minishard 按反向
+# 产生梯度的顺序（参数顺序的逆序）规划桶，这正是 PyTorch 的 reducer *学到*的顺序。第一步时
 # PyTorch 还不知道这个顺序：它按参数逆序填一个上限 1 MiB 的桶，记下梯度实际到达的顺序，然后重建桶，
 # 并把新方案广播给每个 rank（两次从 C++ 发起的小广播，watch 看不到）。nano 的整个梯度 870,656 字节
 # 放得进这个首桶上限，所以第 0 步只有一次 all-reduce。表格和出处见
@@ -469,7 +469,7 @@ R4.close()
 #
 # <details><summary>中文</summary>
 #
-# **练习：环形算法实际发送的字节数。** 写出在 N 个 rank 上，对 S 字节做环形 all-reduce、reduce-scatter 和
+# **练习：环形算法的实发字节。** 写出在 N 个 rank 上，对 S 字节做环形 all-reduce、reduce-scatter 和
 # all-gather 时，一个 rank 发送的字节数。检查程序先把你的公式与 minishard 的对比，再与操作系统统计的、每个
 # DDP rank 进程一步写出的字节数对比，分别在 2 个和 3 个 rank 上。答案写在下面的单元格里（或者编辑
 # [`minishard/course/exercises/ch02.py`](../minishard/course/exercises/ch02.py) 里的桩函数），然后运行检查。

@@ -482,7 +482,7 @@ print(f"\nbetween steps: minishard {glue('ds-zero1-mine-state', sum(mine['state'
 # 一份**副本** `single_partition_of_fp32_groups`：bf16 混合精度训练里，这份副本就是 stage 1 本来就要保留的
 # fp32 主权重；但 fp32 训练时 DeepSpeed 也照样复制，多出 4Ψ/N 字节。minishard 的 stage 1 原地更新扁平
 # 缓冲区中属于自己的 chunk，却在两步之间保留整个梯度缓冲区，4Ψ。DeepSpeed 的 stage 1 同样持有每一份完整
-# 梯度（在 `.grad` 里），从反向开始一直到反向结束时的归约（`every full gradient` 这一项），在 step 时释放。
+# 梯度（在 `.grad` 里），从反向开始一直到反向结束时的归约（`every full gradient` 这一项），在优化器步时释放。
 # 两个 rank 上：两步之间每参数 10 字节，minishard 为 12 字节。下面是每步各集合通信的字节数：
 #
 # </details>

@@ -19,7 +19,7 @@
 #
 # <details><summary>中文</summary>
 #
-# > **一个被包裹的模块，在一个训练 step 里究竟经历了什么？ZeRO-3 和 FSDP 是一回事吗？**
+# > **一个被包裹的模块，在训练的一步里究竟经历了什么？ZeRO-3 和 FSDP 是一回事吗？**
 #
 # 本 notebook 先手动走一遍 FSDP 单元的生命周期，再看 hook 如何自动走完它，最后调节包裹粒度、参数布局
 # （FSDP1 扁平化参数 / FSDP2 逐参数分片）和 `reshard_after_forward`。中文讲解见
@@ -48,7 +48,7 @@
 #
 # <details><summary>中文</summary>
 #
-# **一行"语法"**——每个单元、每个 step 都走一遍：all-gather（`unshard`）→ 前向 → 释放（`reshard`）……
+# **一行"语法"**——每个单元、每步都走一遍：all-gather（`unshard`）→ 前向 → 释放（`reshard`）……
 # all-gather（`unshard`）→ 反向 → reduce-scatter（`reduce_scatter_grads`）→ 释放（`reshard`）。
 # 代码里每个 transformer block 包成一个单元，最后的 `fully_shard(model)` 生成 root 单元，接管剩下的部分
 # （embedding、head）。
@@ -527,11 +527,11 @@ print(f"params vs single process : largest element gap {fsdp_drift.max_abs:.1e},
 #
 # <details><summary>中文</summary>
 #
-# 对齐（parity）只说明两个 FSDP 最后得到同样的比特。这一节看它们各自是怎么走到那里的。
+# 逐位比对（parity）只说明两个 FSDP 的训练结果逐位相同。这一节看它们各自是怎么走到那里的。
 # `minishard.watch` 把 PyTorch 自己的 `fully_shard` 作业记进 minishard 的 trace——任何训练脚本里加两行
 # 就行（README 的 “Your own PyTorch job”）——`train` 跑 `torch_fsdp` 策略时就套着它。两边都是：nano
 # 模型，每个 block 一个单元再加 root，fp32，预取（prefetch）1（FSDP2 通过它显式的预取列表得到同样的
-# 调度），两个 step。一个滑块把两个播放器同时拨到同一个 step 的同一个阶段；两个时刻之间，各自播放
+# 调度），两步。一个滑块把两个回放器同时拨到同一步的同一个阶段；两个时刻之间，各自播放
 # 自己的事件。
 #
 # </details>
@@ -615,7 +615,7 @@ assert peak[("activations", "forward")]["mine"] == peak[("activations", "forward
 #   单元把参数拷出，这样在 GPU 上拷贝能和下一次 all-gather 重叠——前向时同时有两块缓冲区。
 # - **minishard 让一个 reduce-scatter 在途**：下一个单元算梯度时，上一个单元归约后的那一片还在到达；
 #   在 gloo 上 FSDP2 的 reduce-scatter 是同步的（GPU 上它也在自己的 stream 上重叠）。
-# - **watch 把这一批的 token id 和目标一直记到 step 结束**：调用方还持有它们；minishard 的账本在
+# - **watch 把这一批的 token id 和目标一直记到这一步结束**：调用方还持有它们；minishard 的账本在
 #   autograd 放手时就把保存的张量记为释放。
 #
 # </details>
@@ -655,8 +655,8 @@ R2.close()
 #
 # <details><summary>中文</summary>
 #
-# > **要点。** FSDP 单元每个 step 都走一遍 gather → 前向 → 释放 → gather → 反向 → reduce-scatter → 释放；
-# > `manual=True` 让你亲手发起每次调用，hook 发起的调用完全相同（同样的集合通信，同样的比特）。关键技巧：
+# > **要点。** FSDP 单元每步都走一遍 gather → 前向 → 释放 → gather → 反向 → reduce-scatter → 释放；
+# > `manual=True` 让你亲手发起每次调用，hook 发起的调用完全相同（同样的集合通信，结果逐位相同）。关键技巧：
 # > 在 autograd 仍持有张量时释放完整参数的*存储*，反向前再填回来。按 block 包裹：整个模型一个单元会收集
 # > 全部参数（峰值时一点没省），每个 Linear 一个单元则让集合通信成倍增加。FSDP1 的扁平缓冲区和 FSDP2 的
 # > 逐参数分片训练结果完全一样，但只有逐参数分片能按参数保留名字、`requires_grad` 和 dtype。ZeRO-3 说的是
@@ -713,7 +713,7 @@ R2.close()
 # <details><summary>中文</summary>
 #
 # **练习：手动走一遍生命周期。** 下面的单元用 `fully_shard(..., manual=True)` 创建：你不调用，就什么也不会
-# 收集或释放。自己调用 `unshard()`、`reshard()` 和 `reduce_scatter_grads()`，写出一个训练 step。检查程序在
+# 收集或释放。自己调用 `unshard()`、`reshard()` 和 `reduce_scatter_grads()`，写出训练的一步。检查程序在
 # 1 个和 2 个真实 rank 上把它与 `minishard.course.ch06.manual_step` 并排运行，比较 loss 和每个梯度分片，
 # 统计集合通信次数，并检查前向到达最后的 norm 时每个 block 都已释放。函数以源码形式发到各 rank，所以要
 # 自包含。写在下面的单元格里（或编辑 `minishard/course/exercises/ch06.py` 里的桩函数），再运行检查；参考

@@ -514,8 +514,8 @@ R.close()
 
 # %% [markdown]
 # The Ψ_p = 20,480 persistent elements leave every all-gather and reduce-scatter; their gradients
-# travel in one all-reduce per unit and step (7 more collectives, 4P bytes), and each rank holds
-# them whole — parameters, gradients and both Adam moments: 16P(1 − 1/N) bytes more per rank,
+# travel in one all-reduce per unit and step (7 more collectives, 4Ψ_p bytes), and each rank holds
+# them whole — parameters, gradients and both Adam moments: 16Ψ_p(1 − 1/N) bytes more per rank,
 # 163,840 on two ranks. The number of all-gathers does not move: minishard gathers by unit, and
 # every unit keeps large parameters to gather. What persistence buys is in the launches — a
 # unit made only of small parameters needs no all-gather at all: it gathers nothing and

@@ -19,10 +19,10 @@
 #
 # <details><summary>中文</summary>
 #
-# > **已经全分片了，还是放不下。状态能不能放到别处——那样的话，每个 step 又要付出什么代价把它搬回来？**
+# > **已经全分片了，还是放不下。状态能不能放到别处——那样的话，每步又要付出什么代价把它搬回来？**
 #
 # 卸载（offload）把分片后的状态（参数、梯度、Adam 的矩）挪到主机内存或 NVMe 盘上的文件里，每次 gather
-# 前再把该单元的参数分片搬过来。本 notebook 把一个显存放不下的配置变成能训练的配置，并测量每个 step 在
+# 前再把该单元的参数分片搬过来。本 notebook 把一个显存放不下的配置变成能训练的配置，并测量每步在
 # 两层之间搬运了什么。中文讲解见 [tutorial/zh/08-offload.md](../tutorial/zh/08-offload.md)。
 #
 # </details>
@@ -54,7 +54,7 @@
 # <details><summary>中文</summary>
 #
 # **一行"语法"**——fp32 分片，L 个 block 加一个 root 单元，N 个 rank：设备上只剩激活值、已收集的单元和
-# 缓冲区，16Ψ/N 的状态放在主机（或磁盘）上；每个 step 搬入 (2L·block + root)·4/N 字节（block 收集两次，
+# 缓冲区，16Ψ/N 的状态放在主机（或磁盘）上；每步搬入 (2L·block + root)·4/N 字节（block 收集两次，
 # root 一次），搬出 (L·block + root)·4/N = 4Ψ/N 字节的梯度。`offload="host"` 用主机内存，
 # `offload="disk"` 用内存映射文件。
 #
@@ -261,11 +261,11 @@ replay_html(host_events, title="FSDP, offload='host', 2 ranks (offline player)",
 #
 # **只卸载优化器状态——ZeRO-Offload 的做法。** 把所有状态都卸载，是 FSDP2 的 `CPUOffloadPolicy` 的做法。
 # ZeRO-Offload（Ren 等，2021）把参数留在设备上，只卸载优化器那一侧：Adam 的矩和一份主权重副本放在主机
-# 内存里，优化器 step 也在主机上跑。minishard 的写法是在不做卸载的单元上用
-# `ShardedOptimizer(model, opt, offload_policy=CPUOffloadPolicy())`。每个 step 只搬一次（而不是每次
+# 内存里，优化器步也在主机上跑。minishard 的写法是在不做卸载的单元上用
+# `ShardedOptimizer(model, opt, offload_policy=CPUOffloadPolicy())`。每步只搬一次（而不是每次
 # gather 都搬）：梯度分片搬出，更新后的参数分片搬回，每个方向 4Ψ/N 字节；设备上保留参数分片和梯度分片，
 # 共 8Ψ/N；主机上两种做法都是 16Ψ/N（主权重 4、梯度 4、矩 8 字节/元素）。`offload_compare` 用三种方式
-# ——不卸载、只卸载优化器状态、全部卸载——训练 §1 的两个 AdamW step，读出每个 rank 的账本和搬运记录。
+# ——不卸载、只卸载优化器状态、全部卸载——训练 §1 的两个 AdamW 步，读出每个 rank 的账本和搬运记录。
 #
 # </details>
 
@@ -317,10 +317,10 @@ assert peak["everything"] < peak["optimizer"] <= BUDGET < peak["nothing"]
 #
 # <details><summary>中文</summary>
 #
-# 这笔交换是精确的。只卸载优化器状态时每个 step 搬的字节更少——参数不必在每次 gather 前都搬过来，只有更新
+# 这笔交换是精确的。只卸载优化器状态时每步搬的字节更少——参数不必在每次 gather 前都搬过来，只有更新
 # 后的分片搬回一次——但设备上留着 8Ψ/N 的参数和梯度，所以它的峰值正好比全部卸载高出这么多（比不卸载低
 # 8Ψ/N；这里仍然放得进 §1 的 80 MiB）。选哪一种，看哪样更紧缺：设备显存（全部卸载），还是链路带宽（只卸载
-# 优化器状态，并像 ZeRO-Offload 那样用向量化的 CPU Adam 在 CPU 上做 step）。在 GPU 上，ZeRO-Offload 把
+# 优化器状态，并像 ZeRO-Offload 那样用向量化的 CPU Adam 在 CPU 上做优化器步）。在 GPU 上，ZeRO-Offload 把
 # fp16 参数留在设备上、fp32 主权重放在主机上，所以每次搬运每个元素是 2 字节而不是 4 字节；这里全部是 fp32。
 #
 # </details>
@@ -474,9 +474,9 @@ R2.close()
 #
 # > **要点。** 卸载把分片后的状态——参数、梯度、优化器的矩，每个 rank 16Ψ/N 字节——挪到主机内存或内存
 # > 映射文件里；设备上只留激活值和正在收集的单元。这里实测到：一个在 80 MiB 预算下会崩的运行，卸载后能在
-# > 预算内训练，结果逐位相同；每个 step 搬运的恰好是分片的字节：每个单元的参数每 gather 一次搬入一次，
+# > 预算内训练，结果逐位相同；每步搬运的恰好是分片的字节：每个单元的参数每 gather 一次搬入一次，
 # > 梯度分片搬出一次。代价在这台 CPU 机器上只能建模、不能实测：这些字节要走 PCIe，比 HBM 慢一个数量级
-# > 以上，优化器 step 也跑在 CPU 上。容量问题变成了传输问题。用它让任务在紧缺的硬件上跑起来，或用于
+# > 以上，优化器步也跑在 CPU 上。容量问题变成了传输问题。用它让作业在紧缺的硬件上跑起来，或用于
 # > 很少访问、按长顺序扫描读取的状态；别指望靠它提速。
 #
 # </details>
@@ -527,8 +527,8 @@ R2.close()
 #
 # <details><summary>中文</summary>
 #
-# **练习：每个 step 搬运多少。** 根据一个 block 的分片大小、root 的分片大小和 block 数，写出卸载时每个
-# rank 每个 step 搬运的字节数。检查程序在 2 个和 3 个真实 rank 上把状态放在主机内存里训练 nano 模型，
+# **练习：每步搬运多少。** 根据一个 block 的分片大小、root 的分片大小和 block 数，写出卸载时每个
+# rank 每步搬运的字节数。检查程序在 2 个和 3 个真实 rank 上把状态放在主机内存里训练 nano 模型，
 # 并与各 rank 实测的传输量对比。写在下面的单元格里（或编辑 `minishard/course/exercises/ch08.py` 里的
 # 桩函数），再运行检查；参考答案在 `solutions/ch08.py`，先自己试。
 #

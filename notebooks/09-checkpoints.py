@@ -30,7 +30,7 @@
 # > 权重又怎么交给推理引擎？**
 #
 # 分片训练写的是分片检查点：每个 rank 同时保存自己负责的那一片，这一步很容易。
-# 真正麻烦的是后面两个问题：检查点能不能在*另一种*布局下加载（掉了一个节点，64 rank 的任务要在
+# 真正麻烦的是后面两个问题：检查点能不能在*另一种*布局下加载（掉了一个节点，64 rank 的作业要在
 # 32 个 rank 上续训），以及发布的权重能不能导出成推理引擎要的格式（完整张量，每层一个文件）。
 # 中文讲解见 [tutorial/zh/09-checkpoints.md](../tutorial/zh/09-checkpoints.md)。
 #
@@ -79,7 +79,7 @@ from minishard import GPT, RankError, Ranks, checkpoint
 from minishard.core.comm import Comm
 from minishard.checkpoint.from_deepspeed import ALLOWED
 from minishard.course.ch09 import (SAVES, deepspeed_and_dcp, killed_mid_write, resume_and_compare, save_peaks,
-                                  save_stalls, slowest)
+                                  save_stalls, median_round)
 from minishard.course.glue import glue
 from minishard.core.model import config
 from minishard.training.parity import bitwise_equal, drift, params_of
@@ -409,17 +409,17 @@ assert before == after
 # standing in for the next steps — until its save is on disk. Per save, the slowest rank's:
 # **stall** (the call until it returns: the step is blocked), **slowed** (how much longer the
 # compute beside the write took than alone), **visible** = stall + slowed, **written** (the
-# call until the checkpoint is on disk).
+# call until the checkpoint is on disk) — each row one round, the median one by visible cost, so
+# that its columns add up (to within the rounding of the printed milliseconds).
 
 # %%
 stalls = R4.run(save_stalls, str(WORK / "stalls"), 3)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-med = {name: {m: statistics.median(slowest(stalls, name, m)) * 1e3 for m in ("stall", "slowed", "visible", "written")}
-       for name in SAVES}
+med = {name: {m: v * 1e3 for m, v in median_round(stalls, name).items()} for name in SAVES}
 keys = {"synchronous": "sync", "background": "background", "DCP async_save": "async"}
-print(f"ms, slowest rank, median of 3 rounds{'stall':>12}{'+ slowed':>10}{'= visible':>11}{'written':>9}")
+print(f"ms, slowest rank, median round of 3  {'stall':>12}{'+ slowed':>10}{'= visible':>11}{'written':>9}")
 for name in SAVES:
     m = med[name]
     print(f"{name:<37}{glue(f'stall-{keys[name]}-ms', m['stall'], '{:.0f}'):>12}{m['slowed']:>10.0f}"

@@ -609,10 +609,14 @@ on, off8 = (plan("llama3-8b", eight, "fsdp", seq_len=8192, recompute=True, offlo
 print(f"Llama-3-8B, 8 H100s: {off8.total_memory / GiB:.1f} GiB per GPU instead of {on.total_memory / GiB:.1f}, "
       f"{glue('offload-step-s', off8.step_s, '{:.2f}')} s per step instead of "
       f"{glue('no-offload-step-s', on.step_s, '{:.2f}')} s ({off8.notes[-1]})")
+print(f"offload adds {glue('offload-adds-s', off8.offload_pcie_s + off8.offload_cpu_s, '{:.2f}')} s: "
+      f"{glue('offload-pcie-s', off8.offload_pcie_s, '{:.2f}')} s of PCIe (in and out at once) and "
+      f"{glue('offload-cpu-adam-s', off8.offload_cpu_s, '{:.2f}')} s of CPU Adam (8 GPUs sharing one host's memory)")
 assert moved["h2d_bytes"] == 4 * (2 * (PSI - ROOT) + ROOT) // 2     # each block's shard twice, the root's once
 assert moved["d2h_bytes"] == 4 * PSI // 2                            # every gradient shard, once
 assert sum(dev["host"].values()) == 16 * PSI // 2 and not dev.get("device")
 assert off8.fits and on.fits and off8.step_s > on.step_s
+assert abs(off8.step_s - (on.step_s + off8.offload_pcie_s + off8.offload_cpu_s)) < 1e-9
 
 # %% [markdown]
 # A capacity problem became a bandwidth problem ([chapter 08](08-offload.ipynb)): for a job that

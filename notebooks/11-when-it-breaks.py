@@ -27,7 +27,7 @@
 #
 # <details><summary>中文</summary>
 #
-# > **任务卡住了、各 rank 悄悄算得不一样了、显存没降下来：是哪个 rank、哪次集合通信、哪一行代码——该改什么？**
+# > **作业卡住了、各 rank 悄悄算得不一样了、显存没降下来：是哪个 rank、哪次集合通信、哪一行代码——该改什么？**
 #
 # 关于分片训练，大家问得最多的不是"ZeRO 怎么工作"，而是"为什么卡住""为什么显存没降""为什么各 rank
 # 不一致"。本章在四个真实的 rank 上把这些问题背后的故障一个一个地造出来（照它们在实际中发生的样子），
@@ -39,7 +39,7 @@
 #
 # **The one-line "syntax"** — the contract every rank of a group keeps, collective by collective:
 #
-# $$\text{collective}_k(\text{rank } r) = \text{collective}_k(\text{rank } 0)\quad\text{for every } k \text{ and } r:
+# $$\text{collective}_i(\text{rank } r) = \text{collective}_i(\text{rank } 0)\quad\text{for every } i \text{ and } r:
 # \text{ same op, shapes, dtypes, and the same tensor}$$
 #
 # plus three things the collectives do not check: the same starting weights, one global gradient
@@ -49,7 +49,7 @@
 #
 # <details><summary>中文</summary>
 #
-# **一行"语法"**：同一组里的每个 rank 都遵守同一份约定——第 k 次集合通信在每个 rank 上都是同一个：
+# **一行"语法"**：同一组里的每个 rank 都遵守同一份约定——第 i 次集合通信在每个 rank 上都是同一个：
 # 同样的操作、形状、dtype，搬的是同一个张量。还有三件集合通信本身不检查的事：起点权重相同、
 # 梯度按一个全局范数裁剪、优化器更新的是 fp32 主权重。每个 rank 都保留一份记录最近若干次集合通信的
 # 飞行记录器（flight recorder）；`python -m minishard doctor DIR` 按集合通信的序号把各 rank 的记录对齐，
@@ -606,19 +606,28 @@ print(f"rank 0 left: flight_rank0{' and flight_rank0'.join(left)}")
 assert not doctor.diagnose(RUNS / "crash-fixed").findings and left == [".json", ".ring"]
 
 # %% [markdown]
-# **On a GPU cluster.** NCCL does not compare sizes the way gloo's message header does: the
-# mismatched pair waits or reads the wrong number of bytes, and the job stops at a timeout rather
-# than an abort. PyTorch's NCCL Flight Recorder is the same idea as this chapter's recorder: with
-# `TORCH_NCCL_TRACE_BUFFER_SIZE=N` (N > 0) each rank keeps a ring of its last N collectives in
-# memory (seq, op, sizes, state, the Python stack), and with `TORCH_NCCL_DUMP_ON_TIMEOUT=1` the
-# process group's *watchdog thread* — a thread of its own, which still runs while the main
-# thread is stuck inside the collective — writes it to `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` + rank
-# when it sees a timeout or an NCCL error. `torchfrtrace DIR` (the `fr_trace` analyser in
-# `torch.distributed.flight_recorder`) then lines the ranks' dumps up and names the first
-# collective where they disagree and the ranks that never joined it. What it cannot keep is the
-# ring of a process that is killed outright: an OOM kill or a `SIGKILL` takes the watchdog with
-# it, and only the surviving ranks' dumps (which then show the dead rank as the one missing) are
-# left. A ring on disk, as here, keeps the dead rank's own last collectives as well.
+# **On a GPU cluster.** NCCL does not compare sizes the way gloo's message header does: a mismatched
+# pair waits, or reads the wrong number of bytes, and the job stops at a timeout rather than an
+# abort. Two tools of PyTorch's own catch it earlier or explain it afterwards.
+# `TORCH_DISTRIBUTED_DEBUG=DETAIL` wraps every process group (gloo's and NCCL's) in a checking one
+# that, before each collective, compares its op, shapes and dtypes across the ranks over a side gloo
+# group and raises on the first difference — run this section's job under it and both ranks raise
+# "Detected mismatch between collectives on ranks" at the extra all-reduce, its shapes `[1000]`
+# against `[4]` named. The check is itself a collective per collective, so it is a debugging run,
+# not a production setting. The NCCL Flight Recorder is the same idea as this chapter's recorder:
+# each rank keeps a ring of its last `TORCH_FR_BUFFER_SIZE` collectives in memory (2,000 by default;
+# 0 turns it off; seq, op, sizes, state, the Python stack), and on a timeout or an NCCL error the
+# process group's *watchdog thread* — a thread of its own, which still runs while the main thread is
+# stuck inside the collective — writes it to `TORCH_FR_DUMP_TEMP_FILE` followed by the rank. Dumping
+# on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`) is on by default in recent PyTorch; it was off in
+# older releases, which is why older guides say to set it to 1. (The variables had `TORCH_NCCL_`
+# names before PyTorch 2.9 — `TORCH_NCCL_TRACE_BUFFER_SIZE`, `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` —
+# still read as aliases.) `torchfrtrace DIR` (the `fr_trace` analyser in
+# `torch.distributed.flight_recorder`) then lines the ranks' dumps up and names the first collective
+# where they disagree and the ranks that never joined it. What it cannot keep is the ring of a
+# process killed outright: an OOM kill or a `SIGKILL` takes the watchdog with it, and only the
+# surviving ranks' dumps are left, showing the dead rank as the one that is missing. A ring on disk
+# keeps the dead rank's own last collectives as well.
 
 # %% [markdown]
 # ## 10. What each failure looks like, and its fix

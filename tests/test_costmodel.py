@@ -6,7 +6,7 @@ import pytest
 
 from minishard.planner.costmodel import DEVICES, LINKS, Cluster, choose, plan, ring_time
 from minishard.planner.deepspeed_estimator import deepspeed_estimate
-from minishard.core.model import GPTConfig
+from minishard.core.model import GPTConfig, config
 
 H100 = Cluster(DEVICES["h100-80gb"], gpus_per_node=8)
 
@@ -116,6 +116,34 @@ def test_planner_offload_traffic_is_what_the_engine_moves():
     p = plan("tiny", Cluster(DEVICES["h100-80gb"], gpus_per_node=2), "fsdp", offload="host",
              precision="fp32", flash_attention=False)
     assert p.transfer_bytes == 23_215_104 + 13_737_984
+
+
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_planner_offload_time_is_chapter_08s(gpus):
+    """Chapter 08's model of offload's time, term by term: PCIe carries the inbound shards and
+    the outbound gradient shards at once, so the step waits for the larger, 8Ψ/N-ish bytes
+    in over β_h (not the sum); the CPU Adam step streams 28 bytes an element (reads weight,
+    gradient and two moments, writes three back) through the host's memory, which all the
+    node's GPUs share (so eight GPUs take eight times one's). The plan's step adds both, and
+    the advice names both."""
+    from minishard.planner.advice import Advice
+    from minishard.planner.costmodel import CPU_ADAM_BYTES, HOST_MEMORY_BANDWIDTH, param_counts
+    cfg = config("llama3-8b")
+    cluster = Cluster(DEVICES["h100-80gb"], gpus_per_node=gpus)
+    on, off = (plan(cfg, cluster, "fsdp", seq_len=8192, recompute=True, offload=o) for o in (None, "host"))
+    psi = param_counts(cfg)[0]
+    inbound, outbound = off.transfer_bytes - 4 * psi / gpus, 4 * psi / gpus
+    assert inbound > outbound
+    assert off.offload_pcie_s == pytest.approx(inbound / LINKS["pcie5-x16"].bandwidth, rel=1e-12)
+    assert off.offload_cpu_s == pytest.approx(gpus * CPU_ADAM_BYTES * psi / gpus / HOST_MEMORY_BANDWIDTH, rel=1e-12)
+    assert HOST_MEMORY_BANDWIDTH < 8 * 100e9                  # a two-socket host, shared: not 100 GB/s a GPU
+    assert off.exposed_comm_s - on.exposed_comm_s == pytest.approx(off.offload_pcie_s + off.offload_cpu_s)
+    assert on.offload_pcie_s == on.offload_cpu_s == 0
+    advice = Advice(cfg, cluster, "ddp", seq_len=8192)          # DDP does not fit: offload is offered
+    alt = advice.plan_for("ddp", offload="host")
+    hint, = [h for h in advice.hints() if "offload" in h]
+    assert (f"adds {alt.offload_pcie_s + alt.offload_cpu_s:.2f} s per step ({alt.offload_pcie_s:.2f} s of PCIe, "
+            f"{alt.offload_cpu_s:.2f} s of CPU Adam") in hint, hint
 
 
 @pytest.mark.parametrize("bad,words", [(True, "'host' or None, got True"), (1, "got 1"),

@@ -6,7 +6,10 @@
   the chapter's notebook (measured numbers are links, checked by ``test_prose_numbers.py``);
 * the Chinese chapters use the glossary's words: where an English chapter uses a glossary term,
   its Chinese chapter uses one of the term's Chinese names (or the English one), and no chapter
-  uses a word the glossary's "wording we keep" table rules out;
+  uses a word the glossary's "wording we keep" table rules out — a second word for one concept
+  (播放器 for 回放器), or an English word where the table has the Chinese one (a bare "step");
+* a word the course gives one sense where Chinese texts give it two (任务: the course's *task*,
+  elsewhere also a *job*) is said no more often than the English edition says that sense;
 * the doctor (``minishard doctor``) is a tool, 诊断工具: no sentence makes plain 诊断 (the act)
   the one that reads, finds or reports.
 """
@@ -126,6 +129,8 @@ def test_the_glossary_rules_out_words_the_sources_do_not_use():
     assert {"包裹粒度", "通信换显存", "启动开销", "自动包裹策略"} <= names
     assert {"进程总数", "实发字节", "诊断工具"} <= names
     assert {"时间线上", "rank 数据"} <= set(not_variants())
+    assert {"step", "播放器", "实际发送的字节", "训练任务", "对齐（parity）", "同样的比特"} <= set(avoided())
+    assert said_only_for() == {"任务": "task"}
     for concept, use, variants in wording():
         assert variants, f"{concept}: no variant to avoid"
         assert not any(v in use for v in variants), f"{concept}: {use} contains a variant it avoids"
@@ -174,6 +179,8 @@ def chinese_lines(path: Path) -> list[tuple[int, str]]:
     """(line number, text) of the Chinese prose of a page or of a notebook's 中文 blocks (plus any
     other line of the notebook with Chinese in it), without code, inline code and link targets."""
     text = path.read_text(encoding="utf-8")
+    # math, also over several lines, is blanked (its line numbers kept)
+    text = re.sub(r"\$\$.*?\$\$", lambda m: re.sub(r"[^\n]", " ", m.group(0)), text, flags=re.S)
     if path.suffix == ".py":
         inside = set()
         for m in ZH_BLOCK.finditer(text):
@@ -193,15 +200,17 @@ def chinese_lines(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def variant_in(variant: str, line: str) -> bool:
+def variant_in(variant: str, line: str, not_variants_: list[str] | None = None) -> bool:
     if CJK.search(variant):
-        for word in not_variants():            # "rank 数" is not in "rank 数据"
+        for word in not_variants() if not_variants_ is None else not_variants_:   # "rank 数据"
             if variant in word:
                 line = line.replace(word, " ")
         return variant in line
     # an English variant: a whole word, and not the English name in parentheses after a term,
-    # alone or as the first item: 微批次（micro-batch）, 微批次（micro-batch，条序列）
+    # alone or as the first item: 微批次（micro-batch）, 微批次（micro-batch，条序列）; nor a
+    # quotation of English output or of a label (“… 3.12 s a step …”, "after forward")
     line = re.sub(r"（[\x20-\x7e]*）|\([\x20-\x7e]*\)|(?<=[（(])[\x20-\x7e]+(?=[，、；])", " ", line)
+    line = re.sub(r"“[\x20-\x7e]*”|\"[\x20-\x7e]*\"", " ", line)
     # a whole word of English: a Chinese character beside it ("每个bucket的") does not make it part
     # of a longer word (\w would: CJK characters are word characters)
     return re.search(rf"(?<![A-Za-z0-9_-]){re.escape(variant)}s?(?![A-Za-z0-9_-])", line, re.I) is not None
@@ -212,14 +221,14 @@ ZH_PAGES = sorted(ZH.glob("*.md"))
 
 def rejected_uses(path: Path) -> list[str]:
     """'file:line: variant → term' for every avoided variant, also where a line break splits it."""
-    lines = chinese_lines(path)
+    lines, rows, nv = chinese_lines(path), wording(), not_variants()     # the glossary read once
     bad = []
     for i, (n, line) in enumerate(lines):
         after = re.sub(r"^[#>\s]+", "", lines[i + 1][1]) if i + 1 < len(lines) else ""
         joined = line.rstrip() + after if CJK.search(line[-1:] or " ") else line.rstrip() + " " + after
-        for _, use, variants in wording():
+        for _, use, variants in rows:
             for v in variants:
-                if variant_in(v, line) or (variant_in(v, joined) and not variant_in(v, after)):
+                if variant_in(v, line, nv) or (variant_in(v, joined, nv) and not variant_in(v, after, nv)):
                     bad.append(f"{path.relative_to(ROOT)}:{n}: {v!r} → {use}")
     return bad
 
@@ -258,6 +267,87 @@ def test_the_variant_check_catches_the_words_of_one_term_per_concept(tmp_path, m
     found = [(b.split(":")[1], b.split(": ", 1)[1].split(" → ")[0]) for b in rejected_uses(page)]
     assert found == [("1", "'全局规模'"), ("3", "'rank 数'"), ("5", "'micro-batch'"),
                      ("6", "'切片'"), ("8", "'线上'")], found
+
+
+# ------------------------------------------------------------------ one word, two senses
+# 任务 is the course's *task* (the function a rank runs, chapter 00), and Chinese texts also write
+# it for a *job*. No list of substrings tells the two apart — "这个任务" is either — but the English
+# edition does: each Chinese page translates its English page, so it says 任务 no more often than
+# the English says "task". A 任务 that means a job is one too many, wherever it is; the phrases
+# that can only mean a job (训练任务, 任务卡住…) are variants in the table besides.
+def said_only_for() -> dict[str, str]:
+    """{Chinese word: the English word it translates}, from the line "Said only for · 只用于：
+    任务 = task" under the glossary's table."""
+    text = GLOSSARY.read_text(encoding="utf-8").split(WORDING, 1)[-1]
+    m = re.search(r"^Said only for · 只用于：(.+)$", text, re.M)
+    pairs = [p.split("=") for p in m.group(1).split("、")] if m else []
+    return {zh.strip(): en.strip() for zh, en in pairs}
+
+
+def english_lines(path: Path) -> str:
+    """The English a Chinese page translates: its English page, without code; for a notebook
+    source, its comment lines with no Chinese in them."""
+    if path.suffix == ".py":
+        return "\n".join(line for line in path.read_text(encoding="utf-8").splitlines()
+                         if line.startswith("#") and not CJK.search(line))
+    english = TUTORIAL / path.name
+    text = re.sub(r"```.*?```", " ", english.read_text(encoding="utf-8"), flags=re.S)
+    return re.sub(r"`[^`\n]*`", " ", prose(text))
+
+
+def overused_senses(path: Path) -> list[str]:
+    chinese = " ".join(line for _, line in chinese_lines(path))
+    english = english_lines(path)
+    bad = []
+    for zh, en in said_only_for().items():
+        n_zh = chinese.count(zh)
+        n_en = len(re.findall(rf"(?<![A-Za-z]){re.escape(en)}s?(?![A-Za-z])", english, re.I))
+        if n_zh > n_en:
+            lines = [n for n, line in chinese_lines(path) if zh in line]
+            bad.append(f"{path.relative_to(ROOT)}: {zh} {n_zh}× (lines {lines}), but {en!r} only "
+                       f"{n_en}× in English: the others mean something else (a job is 作业)")
+    return bad
+
+
+@pytest.mark.parametrize("path", ZH_PAGES + NOTEBOOK_SOURCES, ids=lambda p: p.name)
+def test_a_word_with_two_senses_is_said_only_where_the_english_says_its_sense(path):
+    bad = overused_senses(path)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checks_catch_a_second_word_for_job_step_player_wire_bytes_and_parity(tmp_path, monkeypatch):
+    """Each kind planted — a variant phrase, an English word left in Chinese, 任务 for a job —
+    is caught; the words the table keeps, step in code, math, parentheses and quoted English, and
+    任务 where the English says task, are not."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "02-ddp.md"
+    page.write_text("训练任务卡住了，诊断工具读它的记录器。\n"                          # 1: job
+                    "每个 step 都归约一次；第一步、每步、`opt.step()`、$t_\\text{step}$ 都可以。\n"   # 2: step
+                    "单步耗时（step time）；规划器说“3.12 s a step against 4.86 s”。\n"
+                    "用一个滑块带着两个播放器。\n"                                      # 4: player
+                    "实际发送的字节更少；实发字节更少。\n"                              # 5: wire bytes
+                    "对齐（parity）说明两者得到同样的比特。\n"                          # 6: parity, bits
+                    "逐位比对说明两者逐位相同；诊断工具把各 rank 对齐。\n", encoding="utf-8")
+    found = [(b.split(":")[1], b.split(": ", 1)[1].split(" → ")[0]) for b in rejected_uses(page)]
+    assert found == [("1", "'训练任务'"), ("1", "'任务卡住'"), ("2", "'step'"), ("4", "'播放器'"),
+                     ("5", "'实际发送的字节'"), ("6", "'对齐（parity）'"), ("6", "'同样的比特'")], found
+    # 任务 for a job, in words no variant lists: one more 任务 than the English has tasks
+    monkeypatch.setattr(sys.modules[__name__], "TUTORIAL", tmp_path / "en")
+    (tmp_path / "en").mkdir()
+    (tmp_path / "en" / "00-how-to-run.md").write_text(
+        "A rank runs a *task*: a plain function. The task must be importable. A job hangs.\n")
+    zh = tmp_path / "00-how-to-run.md"
+    zh.write_text("rank 执行的是*任务（task）*：一个普通函数。任务必须可导入。作业卡住了。\n"
+                  "`任务` 在代码里不算。\n", encoding="utf-8")
+    assert not overused_senses(zh)
+    zh.write_text("rank 执行的是*任务（task）*：一个普通函数。任务必须可导入。这个任务卡死了。\n",
+                  encoding="utf-8")
+    assert [b.split(":")[0] for b in overused_senses(zh)] == ["00-how-to-run.md"], overused_senses(zh)
+    nb = tmp_path / "08-offload.py"
+    nb.write_text("# Use it to get a job running on scarce hardware.\n"
+                  "# <details><summary>中文</summary>\n# 用它让任务在紧缺的硬件上跑起来。\n# </details>\n",
+                  encoding="utf-8")
+    assert overused_senses(nb), "a notebook's Chinese block that says 任务 for a job"
 
 
 # ------------------------------------------------------------------ the doctor is a tool

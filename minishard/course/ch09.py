@@ -147,9 +147,13 @@ def save_stalls(rank, root: str, rounds: int = 3, *, model: str = "tiny") -> dic
             "last": str(Path(root) / f"round{rounds - 1}")}
 
 
-def slowest(results: list[dict], name: str, measure: str) -> list[float]:
-    """Per round, the slowest rank's ``measure`` of save ``name`` (the next collective waits for it)."""
-    return [max(r["rounds"][k][name][measure] for r in results) for k in range(len(results[0]["rounds"]))]
+def median_round(results: list[dict], name: str) -> dict[str, float]:
+    """Save ``name``'s measures in its median round, as the slowest rank (the largest visible
+    cost) measured them: one rank's one round, so that its stall + slowed is its visible (a
+    median taken column by column would not add up)."""
+    rows = [max((r["rounds"][k][name] for r in results), key=lambda m: m["visible"])
+            for k in range(len(results[0]["rounds"]))]
+    return sorted(rows, key=lambda m: m["visible"])[len(rows) // 2]
 
 
 # ====================================================================== §8: killed while writing

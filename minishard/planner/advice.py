@@ -150,7 +150,8 @@ class Advice:
         if alt is None or not alt.fits:
             return None
         return (f"CPU offload fits ({_gib(alt.total_memory)}{_tight(alt)}) but adds "
-                f"{alt.exposed_comm_s - p.exposed_comm_s:.2f} s of PCIe per step: a last resort.")
+                f"{alt.offload_pcie_s + alt.offload_cpu_s:.2f} s per step ({alt.offload_pcie_s:.2f} s "
+                f"of PCIe, {alt.offload_cpu_s:.2f} s of CPU Adam on the host's shared memory): a last resort.")
 
     # ---- the throughput questions
     def _hint_network(self, p: Plan) -> str | None:

@@ -50,6 +50,14 @@ LINKS = {
     "pcie5-x16": Link("PCIe 5.0 x16", 50e9, 10e-6),
 }
 
+# The host's memory, shared by every GPU's CPU optimizer on the node (chapter 08): a two-socket
+# server of DGX H100's kind, 2 sockets x 8 DDR5-4800 channels x 38.4 GB/s = 614 GB/s peak, of
+# which a streaming kernel reaches about three quarters (docs/costmodel.md).
+HOST_MEMORY_BANDWIDTH = 0.75 * 2 * 8 * 38.4e9
+# CPU Adam per element: it reads the fp32 weight, gradient and two moments (16 bytes) and writes
+# the weight and moments back (12)
+CPU_ADAM_BYTES = 16 + 12
+
 DEVICES = {
     "h100-80gb": Device("H100 SXM 80 GB", 80 * 2**30, 989e12),
     "h100-96gb": Device("H100 96 GB (Grand Teton)", 96 * 2**30, 989e12),
@@ -121,7 +129,9 @@ class Plan:
     exposed_comm_s: float
     tokens_per_rank: int
     notes: list[str] = field(default_factory=list)
-    transfer_bytes: float = 0.0               # offload: bytes crossing PCIe per step
+    transfer_bytes: float = 0.0               # offload: bytes crossing PCIe per step (both ways)
+    offload_pcie_s: float = 0.0               # offload: seconds of PCIe per step
+    offload_cpu_s: float = 0.0                # offload: seconds of the CPU optimizer step
 
     @property
     def total_memory(self) -> float:
@@ -233,13 +243,15 @@ def plan(model: str | GPTConfig, cluster: Cluster, strategy: str = "fsdp", *,
         cross = cross_node_seconds(sizes, cluster, sizes.g)
         comm, exposed = comm + cross, exposed + cross
         notes.append("hybrid: shard within a node, replicate across nodes")
-    traffic = offload_s = 0.0
+    moved_in = moved_out = pcie_s = cpu_s = 0.0
     if offload:
-        traffic, offload_s = offload_transfers(sizes)
-        exposed += offload_s
-        notes.append(f"offload: {traffic / 1e9:.1f} GB over PCIe per step")
+        moved_in, moved_out, pcie_s, cpu_s = offload_seconds(sizes, cluster.gpus_per_node)
+        exposed += pcie_s + cpu_s
+        notes.append(f"offload: {moved_in / 1e9:.1f} GB in and {moved_out / 1e9:.1f} GB out over PCIe "
+                     f"per step, {pcie_s:.2f} s; CPU Adam {cpu_s:.2f} s")
+    offload_s = pcie_s + cpu_s
     p = Plan(strategy, cluster.world_size, memory, cluster.device.memory, compute, comm, exposed,
-             micro_batch * T, notes, traffic)
+             micro_batch * T, notes, moved_in + moved_out, pcie_s, cpu_s)
     if stage == 3 and wrap == "model":
         p = _one_unit(p, sizes, cluster, link, hybrid=hybrid, activations=acts, offload_s=offload_s)
     return p
@@ -383,15 +395,18 @@ def _check_job(micro_batch: int, seq_len: int, mfu: float, wrap: str, offload) -
                          f"got {offload!r}")
 
 
-def offload_transfers(s: _Sizes) -> tuple[float, float]:
-    """(bytes crossing PCIe per step, the seconds they and the CPU optimizer add). What the
-    engine moves (tests/test_offload.py): every unshard fetches the fp32 shard — each block
-    twice (forward, backward), the root once — and every reduced gradient shard goes back."""
-    pcie = LINKS["pcie5-x16"].bandwidth
+def offload_seconds(s: _Sizes, gpus_per_node: int) -> tuple[float, float, float, float]:
+    """(bytes in, bytes out over one GPU's PCIe link per step, the seconds of PCIe, the seconds
+    of the CPU optimizer step), as chapter 08 counts them. What the engine moves
+    (tests/test_offload.py): every unshard fetches the fp32 shard — each block twice (forward,
+    backward), the root once — and every reduced gradient shard goes back. PCIe carries both
+    directions at once, so the larger one is the time. The CPU Adam step streams its state
+    through the host's memory, which the node's GPUs share."""
     fetched = 4 * (2 * s.n_layer * s.block + s.root) / s.shard_n
     returned = 4 * s.n_params / s.shard_n
-    traffic = fetched + returned
-    return traffic, traffic / pcie + 3 * 4 * 4 * s.n_params / s.shard_n / 100e9   # CPU Adam: ~100 GB/s
+    pcie_s = max(fetched, returned) / LINKS["pcie5-x16"].bandwidth
+    cpu_s = gpus_per_node * CPU_ADAM_BYTES * s.n_params / s.shard_n / HOST_MEMORY_BANDWIDTH
+    return fetched, returned, pcie_s, cpu_s
 
 
 def _one_unit(per_block: Plan, s: _Sizes, cluster: Cluster, link: Link, *, hybrid: bool,
@@ -403,8 +418,8 @@ def _one_unit(per_block: Plan, s: _Sizes, cluster: Cluster, link: Link, *, hybri
     reduce-scattered after the last one is computed. So a GPU holds the whole model's working
     weights at the peak, and nothing overlaps: compute waits for the whole gather, and the
     reduce-scatter waits for the whole backward. ``activations``: the full forward's (the
-    per-block plan may hold fewer at its in-backward peak); ``offload_s``: the PCIe time of
-    offload (it does not depend on the wrapping). The gradients are counted in the working
+    per-block plan may hold fewer at its in-backward peak); ``offload_s``: the time offload adds,
+    PCIe and the CPU step (it does not depend on the wrapping). The gradients are counted in the working
     dtype (``x``), as this estimate always has."""
     n, x = s.n_params, s.x
     g = x
