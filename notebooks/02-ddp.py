@@ -393,20 +393,22 @@ assert sum(r["bytes"] for r in rows if r["step"] == 0) == 4 * NANO_PSI
 # From the second step on, the two reducers launch the same three buckets, last layers first,
 # with the same bytes: minishard plans its buckets in the order backward produces the gradients
 # (the reverse of the parameters'), which is the order PyTorch's reducer *learns*. In the first
-# step PyTorch does not know that order yet: it fills one bucket, capped at 1 MiB, in the
-# parameters' reverse order, records the order in which the gradients actually arrive, and then
-# rebuilds its buckets and broadcasts the new plan to every rank (two small broadcasts issued
-# from C++, which the watch does not see). On nano the whole gradient, 870,656 bytes, fits under
-# that first cap, so step 0 is a single all-reduce. Table and sources:
+# step PyTorch does not know that order yet: with `find_unused_parameters=False`, its default, it
+# puts the whole gradient in one bucket, whatever its size, records the order in which the
+# gradients actually arrive, and then rebuilds its buckets in that order (the first capped at
+# 1 MiB, the cap printed above, the others at 25 MiB) and broadcasts the new plan to every rank
+# (two small broadcasts issued from C++, which the watch does not see). So step 0 is a single
+# all-reduce of the whole gradient, on nano 870,656 bytes. Table and sources:
 # [docs/side-by-side.md](../docs/side-by-side.md).
 #
 # <details><summary>中文</summary>
 #
 # 从第二步起，两个 reducer 发起同样的三个桶，从最后几层开始，字节数也一样：minishard 按反向
 # 产生梯度的顺序（参数顺序的逆序）规划桶，这正是 PyTorch 的 reducer *学到*的顺序。第一步时
-# PyTorch 还不知道这个顺序：它按参数逆序填一个上限 1 MiB 的桶，记下梯度实际到达的顺序，然后重建桶，
-# 并把新方案广播给每个 rank（两次从 C++ 发起的小广播，watch 看不到）。nano 的整个梯度 870,656 字节
-# 放得进这个首桶上限，所以第 0 步只有一次 all-reduce。表格和出处见
+# PyTorch 还不知道这个顺序：在默认的 `find_unused_parameters=False` 下，它不管梯度多大，都放进同一个桶，
+# 记下梯度实际到达的顺序，然后按这个顺序重建桶（第一个桶上限 1 MiB，即上面打印的上限，其余的 25 MiB），
+# 并把新方案广播给每个 rank（两次从 C++ 发起的小广播，watch 看不到）。所以第 0 步是整个梯度的一次
+# all-reduce，nano 上是 870,656 字节。表格和出处见
 # [docs/side-by-side.md](../docs/side-by-side.md)。
 #
 # </details>

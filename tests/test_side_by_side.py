@@ -18,7 +18,7 @@ NANO = dict(model="nano", micro_batch=2)
 FSDP = dict(NANO, prefetch=1)               # minishard's depth 1 both ways = FSDP2's backward rule
 BUCKETS = dict(NANO, bucket_cap_mb=0.25)    # a few buckets on nano (4 B x 217,664 = 0.83 MiB)
 PSI = GPT(config("nano"), device="meta").num_params()
-FIRST_BUCKET = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES   # torch DDP's step-0 bucket cap
+FIRST_BUCKET = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES   # the rebuilt buckets' first cap
 BATCH_IDS = NANO["micro_batch"] * config("nano").seq_len * 8      # B x T int64: ids, or targets
 
 SCENARIOS = {   # name -> (minishard's strategy, torch's, knobs, plant on torch's, on minishard's)
@@ -222,7 +222,7 @@ def test_ddp_buckets_match_the_reducer_after_its_rebuild(runs):
         assert later and all(r["difference"] == "same" for r in later), sbs.render(rows)
         assert [r["mine"] for r in later] == [r["theirs"] for r in later]
         assert sum(r["bytes"] for r in rows if r["step"] == 1) == 4 * PSI
-        # step 0: torch's first bucket, capped at 1 MiB, holds all of nano (first_step_bucket)
+        # step 0: torch's one bucket holds all of nano (first_step_bucket; docs/sources.md#pytorch-ddp)
         first = [r["their_bytes"] for r in rows if r["step"] == 0 and r["theirs"]]
         assert 4 * PSI <= FIRST_BUCKET and first == [4 * PSI]
 

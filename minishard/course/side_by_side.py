@@ -36,8 +36,8 @@ DOCUMENTED = {
     "last_unsharded_grad_held": "FSDP2's foreach_reduce keeps the unit's last parameter's "
                                 "unsharded gradient (its loop variable) through the "
                                 "reduce-scatter; minishard drops every full gradient before",
-    "first_step_bucket": "torch DDP's step 0 reduces one bucket of at most 1 MiB per the "
-                         "parameters' order, then rebuilds its buckets in gradient-ready order",
+    "first_step_bucket": "torch DDP's step 0 reduces every parameter in one bucket, whatever "
+                         "its size, then rebuilds its buckets in gradient-ready order",
     "broadcast_from_owner": "ZeroRedundancyOptimizer all-reduces the gradients and broadcasts "
                             "each parameter from its owner; minishard reduce-scatters and "
                             "all-gathers buckets",
@@ -217,7 +217,7 @@ def buckets(events: list[dict], rank: int = 0, step: int = 1) -> list[dict]:
 def compare_ddp(mine: list[dict], theirs: list[dict], rank: int = 0,
                 steps: tuple[int, ...] = (0, 1)) -> list[dict]:
     """Per step, per bucket in launch order: minishard's bucket and torch's, their bytes.
-    torch's step 0 is its first-bucket layout (``first_step_bucket``), compared as it is."""
+    torch's step 0 is its one-bucket layout (``first_step_bucket``), compared as it is."""
     rows = []
     for s in steps:
         bm, bt = buckets(mine, rank, s), buckets(theirs, rank, s)

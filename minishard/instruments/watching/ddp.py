@@ -2,10 +2,10 @@
 
 A DDP model takes one comm hook, for good; the hook's state says which watch records now (None:
 it is DDP's default ``allreduce_hook`` and nothing more). Step 0 runs other buckets than the
-next steps: DDP first fills one bucket of at most ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB),
-then rebuilds its buckets in gradient-ready order and broadcasts the new plan from C++ (not seen
-here). The gradients are counted where autograd accumulates them (approximate: a ``.grad`` that
-is a view of a bucket, ``gradient_as_bucket_view=True``, is already counted there).
+next steps: DDP first puts every parameter in one bucket, then rebuilds them in ready order (the
+first capped at 1 MiB) and broadcasts the plan from C++ (not seen here). The gradients are counted
+where autograd accumulates them (approximate: a ``.grad`` that is a view of a bucket,
+``gradient_as_bucket_view=True``, is already counted there).
 """
 from __future__ import annotations
 
