@@ -385,7 +385,7 @@ later = [r for r in rows if r["step"] == 1]
 print("from step 1 on, the same buckets in the same order:", all(r["difference"] == "same" for r in later),
       f"({glue('sbs-ddp-buckets', len(later))} buckets)")
 print("PyTorch's step 0: one bucket of 4Ψ:", [r["their_bytes"] for r in rows if r["step"] == 0 and r["their_bytes"]] == [4 * NANO_PSI],
-      f"(its first bucket is capped at {glue('sbs-first-bucket-mib', torch.distributed._DEFAULT_FIRST_BUCKET_BYTES // 2**20)} MiB)")
+      f"(once rebuilt, its first bucket is capped at {glue('sbs-first-bucket-mib', torch.distributed._DEFAULT_FIRST_BUCKET_BYTES // 2**20)} MiB)")
 assert all(r["difference"] == "same" for r in later) and len(later) == 3
 assert sum(r["bytes"] for r in rows if r["step"] == 0) == 4 * NANO_PSI
 
