@@ -101,3 +101,27 @@ def own_job(rank, kind: str, bug: str | None, out: str) -> str:
             opt.zero_grad()
             w.step()
     return "done"
+
+
+def pairs_job(rank, out: str, bug: str | None = None, seeds: str = "apart") -> str:
+    """4 ranks, PyTorch's DDP on two groups of two ranks (``process_group=``), as a job that
+    shards its model another way across the pairs holds them (tensor or pipeline parallelism
+    beside DDP): each pair replicas of its own — with ``seeds`` "apart", each pair built from a
+    seed of its own, so the pairs' weights differ by design. ``bug`` "lr": rank 3's optimizer
+    with ``ODD_LR`` (its pair's other rank, 2, is its reference — not rank 0 or 1)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = rank.rank // 2
+    net = minishard.GPT(minishard.model_config("nano"), seed=pair if seeds == "apart" else 0)
+    model = DistributedDataParallel(net, process_group=pairs[pair])
+    opt = torch.optim.AdamW(net.parameters(), lr=ODD_LR if bug == "lr" and rank.rank == 3 else LR)
+    cfg = minishard.model_config("nano")
+    with minishard.watch(model, opt, trace=out) as w:
+        for step in range(STEPS):
+            x, y = minishard.batch(cfg, step, 2, rank.rank, rank.world_size)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+    return "done"

@@ -88,6 +88,27 @@ def test_fsdp2s_hybrid_shards_are_replicas_across_their_replica_group(pools, tmp
     assert f.ranks == [ODD] and "replica differs from rank 0's after step 0" in f.title and "another lr" in f.title
 
 
+@pytest.mark.parametrize("seeds", ("apart", "same"))
+def test_ddp_on_groups_of_its_own_compares_each_groups_replicas_within_it(pools, tmp_path, seeds):
+    """PyTorch's DDP on two pairs of four ranks (``process_group=``), as beside tensor or
+    pipeline parallelism: each pair's replicas are a set of their own, compared within the pair —
+    the pairs differ by design (another seed each, "apart"; or fed other batches). Healthy:
+    nothing found, not a drift or a start apart across the pairs; rank 3's other lr is named
+    against rank 2, its pair's reference."""
+    healthy, planted = tmp_path / "healthy", tmp_path / "lr"
+    pool = pools(4)
+    pool.run(drift_tasks.pairs_job, str(healthy), None, seeds)
+    for r in range(4):
+        pair = [r // 2 * 2, r // 2 * 2 + 1]
+        assert [(s["ranks"], len(s["prints"])) for s in _records(healthy, r)[0]["sets"]] == [(pair, 41)]
+    assert doctor.diagnose(healthy).findings == []
+    pool.run(drift_tasks.pairs_job, str(planted), "lr", seeds)
+    found, (f,) = _drift(planted)
+    assert found == [f] and f.ranks == [3], [g.title for g in found]
+    assert "rank 3's replica differs from rank 2's after step 0" in f.title, f.title
+    assert f"another lr ({drift_tasks.ODD_LR} against rank 2's {drift_tasks.LR})" in f.title, f.title
+
+
 @pytest.mark.parametrize("job", ("ddp", "fsdp2"))
 def test_rank_1_that_skipped_one_optimizer_step_is_named_with_that_step(pools, tmp_path, job, capsys):
     out = tmp_path / job

@@ -80,6 +80,24 @@ def test_every_file_of_a_run_carries_one_id_and_two_runs_two(runs):
     assert doctor.diagnose(runs["two"]).findings == [] and doctor.diagnose(runs["two"]).unchecked == []
 
 
+@pytest.mark.parametrize("strategy", ["torch_ddp", "torch_fsdp"])
+def test_a_run_recorded_by_the_watch_for_train_carries_the_runs_one_id(pools, tmp_path, strategy):
+    """PyTorch's strategies under ``train``: the watch records them, lent the run's flight
+    recorder and tracer, which carry the id the ranks agreed as the run started — the watch's
+    own draw must not replace it. Every dump, ring and trace says one id, and the doctor reads
+    them as one run (a dump saying the watch's id beside traces saying the run's was refused as
+    two runs)."""
+    out = tmp_path / strategy
+    pools(2).run(broken, str(out), strategy=strategy)
+    said = ids(out)
+    assert sorted(said) == ["flight_rank0.json", "flight_rank0.ring", "flight_rank1.json",
+                            "flight_rank1.ring", "rank0.jsonl", "rank1.jsonl"]
+    (one,) = set(said.values())
+    assert one is not None and run_id.SHAPE.fullmatch(one), said
+    report = doctor.diagnose(out)
+    assert report.findings == [] and report.unchecked == [] and report.run == one
+
+
 def test_rank_1s_files_from_another_run_are_refused_naming_each_file_under_its_run(runs, tmp_path, capsys):
     err = refused(mixed(runs, tmp_path / "mixed"), capsys)
     (a,), (b,) = set(ids(runs["two"]).values()), set(ids(runs["three"]).values())

@@ -98,6 +98,45 @@ def test_the_weights_finding_counts_the_parameters_that_differ_and_quotes_their_
                         f"first step (first: {first}, fingerprint {_blake(mine)} against {_blake(theirs)})")
 
 
+def test_the_weights_are_compared_within_each_group_that_must_start_alike():
+    """DDP on two pairs of four ranks (each rank notes its pair as ``weights_start_ranks``): the
+    pairs hold other models by design (another model on ranks 2, 3: tensor or pipeline
+    parallelism beside DDP), so rank 2 is compared with no one but rank 3. Rank 1 nudged in one
+    parameter differs from rank 0, rank 3 in two from rank 2 — each counted against its own
+    pair's lowest rank; nudged nowhere, nothing is found."""
+    torch.manual_seed(0)
+    first, other = minishard.GPT("nano", seed=0), minishard.GPT("nano", seed=1)
+    models = [first, copy.deepcopy(first), other, copy.deepcopy(other)]
+    names = [n for n, _ in first.named_parameters()]
+
+    def dumps():
+        return {r: {"entries": [], "facts": {"weights_start": health.fingerprint(m.named_parameters()),
+                                             "weights_start_ranks": [r // 2 * 2, r // 2 * 2 + 1]}}
+                for r, m in enumerate(models)}
+    assert causes.weights(dumps()) == []
+    nudged = {1: [names[5]], 3: [names[17], names[30]]}
+    for r, which in nudged.items():
+        params = dict(models[r].named_parameters())
+        with torch.no_grad():
+            for n in which:
+                params[n].view(-1)[0] += 1e-3
+    (f,) = causes.weights(dumps())
+    assert (f.kind, f.ranks) == ("weights", [1, 3])
+    assert f.title.startswith("ranks 1, 3 started training from other weights than the lowest rank of "
+                              "their replica group (ranks 0, 2)"), f.title
+    for line, (r, which) in zip(f.evidence, sorted(nudged.items())):
+        base = r // 2 * 2
+        mine, theirs = (dict(models[x].named_parameters())[which[0]] for x in (r, base))
+        assert line == (f"rank {r}: {len(which)} of {len(names)} parameters differ from rank {base}'s at "
+                        f"the first step (first: {which[0]}, fingerprint {_blake(mine)} against "
+                        f"{_blake(theirs)})")
+    # the same dumps without the groups (a watch before they were noted): one world, as before
+    plain = {r: {"entries": [], "facts": {"weights_start": d["facts"]["weights_start"]}}
+             for r, d in dumps().items()}
+    (f,) = causes.weights(plain)
+    assert f.ranks == [1, 2, 3] and "than rank 0" in f.title, f.title
+
+
 # =========================================================================== causes: out of memory
 
 # the first fix each cause advises, by a phrase of its own

@@ -127,14 +127,26 @@ def own_watched(rank, kind, with_ledger, out):
 
 
 def dies(rank, out):
-    """Rank 1 is killed before step 1; rank 0 goes on into step 1's first all-gather."""
+    """Rank 1 is killed before step 1, once rank 0 is inside step 1's first all-gather (its ring
+    holds it, issued): the pool stops rank 0 as soon as rank 1 dies, and a rank 0 still finishing
+    step 0 on a loaded machine would leave both traces ending in step 0."""
     import os
     import signal
+    import time
+    from minishard.core import flight_file
     model, opt = _build("fsdp")
     cfg = minishard.model_config("nano")
     with minishard.watch(model, opt, trace=out) as w:
         for step in range(STEPS):
             if step == 1 and rank.rank == 1:
+                ring, deadline = flight_file.path_for(out, 0), time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    try:
+                        if any(e.get("step") == 1 for e in flight_file.read(ring)["entries"]):
+                            break
+                    except (OSError, ValueError):       # (a record being written: read again)
+                        pass
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = minishard.batch(cfg, step, 2, rank.rank, rank.world_size)
             model(x, y).backward()

@@ -209,3 +209,42 @@ def test_a_parameter_the_size_of_the_persistence_threshold_is_kept_whole(over):
     fsdp.fully_shard(block, comm=Comm(), param_persistence_threshold=12 + over)
     kept = sorted(s.fqn for s in fsdp.units(block)[0].replicated_slots)
     assert kept == (["bias"] if over < 0 else ["bias", "weight"])
+
+
+# --------------------------------------------------------------------------- the cap, drawn
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from minishard.strategies.fsdp.state import MemoryState as _State  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(computing=st.integers(1, 30),
+       ahead=st.lists(st.tuples(st.integers(1, 30), st.sampled_from(list(_State))), max_size=6),
+       cap=st.integers(0, 120))
+def test_the_cap_admits_the_longest_prefetch_under_it_counting_each_unit_once(computing, ahead, cap):
+    """Units ahead in any state — some already gathered or in flight (an earlier prefetch, a
+    forward that kept 1/k), the others sharded — and any cap: the prefetch is the units ahead in
+    their order, up to the first *sharded* one whose gather would take the live elements over
+    the cap. A unit already gathered is counted once, in the live elements — never again as if
+    gathered anew, never the one that stops the prefetch — so the prefetch stops only where the
+    cap says, and never passes it because of a gather it started."""
+    from types import SimpleNamespace
+
+    from minishard.strategies.fsdp.limits import live_elements, window
+    from minishard.strategies.fsdp.state import Stage3Limits
+
+    def unit(numel, state):
+        return SimpleNamespace(layout=SimpleNamespace(slots=[SimpleNamespace(numel=numel)]), memory_state=state)
+    later = [unit(n, state) for n, state in ahead]
+    context = SimpleNamespace(units=[unit(computing, _State.UNSHARDED), *later],
+                              stage3_limits=Stage3Limits(max_live_parameters=cap))
+    live = live_elements(context)
+    assert live == computing + sum(n for n, state in ahead if state is not _State.SHARDED)
+    got = window(context, later, depth=len(later))
+    assert got == later[:len(got)]                                   # in their order, a prefix
+    new = sum(u.layout.slots[0].numel for u in got if u.memory_state is _State.SHARDED)
+    assert live + new <= max(cap, live)                              # never over it by a prefetch
+    if len(got) < len(later):                                        # stopped: by the cap alone
+        stop = later[len(got)]
+        assert stop.memory_state is _State.SHARDED and live + new + stop.layout.slots[0].numel > cap

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 
 from minishard.strategies.clipping import NORM_TAG
 from . import drift as drift_
+from .replicas import start_groups
 from minishard.core import trace
 from minishard.core.words import fmt_bytes
 
@@ -69,21 +70,31 @@ def _facts(dumps: dict[int, dict]) -> dict[int, dict]:
     return {r: d.get("facts") or {} for r, d in dumps.items()}
 
 
-def _differ_from_rank0(prints: dict[int, dict[str, str]]) -> dict[int, list[str]]:
-    """rank -> the parameters whose fingerprint differs from the lowest rank's."""
+def _differ_from_rank0(prints: dict[int, dict[str, str]]) -> dict[int, tuple[int, list[str]]]:
+    """rank -> (the lowest rank, the parameters whose fingerprint differs from its)."""
     base_rank = min(prints)
     base = prints[base_rank]
-    return {r: [n for n in base if p.get(n) != base[n]] for r, p in prints.items() if r != base_rank
-            and any(p.get(n) != base[n] for n in base)}
+    return {r: (base_rank, [n for n in base if p.get(n) != base[n]]) for r, p in prints.items()
+            if r != base_rank and any(p.get(n) != base[n] for n in base)}
+
+
+def _differ_within_groups(prints: dict[int, dict[str, str]], facts) -> dict[int, tuple[int, list[str]]]:
+    """:func:`_differ_from_rank0` within each group of ranks that must start alike
+    (``replicas.start_groups``: DDP's own group, where the job holds other weights elsewhere)."""
+    out = {}
+    for group in start_groups({r: facts[r] for r in prints}):
+        if len(group) > 1:
+            out |= _differ_from_rank0({r: prints[r] for r in group})
+    return out
 
 
 def weights(dumps: dict[int, dict]) -> list:
     facts = _facts(dumps)
     start = {r: f["weights_start"] for r, f in facts.items() if f.get("weights_start")}
     built = {r: f["weights_built"] for r, f in facts.items() if f.get("weights_built")}
-    if len(start) > 1 and (odd := _differ_from_rank0(start)):
+    if len(start) > 1 and (odd := _differ_within_groups(start, facts)):
         return [_weights_finding(
-            start, odd, facts, "started training from other weights than rank {base}: their "
+            start, odd, facts, "started training from other weights than {base}: their "
             "replicas differ, and averaging gradients keeps them apart", "differ from", "at the first step",
             [], "make every rank start from one model: broadcast rank 0's weights before training (DDP "
             "does in its constructor; minishard's strategies do unless told not to), or build the "
@@ -92,7 +103,7 @@ def weights(dumps: dict[int, dict]) -> list:
     synced = any(f.get("start_replicated") for f in facts.values())
     if len(built) > 1 and sharded and not synced and (odd := _differ_from_rank0(built)):
         return [_weights_finding(
-            built, odd, facts, "built other weights than rank {base}, and each rank sharded its own: "
+            built, odd, facts, "built other weights than {base}, and each rank sharded its own: "
             "the model trained is made of each rank's shard of a different model",
             "built differently from", "", ["no broadcast of rank 0's weights was recorded before sharding"],
             "FSDP2's fully_shard does not broadcast: build the model from the same seed on every "
@@ -101,15 +112,18 @@ def weights(dumps: dict[int, dict]) -> list:
     return []
 
 
-def _weights_finding(prints: dict[int, dict[str, str]], odd: dict[int, list[str]], facts, title: str,
-                     verb: str, when: str, more: list[str], fix: str):
-    base = min(prints)
-    n = len(prints[base])
+def _weights_finding(prints: dict[int, dict[str, str]], odd: dict[int, tuple[int, list[str]]], facts,
+                     title: str, verb: str, when: str, more: list[str], fix: str):
+    """``odd``: rank -> (the rank it is compared with, the parameters that differ)."""
+    bases = sorted({base for base, _ in odd.values()})
+    said = f"rank {bases[0]}" if len(bases) == 1 else \
+        f"the lowest rank of their replica group ({_ranks_word(bases)})"
     return Finding(
-        "weights", sorted(odd), f"{_ranks_word(odd)} " + title.format(base=base),
-        [f"rank {r}: {len(names)} of {n} parameters {verb} rank {base}'s{' ' + when if when else ''} "
-         f"(first: {names[0]}, fingerprint {prints[r][names[0]]} against {prints[base][names[0]]})"
-         for r, names in sorted(odd.items())] + _sync_evidence(facts) + more,
+        "weights", sorted(odd), f"{_ranks_word(odd)} " + title.format(base=said),
+        [f"rank {r}: {len(names)} of {len(prints[base])} parameters {verb} rank {base}'s"
+         f"{' ' + when if when else ''} (first: {names[0]}, fingerprint {prints[r][names[0]]} against "
+         f"{prints[base][names[0]]})" for r, (base, names) in sorted(odd.items())]
+        + _sync_evidence(facts) + more,
         fix)
 
 

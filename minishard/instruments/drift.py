@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from minishard.core.trace import TraceFormatError
-from .replicas import digest, settings_digest
+from .replicas import digest, settings_digest, start_groups
 
 SHOWN = 3              # parameters named in a line; the count says how many more
 # the hyperparameters a title names first, when several differ
@@ -176,9 +176,13 @@ def find(dumps: dict[int, dict]) -> list[dict]:
 
 
 def started_apart(dumps: dict[int, dict]) -> bool:
-    """The ranks' replicas differed as training started (``weights_start``)."""
-    start = [(b.get("facts") or {}).get("weights_start") for b in dumps.values()]
-    return len({tuple(sorted(w.items())) for w in start if isinstance(w, dict) and w}) > 1
+    """The replicas of some group differed as training started (``weights_start``, compared
+    within each group of ranks that must start alike: ``replicas.start_groups``)."""
+    facts = {r: b.get("facts") or {} for r, b in dumps.items()}
+    start = {r: f["weights_start"] for r, f in facts.items() if isinstance(f.get("weights_start"), dict)
+             and f["weights_start"]}
+    return any(len({tuple(sorted(start[r].items())) for r in group}) > 1
+               for group in start_groups({r: facts[r] for r in start}))
 
 
 def skipped_phase(dumps: dict[int, dict]) -> tuple[int, list[int], list[int], int] | None:

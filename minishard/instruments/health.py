@@ -4,7 +4,9 @@ or that name a cause, written into its flight dump (``FlightRecorder.facts``).
     run            the config the rank trained with (the doctor words its fixes in it)
     weights_built  a fingerprint of every parameter as this rank built it, before wrapping
     weights_start  the same for the weights it starts training from, where a rank holds them
-                   whole (replicas: DDP, ZeRO-1/2); FSDP's shards differ by design
+                   whole (replicas: DDP, ZeRO-1/2); FSDP's shards differ by design.
+                   ``weights_start_ranks``: the ranks that must start alike, where a watch saw
+                   DDP on a process group of its own (other groups hold other weights)
     steps          per optimizer step: the gradient norm clipped by (if clipping), the dtypes
                    the optimizer steps, and — where that is not fp32 — the share of the elements
                    it stepped that came out unchanged (updates lost to rounding)

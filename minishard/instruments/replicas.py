@@ -82,7 +82,7 @@ def replicated_sets(model: torch.nn.Module) -> dict[tuple[int, ...], list[tuple[
     compare."""
     from minishard.strategies.fsdp import units
     shards = {id(t): u for u in units(model) for t in u.layout.shard_tensors()}
-    everyone = _data_parallel_ranks(model)
+    everyone = data_parallel_ranks(model)
     sets: dict[tuple[int, ...], list] = defaultdict(list)
     for name, p in model.named_parameters():
         name = name.removeprefix("module.")
@@ -101,7 +101,10 @@ def replicated_sets(model: torch.nn.Module) -> dict[tuple[int, ...], list[tuple[
     return dict(sets)
 
 
-def _data_parallel_ranks(model) -> tuple[int, ...]:
+def data_parallel_ranks(model) -> tuple[int, ...]:
+    """The ranks that hold the same whole parameters as this one: the wrapper's process group
+    (PyTorch's DDP on a group of its own, beside tensor or pipeline parallelism across the
+    groups), else the world; () without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         return ()
     group = getattr(model, "process_group", None)        # torch's DDP keeps its own
@@ -120,6 +123,20 @@ def _dtensor_replicas(p) -> tuple[int, ...]:
         return ()
     at = tuple(slice(None) if pl.is_replicate() else c for pl, c in zip(placements, here))
     return tuple(sorted(int(r) for r in mesh.mesh[at].flatten().tolist()))
+
+
+def start_groups(facts: dict[int, dict]) -> list[list[int]]:
+    """The ranks whose ``weights_start`` must agree, grouped by the data-parallel group each rank
+    noted beside it (``weights_start_ranks``, where that group is not the world: the pairs of a
+    job that holds other weights on each pair differ by design); the ranks that noted none, or
+    the world, are one group."""
+    everyone = sorted(facts)
+    groups: dict[tuple[int, ...] | None, list[int]] = defaultdict(list)
+    for r in everyone:
+        said = facts[r].get("weights_start_ranks")
+        key = tuple(sorted(int(x) for x in said)) if said else None
+        groups[None if key is not None and set(everyone) <= set(key) else key].append(r)
+    return [rs for _, rs in sorted(groups.items(), key=lambda kv: kv[1][0])]
 
 
 # --------------------------------------------------------------------------- the optimizer

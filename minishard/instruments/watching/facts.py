@@ -24,6 +24,9 @@ def attach(w) -> None:
     # replicas: DDP's, and DeepSpeed's below stage 3 (stage 3 holds partitions, as FSDP2 shards)
     if (w.kind == "ddp" or w.kind == "deepspeed" and deepspeed.stage(w.model) < 3) and whole:
         facts["weights_start"] = health.fingerprint((n.removeprefix("module."), p) for n, p in whole)
+        # the ranks that must start from the same weights: DDP's group (not the world, when the
+        # job holds other weights on each group: tensor or pipeline parallelism beside DDP)
+        facts["weights_start_ranks"] = list(replicas.data_parallel_ranks(w.model))
     if w.built is not None:              # taken before fully_shard: what each rank built
         facts["weights_built"] = dict(w.built)
     opt = w._stepped
