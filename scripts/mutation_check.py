@@ -392,7 +392,7 @@ BUGS = [
         "total += p.numel()", "total += p.numel() * p.element_size()",
         "tests/test_reported_numbers.py -k step_note", planted_by="author"),
     Bug("numbers: the weights finding's 'of N parameters' counts the ranks", "minishard/instruments/causes.py",
-        "{len(names)} of {len(prints[base])} parameters", "{len(names)} of {len(prints)} parameters",
+        "of {len(prints[base])} parameters {verb}", "of {len(prints)} parameters {verb}",
         "tests/test_reported_numbers.py -k weights_finding", planted_by="author"),
     Bug("numbers: out-of-memory causes smallest first (the first fix the smallest's)", "minishard/instruments/causes.py",
         "key=lambda c: -c[0])", "key=lambda c: c[0])", "tests/test_reported_numbers.py -k split", planted_by="second reader"),
