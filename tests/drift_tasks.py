@@ -92,15 +92,7 @@ def own_job(rank, kind: str, bug: str | None, out: str) -> str:
     else:
         model = net
         opt = minishard.ZeroOptimizer(net.parameters(), torch.optim.AdamW, stage=2, comm=comm, lr=lr)
-    cfg = minishard.model_config("nano")
-    with minishard.watch(model, opt, trace=out) as w:
-        for step in range(STEPS):
-            x, y = minishard.batch(cfg, step, 2, rank.rank, rank.world_size)
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            w.step()
-    return "done"
+    return _train_watched(rank, model, opt, out)
 
 
 def pairs_job(rank, out: str, bug: str | None = None, seeds: str = "apart") -> str:
@@ -116,6 +108,12 @@ def pairs_job(rank, out: str, bug: str | None = None, seeds: str = "apart") -> s
     net = minishard.GPT(minishard.model_config("nano"), seed=pair if seeds == "apart" else 0)
     model = DistributedDataParallel(net, process_group=pairs[pair])
     opt = torch.optim.AdamW(net.parameters(), lr=ODD_LR if bug == "lr" and rank.rank == 3 else LR)
+    return _train_watched(rank, model, opt, out)
+
+
+def _train_watched(rank, model, opt, out: str) -> str:
+    """``STEPS`` plain steps of the nano GPT under ``minishard.watch``: the user's loop, as the
+    jobs above all run it."""
     cfg = minishard.model_config("nano")
     with minishard.watch(model, opt, trace=out) as w:
         for step in range(STEPS):
